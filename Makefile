@@ -1,0 +1,28 @@
+# The two set-up commands: `make run` and `make test`. Both create .venv and install
+# the project into it on first use (pip takes torch and torchvision from the machine's disk).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: run test bench install clean-runs
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Main job on the embedded default (SQLite + files under runs/, no server).
+run: $(STAMP)
+	$(BIN)/sweeps run studies/lr_bs.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+clean-runs:
+	rm -rf runs

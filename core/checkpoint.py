@@ -1,0 +1,131 @@
+"""Checkpoints: written atomically, read with ``weights_only=True``, with fall-back.
+
+Layout in a run's output folder: ``last.pt`` (latest epoch or interruption point),
+``last.prev.pt`` (the one before, kept as a fall-back when ``last.pt`` is corrupt),
+``best.pt`` (best value of ``cfg.monitor``).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAST, PREV, BEST = "last.pt", "last.prev.pt", "best.pt"
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read; the message names the file and why."""
+
+
+def save_checkpoint(state: dict[str, Any], path: Path) -> None:
+    """Write to a temporary file in the same folder, fsync, then ``os.replace``:
+    a crash or a full disk never leaves a half-written file under the final name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def save_last(state: dict[str, Any], out_dir: Path) -> Path:
+    """Rotate ``last.pt`` to ``last.prev.pt``, then write the new ``last.pt``.
+    The rotation is a rename, so at every moment at least one good file exists."""
+    out_dir = Path(out_dir)
+    last = out_dir / LAST
+    # Write first so a failure (ENOSPC) leaves last.pt untouched.
+    fd, tmp = tempfile.mkstemp(prefix=".last.", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        save_checkpoint(state, Path(tmp))
+        if last.exists():
+            os.replace(last, out_dir / PREV)
+        os.replace(tmp, last)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return last
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load with ``weights_only=True``: tensors and plain containers only. A file that
+    carries a pickled Python object is refused, and its payload never runs."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"checkpoint {path} refused: it contains Python objects beyond tensors and plain "
+            f"containers (a pickle payload), so it was not loaded. Only load checkpoints you trust "
+            f"by other means. Detail: {str(exc).splitlines()[0]}"
+        ) from exc
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from exc
+
+
+def load_resume_state(out_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """The newest readable checkpoint to resume from: ``last.pt``, else ``last.prev.pt``.
+
+    Returns None only when neither file exists (a fresh start). When files exist but
+    none can be read, raises CheckpointError: never a silent restart from epoch 0.
+    """
+    out_dir = Path(out_dir)
+    candidates = [out_dir / LAST, out_dir / PREV]
+    errors: list[str] = []
+    for path in candidates:
+        if not path.exists():
+            continue
+        try:
+            return load_checkpoint(path), path
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            warnings.warn(f"{exc}; falling back to the previous checkpoint", RuntimeWarning, stacklevel=2)
+    if errors:
+        raise CheckpointError("no readable checkpoint to resume from:\n  " + "\n  ".join(errors))
+    return None
+
+
+def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) key prefixes."""
+    out = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in _PREFIXES:
+                if key.startswith(prefix):
+                    key = key[len(prefix):]
+                    changed = True
+        out[key] = value
+    return out
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under DDP and torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model

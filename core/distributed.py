@@ -1,0 +1,69 @@
+"""DDP helpers for the one training loop. Single-process runs use the same code with
+world_size 1, where every collective is a no-op."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = ""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce_sum(self, values: list[float], device: torch.device) -> list[float]:
+        """Sum plain numbers over ranks (a CPU-GPU sync point; called once per epoch)."""
+        if not self.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def broadcast_int(self, value: int, device: torch.device) -> int:
+        """Rank 0's value on every rank: how a pruning or interrupt decision reaches all ranks,
+        so no rank is left waiting in a collective that the others have abandoned."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def init_from_env(backend_setting: str = "auto") -> DistContext:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT). Without those variables this is a 1-process context."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistContext()
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = backend_setting
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend)
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()

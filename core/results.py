@@ -1,0 +1,53 @@
+"""What ``core.train`` returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+# Metrics every classification run reports per epoch; a study objective must be one of these.
+EPOCH_METRICS = (
+    "train_loss", "train_acc", "val_loss", "val_acc", "lr", "grad_norm",
+    "samples_per_s", "epoch_time_s", "peak_mem_mb", "skipped_steps",
+)
+STEP_METRICS = ("train_loss", "lr", "grad_norm")
+
+Status = Literal["completed", "pruned", "diverged", "interrupted"]
+
+
+@dataclass
+class OnnxReport:
+    """Result of exporting to ONNX and checking onnxruntime against PyTorch."""
+
+    path: Path
+    max_abs_diff: float
+    tolerance: float
+    passed: bool
+    n_inputs_checked: int
+    torch_latency_ms: float
+    ort_latency_ms: float
+    opset: int
+
+    def to_dict(self) -> dict:
+        d = self.__dict__.copy()
+        d["path"] = str(self.path)
+        return d
+
+
+@dataclass
+class TrainResult:
+    status: Status
+    reason: str  # why the run ended ("" when completed)
+    epochs_completed: int
+    steps_completed: int
+    metrics: dict[str, float]  # last epoch's metrics
+    best_metric: float | None  # best value of cfg.monitor
+    best_epoch: int | None
+    history: list[dict[str, float]] = field(default_factory=list)  # one dict per epoch
+    checkpoint_last: Path | None = None
+    checkpoint_best: Path | None = None
+    onnx: OnnxReport | None = None
+    confusion_matrix: list[list[int]] | None = None
+    per_class_acc: list[float] | None = None
+    global_batch_size: int = 0
+    skipped_steps: int = 0

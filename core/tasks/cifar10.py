@@ -1,0 +1,108 @@
+"""CIFAR-10 from a local copy, with ResNet-18 adapted to 32x32 images.
+
+Nothing is downloaded: the python-version archive must already be extracted under
+``root`` (``<root>/cifar-10-batches-py``). torchvision is imported inside functions so that
+loading the task registry (``core.tasks.base._load_builtins``) stays cheap.
+"""
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from core.tasks.base import Task, TaskError, check_model_name, register
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_DIRNAME = "cifar-10-batches-py"  # what the archive extracts to; torchvision's base_folder
+# Per-channel statistics of the 50k training images (the values used across the literature).
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+def resnet18_cifar(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
+    """torchvision's ResNet-18, randomly initialised, with the stem adapted to 32x32 inputs.
+
+    The ImageNet stem (7x7 stride-2 conv + max-pool) shrinks 32x32 to 8x8 before the first
+    block and costs several points of accuracy; a 3x3 stride-1 conv without pooling keeps
+    the full resolution, the usual CIFAR variant.
+    """
+    from torchvision.models import resnet18
+
+    model = resnet18(weights=None, num_classes=num_classes)
+    model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    # Same init torchvision applies to every conv in ResNet.__init__ (the replacement missed it).
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    model.maxpool = nn.Identity()
+    return model
+
+
+class CIFAR10Task(Task):
+    """CIFAR-10 classification: 50k train / 10k test images (the test split is the val set)."""
+
+    name = "cifar10"
+    models = ("resnet18",)
+    num_classes = 10
+    input_shape = (3, 32, 32)
+
+    def __init__(self, model: str = "resnet18", root: str = "data", augment: bool = True) -> None:
+        # No file access here: a spec is validated by instantiating its task, before any data exists.
+        check_model_name(self.name, model, self.models)
+        self.model = model
+        self.root = str(root)
+        self.augment = bool(augment)
+
+    @property
+    def data_dir(self) -> str:
+        return os.path.join(self.root, CIFAR10_DIRNAME)
+
+    def build_model(self) -> nn.Module:
+        return resnet18_cifar(num_classes=self.num_classes)
+
+    def transforms(self):
+        """``(train_transform, val_transform)``; train adds crop+flip augmentation when ``augment``."""
+        from torchvision import transforms as T
+
+        normalize = [T.ToTensor(), T.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+        val = T.Compose(normalize)
+        if not self.augment:
+            return val, val
+        train = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), *normalize])
+        return train, val
+
+    def datasets(self):
+        from torchvision.datasets import CIFAR10
+
+        if not os.path.isdir(self.data_dir):
+            raise TaskError(missing_data_message(self.root))
+        train_tf, val_tf = self.transforms()
+        try:
+            train = CIFAR10(self.root, train=True, transform=train_tf, download=False)
+            val = CIFAR10(self.root, train=False, transform=val_tf, download=False)
+        except RuntimeError as exc:
+            # torchvision checks the md5 of every batch file; its own message suggests
+            # download=True, which this offline project never does.
+            raise TaskError(
+                f"task cifar10: the data under {os.path.abspath(self.data_dir)} is incomplete or corrupted "
+                f"({exc}). {missing_data_message(self.root, intro=False)}"
+            ) from exc
+        return train, val
+
+    def describe(self):
+        return {"task": self.name, "model": self.model, "root": self.root, "augment": self.augment}
+
+
+def missing_data_message(root: str, intro: bool = True) -> str:
+    """How to put CIFAR-10 under ``root``; shared by the missing- and corrupted-data errors."""
+    target = os.path.abspath(os.path.join(root, CIFAR10_DIRNAME))
+    head = f"task cifar10: no CIFAR-10 data at {target}. " if intro else ""
+    return (
+        f"{head}Nothing is downloaded automatically: get the python version, {CIFAR10_URL}, "
+        f"and extract it so that {target} exists "
+        f"(e.g. `tar -xzf cifar-10-python.tar.gz -C {os.path.abspath(root)}`), "
+        "or set task.args.root to the folder that contains cifar-10-batches-py."
+    )
+
+
+@register("cifar10")
+def make_cifar10(model: str = "resnet18", root: str = "data", augment: bool = True) -> CIFAR10Task:
+    return CIFAR10Task(model=model, root=root, augment=augment)

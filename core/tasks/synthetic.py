@@ -1,0 +1,60 @@
+"""Random tensors of a configurable shape, for benchmarks and tests.
+
+Labels come from a fixed random linear map of the inputs, so the task is learnable
+and a loss curve means something. Data depends only on ``data_seed``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.tasks.base import Task, TensorPairDataset, check_model_name, register
+
+
+class SyntheticTask(Task):
+    name = "synthetic"
+    models = ("mlp", "cnn", "resnet18")
+
+    def __init__(self, model: str = "mlp", shape: tuple[int, ...] | list[int] = (3, 32, 32),
+                 num_classes: int = 10, n_train: int = 512, n_val: int = 128, width: int = 32,
+                 data_seed: int = 0) -> None:
+        check_model_name(self.name, model, self.models)
+        self.model = model
+        self.input_shape = tuple(int(s) for s in shape)
+        self.num_classes = num_classes
+        self.n_train, self.n_val, self.width, self.data_seed = n_train, n_val, width, data_seed
+
+    def build_model(self) -> nn.Module:
+        numel = 1
+        for s in self.input_shape:
+            numel *= s
+        if self.model == "mlp":
+            return nn.Sequential(nn.Flatten(), nn.Linear(numel, self.width), nn.ReLU(),
+                                 nn.Linear(self.width, self.num_classes))
+        if self.model == "cnn":
+            c = self.input_shape[0]
+            return nn.Sequential(nn.Conv2d(c, self.width, 3, padding=1), nn.ReLU(),
+                                 nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                                 nn.Linear(self.width * 16, self.num_classes))
+        from core.tasks.cifar10 import resnet18_cifar
+
+        return resnet18_cifar(num_classes=self.num_classes, in_channels=self.input_shape[0])
+
+    def datasets(self):
+        gen = torch.Generator().manual_seed(self.data_seed)
+        n = self.n_train + self.n_val
+        x = torch.randn((n, *self.input_shape), generator=gen)
+        proj = torch.randn((x[0].numel(), self.num_classes), generator=gen)
+        y = (x.flatten(1) @ proj).argmax(dim=1)
+        return (TensorPairDataset(x[: self.n_train], y[: self.n_train]),
+                TensorPairDataset(x[self.n_train:], y[self.n_train:]))
+
+    def describe(self):
+        return {"task": self.name, "model": self.model, "shape": list(self.input_shape),
+                "num_classes": self.num_classes, "n_train": self.n_train}
+
+
+@register("synthetic")
+def make_synthetic(model: str = "mlp", shape: list[int] | tuple[int, ...] = (3, 32, 32), num_classes: int = 10,
+                   n_train: int = 512, n_val: int = 128, width: int = 32, data_seed: int = 0) -> SyntheticTask:
+    return SyntheticTask(model, shape, num_classes, n_train, n_val, width, data_seed)

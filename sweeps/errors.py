@@ -1,0 +1,43 @@
+"""One error hierarchy. Every message names the value, the place and the fix.
+
+The CLI maps SweepsError subclasses to exit codes: bad input (spec, path, CLI use) -> 2.
+"""
+from __future__ import annotations
+
+
+class SweepsError(Exception):
+    exit_code = 1
+
+
+class SpecError(SweepsError):
+    """A study spec is invalid. ``problems`` holds every problem found, one line each."""
+
+    exit_code = 2
+
+    def __init__(self, path: str, problems: list[str]) -> None:
+        self.path = str(path)
+        self.problems = list(problems)
+        n = len(self.problems)
+        lines = [f"{self.path}: {n} problem{'s' if n != 1 else ''} in the study spec:"]
+        lines += [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class UnsafeNameError(SweepsError):
+    """A name that reaches the file system or the artifact store would escape its folder."""
+
+    exit_code = 2
+
+
+class BackendError(SweepsError):
+    """The study backend (Optuna storage, Ray) failed or refused."""
+
+
+class TrackingError(SweepsError):
+    """The MLflow tracking store cannot be reached or refused a write."""
+
+
+class StudyStateError(SweepsError):
+    """The study on storage does not match what was asked (changed search space, missing study)."""
+
+    exit_code = 2

@@ -1,0 +1,395 @@
+"""Which devices and CPU threads each trial or worker gets (the spec's ``resources:``).
+
+Two ways a backend can use this module, both built on the same validation:
+
+* dynamic leases: a :class:`DevicePool` shared by the threads that run trials. Each trial
+  calls :meth:`DevicePool.acquire` before it starts and :meth:`DevicePool.release` in a
+  ``finally`` when it ends, fails or is pruned, and runs with ``lease.env()``.
+* static slots: :func:`plan_workers` for persistent worker processes. Worker ``i`` keeps
+  ``slots[i].devices`` for its whole life and is started with ``slots[i].env()``.
+
+Device ids are the ids ``CUDA_VISIBLE_DEVICES`` uses for a child process (physical ids
+as this machine numbers them). Only the standard library is imported at module level;
+torch is imported lazily, and only by :func:`discover_devices`, so planning stays cheap
+and testable without a GPU.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sweeps.errors import SweepsError
+
+# The worker reads this and calls torch.set_num_threads() with it: OMP_NUM_THREADS alone
+# is not enough once torch has started its intra-op pool.
+WORKER_THREADS_VAR = "SWEEPS_WORKER_THREADS"
+
+
+class ResourcesError(SweepsError, ValueError):
+    """``resources:`` asks for something this machine cannot give. A ValueError too, so
+    callers validating plain values can catch it without knowing the sweeps hierarchy."""
+
+    exit_code = 2
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _cuda_device_count() -> int:
+    """Devices torch can see (after CUDA_VISIBLE_DEVICES), 0 without torch or CUDA."""
+    try:
+        import torch  # lazy: importing torch costs seconds and most callers never need it
+    except ImportError:
+        return 0
+    try:
+        # device_count() does not create a CUDA context, so forking workers later is safe.
+        return int(torch.cuda.device_count())
+    except Exception:  # a broken driver means no usable CUDA, not a crash at planning time
+        return 0
+
+
+def _parse_visible(value: str) -> list[int]:
+    """Parse CUDA_VISIBLE_DEVICES the way the CUDA runtime does for integer ids."""
+    ids: list[int] = []
+    for token in (t.strip() for t in value.split(",")):
+        if not token:
+            continue
+        try:
+            idx = int(token)
+        except ValueError:
+            raise ResourcesError(
+                f"resources.devices: auto cannot map CUDA_VISIBLE_DEVICES={value!r} "
+                f"(entry {token!r} is not an integer id; UUID and MIG ids are not supported). "
+                "Fix: set CUDA_VISIBLE_DEVICES to integer ids, or list the ids in resources.devices."
+            ) from None
+        if idx < 0:  # the runtime ignores this entry and everything after it
+            break
+        ids.append(idx)
+    return ids
+
+
+def discover_devices(
+    devices_setting: str | Sequence[int], *, environ: Mapping[str, str] | None = None
+) -> list[int]:
+    """Resolve ``resources.devices`` to the device ids trials may use. Called once per
+    invocation, before the pool or the worker plan is built.
+
+    ``"auto"``: every CUDA device visible to this process ([] without CUDA); ``"cpu"``: [];
+    a list: that list, validated (ints >= 0, unique, and existing when CUDA is present).
+    ``environ`` defaults to ``os.environ`` (tests pass their own).
+    """
+    env = os.environ if environ is None else environ
+    if isinstance(devices_setting, str):
+        if devices_setting == "cpu":
+            return []
+        if devices_setting != "auto":
+            raise ResourcesError(
+                f"resources.devices: {devices_setting!r} is not a valid setting. "
+                "Fix: write auto, cpu, or a list of device ids such as [0, 1]."
+            )
+        return _visible_devices(env)
+
+    if not isinstance(devices_setting, Sequence) or not devices_setting:
+        raise ResourcesError(
+            f"resources.devices: {devices_setting!r} is not a non-empty list of device ids. "
+            "Fix: write auto, cpu, or a list such as [0, 1]."
+        )
+    ids = list(devices_setting)
+    bad = [d for d in ids if isinstance(d, bool) or not isinstance(d, int) or d < 0]
+    if bad:
+        raise ResourcesError(
+            f"resources.devices: {ids!r} holds {bad!r}, which are not non-negative integer ids. "
+            "Fix: list ids such as [0, 1]."
+        )
+    dupes = sorted({d for d in ids if ids.count(d) > 1})
+    if dupes:
+        raise ResourcesError(
+            f"resources.devices: {ids!r} lists {dupes!r} more than once. Fix: list each id once."
+        )
+    # Without CUDA the list is kept as given, so plans can be made and tested on any machine.
+    visible = _visible_devices(env)
+    missing = [d for d in ids if d not in visible]
+    if visible and missing:
+        raise ResourcesError(
+            f"resources.devices: {ids!r} names {missing!r}, which this process cannot see "
+            f"(visible CUDA devices: {visible!r}). Fix: list only visible ids, or write auto."
+        )
+    return ids
+
+
+def _visible_devices(env: Mapping[str, str]) -> list[int]:
+    count = _cuda_device_count()
+    if count == 0:
+        return []
+    if "CUDA_VISIBLE_DEVICES" in env:
+        # The runtime drops ids that do not exist; count is what it kept, in this order.
+        return _parse_visible(env["CUDA_VISIBLE_DEVICES"])[:count]
+    return list(range(count))
+
+
+# --------------------------------------------------------------------------- per-trial share
+
+
+def _parse_gpus_per_trial(gpus_per_trial: float, n_devices: int) -> tuple[int, int]:
+    """Return (devices per trial, trials per device): (K, 1) for whole K, (1, n) for 1/n.
+
+    On a CPU-only machine (n_devices == 0) the form is still checked (0.3 is wrong on any
+    machine) but not the count, so the spec default of 1 works there."""
+    value = gpus_per_trial
+    ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok_type and math.isfinite(value) and value >= 1 and float(value).is_integer():
+        k = int(value)
+        if n_devices and k > n_devices:
+            raise ResourcesError(
+                f"resources.gpus_per_trial: {value!r} is more than the {n_devices} device(s) "
+                f"available. Fix: ask for at most {n_devices}, or list more resources.devices."
+            )
+        return k, 1
+    if ok_type and math.isfinite(value) and 0 < value < 1:
+        n = round(1 / value)
+        if abs(1 / n - value) < 1e-9:
+            return 1, n
+    raise ResourcesError(
+        f"resources.gpus_per_trial: {value!r} is neither a whole number >= 1 nor 1/n. "
+        "Fix: use 1, 2, ... devices per trial, or 0.5, 0.25, ... to share one device."
+    )
+
+
+def _pick_devices(free: Sequence[int], k: int) -> tuple[int, ...] | None:
+    """K free devices: the lowest run of consecutive ids (neighbours usually share the
+    fastest links), else the K lowest free ids; None when fewer than K are free."""
+    ordered = sorted(free)
+    if len(ordered) < k:
+        return None
+    for start in range(len(ordered) - k + 1):
+        window = ordered[start : start + k]
+        if window[-1] - window[0] == k - 1:  # sorted and unique, so this means consecutive
+            return tuple(window)
+    return tuple(ordered[:k])
+
+
+# --------------------------------------------------------------------------- dynamic leases
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Devices held by one running trial. ``share`` is the fraction of each device the
+    trial may use (1.0 whole, 0.5 half, 0.0 on CPU)."""
+
+    devices: tuple[int, ...]
+    share: float
+    owner: str
+    lease_id: str
+
+    def env(self) -> dict[str, str]:
+        """Environment for the trial process; set before it first touches CUDA.
+        An empty CUDA_VISIBLE_DEVICES hides every GPU, which is what a CPU trial wants."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in self.devices)}
+
+
+class DevicePool:
+    """Hands devices to trials and takes them back; safe to share between threads.
+
+    Whole ``gpus_per_trial`` K: each lease holds K devices of its own. Fractional 1/n:
+    each device holds n leases, and a partly used device is filled before a new one is
+    opened, so whole devices stay free as long as possible. With no devices (CPU) every
+    acquire succeeds with ``devices=()``: the worker count bounds concurrency there.
+    """
+
+    def __init__(self, device_ids: Sequence[int], gpus_per_trial: float) -> None:
+        self._devices = list(device_ids)
+        if len(set(self._devices)) != len(self._devices):
+            raise ResourcesError(
+                f"DevicePool: device ids {self._devices!r} repeat. Fix: pass each id once."
+            )
+        self._k, self._slots = _parse_gpus_per_trial(gpus_per_trial, len(self._devices))
+        self._share = 0.0 if not self._devices else 1.0 / self._slots
+        self._used = {d: 0 for d in self._devices}  # leases currently on each device
+        self._leases: dict[str, Lease] = {}
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()  # one lock guards all state; waiters sleep on it
+
+    @property
+    def capacity(self) -> float:
+        """Trials that fit at once (``math.inf`` on a CPU-only pool)."""
+        if not self._devices:
+            return math.inf
+        return len(self._devices) // self._k * self._slots
+
+    def acquire(self, owner: str) -> Lease | None:
+        """Take devices for one trial, called just before the trial starts. Never blocks:
+        returns None when nothing fits now (the caller waits or tries again later)."""
+        with self._cond:
+            devices = self._choose()
+            if devices is None:
+                return None
+            for d in devices:
+                self._used[d] += 1
+            lease = Lease(devices, self._share, owner, f"lease-{next(self._ids)}")
+            self._leases[lease.lease_id] = lease
+            return lease
+
+    def acquire_blocking(self, owner: str, timeout: float | None = None) -> Lease | None:
+        """Like :meth:`acquire`, but waits for a release; None only after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:  # re-entered by acquire(): Condition wraps an RLock
+            while True:
+                lease = self.acquire(owner)
+                if lease is not None:
+                    return lease
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def release(self, lease: Lease | None) -> None:
+        """Give a trial's devices back, called in a ``finally`` when the trial ends, fails
+        or is pruned. Idempotent, and None is ignored, so the ``finally`` needs no checks."""
+        if lease is None:
+            return
+        with self._cond:
+            if self._leases.get(lease.lease_id) != lease:
+                return  # already released (or not from this pool): nothing to give back
+            del self._leases[lease.lease_id]
+            for d in lease.devices:
+                self._used[d] -= 1
+            self._cond.notify_all()  # waiters may want different devices; let each re-check
+
+    @contextmanager
+    def hold(self, owner: str, timeout: float | None = None) -> Iterator[Lease]:
+        """``with pool.hold(owner) as lease:`` waits for a lease and releases it however the
+        block exits. Raises TimeoutError when none came within ``timeout`` seconds."""
+        lease = self.acquire_blocking(owner, timeout)
+        if lease is None:
+            raise TimeoutError(f"no devices free for {owner!r} within {timeout} s")
+        try:
+            yield lease
+        finally:
+            self.release(lease)
+
+    def free_capacity(self) -> float:
+        """How many more trials could start right now (``math.inf`` on a CPU-only pool)."""
+        with self._cond:
+            if not self._devices:
+                return math.inf
+            if self._slots > 1:
+                return sum(self._slots - u for u in self._used.values())
+            # Any K free devices are accepted (non-contiguous fallback), so a plain division.
+            return sum(1 for u in self._used.values() if u == 0) // self._k
+
+    def leases(self) -> list[Lease]:
+        """The leases held now, oldest first (for status displays and tests)."""
+        with self._cond:
+            return list(self._leases.values())
+
+    def _choose(self) -> tuple[int, ...] | None:
+        """Devices for the next lease, or None. Caller holds the lock."""
+        if not self._devices:
+            return ()
+        if self._slots > 1:
+            open_ = [d for d in self._devices if self._used[d] < self._slots]
+            if not open_:
+                return None
+            # Fullest first (packing), then lowest id, so the choice is predictable.
+            return (min(open_, key=lambda d: (-self._used[d], d)),)
+        return _pick_devices([d for d in self._devices if self._used[d] == 0], self._k)
+
+
+# --------------------------------------------------------------------------- static workers
+
+
+def cpu_threads_available() -> int:
+    """CPU threads this process may run on: its affinity mask (taskset, cgroup cpusets)
+    where the platform has one, else every core."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """What one persistent worker process owns for its whole life."""
+
+    index: int
+    devices: tuple[int, ...]
+    threads: int
+
+    def env(self) -> dict[str, str]:
+        """Environment to start the worker with. OPENBLAS_* is left alone on purpose:
+        the machine sets OPENBLAS_CORETYPE for correctness and we must not disturb it."""
+        n = str(self.threads)
+        return {
+            "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in self.devices),
+            "OMP_NUM_THREADS": n,
+            "MKL_NUM_THREADS": n,
+            WORKER_THREADS_VAR: n,
+        }
+
+
+def plan_workers(
+    device_ids: Sequence[int],
+    gpus_per_trial: float,
+    workers_setting: int | str,
+    cpu_threads: int | None = None,
+) -> list[WorkerSlot]:
+    """Decide how many workers run trials in parallel and what each one owns. Called once
+    per invocation, before the workers start.
+
+    ``workers: auto`` runs as many trials as fit on the devices, or on CPU one worker per
+    two threads (at least one). An explicit count is honoured; on GPU asking for more than
+    fit is an error. Each worker gets ``cpu_threads // n`` threads (at least 1).
+    """
+    devices = list(device_ids)
+    k, slots = _parse_gpus_per_trial(gpus_per_trial, len(devices))
+    threads_total = cpu_threads_available() if cpu_threads is None else cpu_threads
+    if isinstance(threads_total, bool) or not isinstance(threads_total, int) or threads_total < 1:
+        raise ResourcesError(f"plan_workers: cpu_threads={threads_total!r} must be an int >= 1.")
+    fits = len(devices) // k * slots  # 0 on CPU
+
+    if workers_setting == "auto":
+        n = fits if devices else max(1, threads_total // 2)
+    elif isinstance(workers_setting, int) and not isinstance(workers_setting, bool):
+        n = workers_setting
+        if n < 1:
+            raise ResourcesError(
+                f"resources.workers: {n} must be at least 1. Fix: write auto or a count >= 1."
+            )
+        if devices and n > fits:
+            raise ResourcesError(
+                f"resources.workers: {n} workers do not fit on devices {devices!r} with "
+                f"gpus_per_trial {gpus_per_trial!r} (at most {fits} at once). "
+                f"Fix: write workers: {fits} (or auto), lower gpus_per_trial, or add devices."
+            )
+    else:
+        raise ResourcesError(
+            f"resources.workers: {workers_setting!r} is not valid. Fix: write auto or a count >= 1."
+        )
+
+    # Dividing the threads keeps n workers from oversubscribing the cores (each torch
+    # would otherwise start one thread per core); with more workers than threads the
+    # floor of 1 is the least oversubscription possible.
+    per_worker = max(1, threads_total // n)
+    return [WorkerSlot(i, _worker_devices(devices, k, slots, i), per_worker) for i in range(n)]
+
+
+def _worker_devices(devices: list[int], k: int, slots: int, i: int) -> tuple[int, ...]:
+    """Static device group of worker ``i``."""
+    if not devices:
+        return ()
+    if slots > 1:
+        # Round-robin, not packing: a worker holds its device for good, so spreading
+        # leaves no device idle when fewer workers than slots are asked for.
+        return (sorted(devices)[i % len(devices)],)
+    # Whole K: the i-th group the pool's policy would hand out from an empty pool.
+    free = sorted(devices)
+    group: tuple[int, ...] = ()
+    for _ in range(i + 1):
+        group = _pick_devices(free, k) or ()
+        free = [d for d in free if d not in group]
+    return group

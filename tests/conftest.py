@@ -1,0 +1,32 @@
+"""Shared fixtures. Tests run on CPU with one thread per process unless they say otherwise."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    """Run the test with the current directory set to a fresh tmp folder (runs/ lands there)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def pytest_configure(config):
+    # Two cores on CI: keep torch from spawning more threads than there are cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -1,0 +1,79 @@
+"""Checkpoints: atomic writes, weights_only loading, prefixes, fall-back to the previous file."""
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+
+import pytest
+import torch
+
+from core import checkpoint as ckpt
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # creating the marker file proves code ran
+
+
+def test_pickle_payload_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "x": _Payload(str(marker))}, evil)
+    assert not marker.exists()
+    with pytest.raises(ckpt.CheckpointError, match="evil.pt.*refused"):
+        ckpt.load_checkpoint(evil)
+    assert not marker.exists()
+
+
+def test_raw_pickle_file_is_refused(tmp_path):
+    marker = tmp_path / "pwned2"
+    evil = tmp_path / "raw.pt"
+    evil.write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(ckpt.CheckpointError, match="raw.pt"):
+        ckpt.load_checkpoint(evil)
+    assert not marker.exists()
+
+
+def test_prefixes_are_stripped():
+    sd = {"module._orig_mod.fc.weight": torch.ones(1), "_orig_mod.module.b": torch.zeros(1), "c": torch.ones(2)}
+    assert set(ckpt.strip_prefixes(sd)) == {"fc.weight", "b", "c"}
+
+
+def test_truncated_last_falls_back_to_previous(tmp_path):
+    ckpt.save_last({"epoch": 1, "w": torch.ones(3)}, tmp_path)
+    ckpt.save_last({"epoch": 2, "w": torch.ones(3) * 2}, tmp_path)
+    data = (tmp_path / ckpt.LAST).read_bytes()
+    (tmp_path / ckpt.LAST).write_bytes(data[: len(data) // 2])
+    with pytest.warns(RuntimeWarning, match="last.pt is corrupt"):
+        state, path = ckpt.load_resume_state(tmp_path)
+    assert path.name == ckpt.PREV and state["epoch"] == 1
+
+
+def test_all_checkpoints_unreadable_is_an_error_not_a_restart(tmp_path):
+    (tmp_path / ckpt.LAST).write_bytes(b"garbage")
+    with pytest.warns(RuntimeWarning), pytest.raises(ckpt.CheckpointError, match="no readable checkpoint"):
+        ckpt.load_resume_state(tmp_path)
+
+
+def test_no_checkpoint_means_fresh_start(tmp_path):
+    assert ckpt.load_resume_state(tmp_path) is None
+
+
+def test_disk_full_keeps_previous_checkpoint_and_no_temp_files(tmp_path, monkeypatch):
+    ckpt.save_last({"epoch": 1}, tmp_path)
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        ckpt.save_last({"epoch": 2}, tmp_path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert ckpt.load_checkpoint(tmp_path / ckpt.LAST)["epoch"] == 1
+    assert sorted(os.listdir(tmp_path)) == [ckpt.LAST]

@@ -1,0 +1,163 @@
+"""ONNX export: parity with PyTorch on the digits CNN and ResNet-18, dynamic batch, atomic files."""
+from __future__ import annotations
+
+import errno
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import core.onnx_export as onnx_export
+from core.io_utils import atomic_write_bytes
+from core.onnx_export import OnnxParityError, export_and_verify, write_report_json
+from core.results import OnnxReport
+from core.tasks.cifar10 import resnet18_cifar
+from core.tasks.digits import DigitsCNN, DigitsTask
+
+
+def _leftovers(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_digits_cnn_parity_on_real_val_inputs(tmp_path):
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    model.train()  # the caller's mode must survive the export
+    _, val = DigitsTask().datasets()
+    inputs = val.x[:256]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    report = export_and_verify(model, inputs, tmp_path / "digits.onnx", tolerance=1e-4)
+
+    assert isinstance(report, OnnxReport)
+    assert report.passed and report.max_abs_diff <= 1e-4
+    assert report.n_inputs_checked == len(inputs)
+    assert report.opset >= 18
+    assert report.torch_latency_ms > 0 and report.ort_latency_ms > 0
+    assert model.training, "export must not switch the caller's model to eval mode"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (tmp_path / "digits.onnx").is_file()
+    assert _leftovers(tmp_path) == [], "temporary export folder left behind"
+
+    # The named, dynamic batch axis works outside the function too, at sizes never exported.
+    session = ort.InferenceSession(str(tmp_path / "digits.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["input"]
+    assert [o.name for o in session.get_outputs()] == ["logits"]
+    model.eval()
+    for batch in (1, 5, 37):
+        x = inputs[:batch]
+        (out,) = session.run(["logits"], {"input": x.numpy()})
+        with torch.no_grad():
+            np.testing.assert_allclose(out, model(x).numpy(), atol=1e-4)
+
+
+def test_resnet18_parity_and_dynamic_batch(tmp_path):
+    torch.manual_seed(0)
+    model = resnet18_cifar()
+    inputs = torch.randn(12, 3, 32, 32)
+    report = export_and_verify(model, inputs, tmp_path / "sub" / "resnet.onnx", latency_runs=2)
+    assert report.passed and report.max_abs_diff <= 1e-4
+    assert report.path == tmp_path / "sub" / "resnet.onnx"
+    session = ort.InferenceSession(str(report.path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(["logits"], {"input": np.random.randn(3, 3, 32, 32).astype(np.float32)})
+    assert out.shape == (3, 10)
+
+
+def test_single_sample_still_exports_a_dynamic_batch(tmp_path):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    report = export_and_verify(model, torch.randn(1, 4), tmp_path / "m.onnx", latency_runs=1)
+    session = ort.InferenceSession(str(report.path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(["logits"], {"input": np.zeros((6, 4), np.float32)})
+    assert out.shape == (6, 3)
+
+
+def test_parity_failure_raises_and_keeps_previous_file(tmp_path, monkeypatch):
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"previous model")
+    real_run = onnx_export._run_ort
+    # A tiny systematic error in the runtime, as a wrong op translation would produce.
+    monkeypatch.setattr(onnx_export, "_run_ort", lambda s, b: real_run(s, b) + np.float32(1e-3))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    with pytest.raises(OnnxParityError) as info:
+        export_and_verify(model, torch.randn(8, 1, 8, 8), target, tolerance=1e-4, latency_runs=1)
+    report = info.value.report
+    assert not report.passed
+    assert report.max_abs_diff == pytest.approx(1e-3, rel=1e-2)
+    assert "tolerance" in str(info.value)
+    assert target.read_bytes() == b"previous model"
+    assert _leftovers(tmp_path) == []
+
+
+class _Noisy(nn.Module):
+    """Adds ~1e-3 of random noise: exported as an ONNX random op, so the runtimes disagree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y + 1e-3 * torch.rand_like(y)
+
+
+def test_nondeterministic_model_fails_the_check(tmp_path):
+    torch.manual_seed(0)
+    with pytest.raises(OnnxParityError):
+        export_and_verify(_Noisy(), torch.randn(16, 4), tmp_path / "noisy.onnx", tolerance=1e-5, latency_runs=1)
+    assert not (tmp_path / "noisy.onnx").exists()
+
+
+def test_nan_output_fails_the_check(tmp_path, monkeypatch):
+    real_run = onnx_export._run_ort
+    monkeypatch.setattr(onnx_export, "_run_ort", lambda s, b: real_run(s, b) * np.float32("nan"))
+    with pytest.raises(OnnxParityError):
+        export_and_verify(nn.Linear(4, 2), torch.randn(4, 4), tmp_path / "m.onnx", latency_runs=1)
+
+
+def test_write_report_json(tmp_path):
+    report = OnnxReport(path=tmp_path / "m.onnx", max_abs_diff=1e-6, tolerance=1e-4, passed=True,
+                        n_inputs_checked=8, torch_latency_ms=1.5, ort_latency_ms=0.7, opset=20)
+    out = write_report_json(report, tmp_path / "report.json")
+    data = json.loads(out.read_text())
+    assert data["path"] == str(tmp_path / "m.onnx") and data["passed"] is True and data["opset"] == 20
+    assert _leftovers(tmp_path) == []
+
+
+def test_atomic_write_disk_full_leaves_previous_file_and_no_temp(tmp_path):
+    target = tmp_path / "report.json"
+    target.write_text("old")
+
+    def writer(f):
+        f.write(b"half of the new")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as info:
+        atomic_write_bytes(target, writer)
+    assert info.value.errno == errno.ENOSPC
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+class _DataDependent(nn.Module):
+    """A Python branch on a tensor value: torch.export cannot capture it, TorchScript tracing can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.abs().sum() >= 0:  # always true, so the traced graph is still correct
+            return self.fc(x)
+        return -self.fc(x)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_falls_back_to_torchscript_exporter_when_capture_fails(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="core.onnx_export"):
+        report = export_and_verify(_DataDependent(), torch.randn(8, 4), tmp_path / "m.onnx", latency_runs=1)
+    assert report.passed
+    assert "TorchScript exporter" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
