@@ -1,0 +1,221 @@
+"""``sweeps run`` on Optuna: set up the study, recover what a crash left, run workers, summarise.
+
+The orchestrator never trains. It starts one worker process per pool slot (each pinned
+to its devices and CPU threads), watches them, forwards SIGTERM/Ctrl-C, stops a trial
+that hangs, and draws the live view from the study storage.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from sweeps.backends import optuna_study as os_
+from sweeps.backends.base import StudyResult
+from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
+from sweeps.errors import StudyStateError
+from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
+from sweeps.spec import StudySpec
+from sweeps.study_run import find_or_create_parent, write_summary
+from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+log = logging.getLogger("sweeps")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the orchestrator dies (even by SIGKILL), so do its
+    workers, and the next ``sweeps run`` finds their trials orphaned and requeues them."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass
+class _Worker:
+    slot: WorkerSlot
+    proc: subprocess.Popen
+    beat_file: Path
+
+
+class OptunaBackend:
+    name = "optuna"
+
+    # ---- read-only -------------------------------------------------------------------------
+    def load(self, spec: StudySpec) -> StudyResult:
+        study = os_.open_study(spec, create=False)
+        return os_.study_result(spec, study)
+
+    # ---- run ---------------------------------------------------------------------------------
+    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+        from sweeps.live import LiveView
+
+        tracker = MlflowTracker(spec.tracking_uri())
+        tracker.check_connection()  # before anything is created or trained
+        slots = self._plan(spec)
+        with self._run_lock(spec):
+            study = os_.open_study(spec, fresh=fresh)
+            parent = find_or_create_parent(tracker, spec, study.study_name, self.name)
+            if study.user_attrs.get(os_.ATTR_PARENT_RUN) != parent.run_id:
+                study.set_user_attr(os_.ATTR_PARENT_RUN, parent.run_id)
+            recovered = self._recover_orphans(spec, study, tracker)
+            if spec.lr_finder.enabled:
+                from sweeps.study_lr_finder import run_study_lr_finder
+
+                run_study_lr_finder(spec, study, tracker, parent)
+            started = time.time()
+            deadline = started + spec.timeout_seconds() if spec.timeout_seconds() else None
+            view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered)
+            stopped, code = self._supervise(spec, study, slots, parent.run_id, started, deadline, view)
+            result = os_.study_result(spec, optuna.load_study(study_name=study.study_name,
+                                                              storage=os_.open_storage(spec)))
+            result.stopped_reason = stopped
+            write_summary(tracker, parent, result)
+            tracker.flush()
+            view.finish(result)
+        result.exit_code = code  # type: ignore[attr-defined]
+        return result
+
+    def _plan(self, spec: StudySpec) -> list[WorkerSlot]:
+        devices = [] if spec.resources.devices == "cpu" else discover_devices(spec.resources.devices)
+        slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.resources.workers,
+                             cpu_threads_available())
+        if len(slots) > 1 and spec.storage_url().startswith("sqlite"):
+            raise StudyStateError(
+                f"storage: {spec.storage_url()!r} is SQLite, which parallel workers would lock "
+                f"('database is locked'); with resources.workers={len(slots)} use the default journal file "
+                f"(remove the storage key) or postgresql://...")
+        return slots
+
+    def _run_lock(self, spec: StudySpec):
+        """One ``sweeps run`` per journal study at a time: a second one would race the first
+        for orphaned trials. RDB studies may have many (plus ``sweeps worker``s)."""
+        import contextlib
+
+        if spec.is_rdb_storage():
+            return contextlib.nullcontext()
+        path = Path(spec.storage_url() + ".runlock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        @contextlib.contextmanager
+        def held():
+            with open(path, "a+") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    fh.seek(0)
+                    raise StudyStateError(f"study {spec.name!r} is already being run by another sweeps process "
+                                          f"(pid {fh.read().strip() or '?'}); wait for it or stop it first")
+                fh.seek(0)
+                fh.truncate()
+                fh.write(str(os.getpid()))
+                fh.flush()
+                yield
+
+        return held()
+
+    def _recover_orphans(self, spec: StudySpec, study: optuna.Study, tracker: MlflowTracker) -> list[int]:
+        """Journal storage with the run lock held: every RUNNING trial belongs to a process
+        that died (SIGKILL, OOM killer, power). Each is failed with the reason, its MLflow
+        run closed as FAILED, and its parameters requeued to resume from its checkpoint."""
+        if spec.is_rdb_storage():
+            return []  # RDB: Optuna's heartbeat fails stale trials (see optuna_study.open_storage)
+        from sweeps.backends.journal_repair import check_journal
+
+        check_journal(spec.storage_url())
+        stale_lock = Path(spec.storage_url() + ".lock")
+        if stale_lock.is_symlink():
+            stale_lock.unlink()  # Optuna's journal lock, left by a process killed mid-append
+        recovered = []
+        callback = os_.StaleTrialCallback(spec.tracking_uri(), tracker)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            reason = (f"orphaned: worker {t.user_attrs.get(os_.ATTR_WORKER, '?')} died while running it "
+                      f"(killed or crashed); requeued to resume from its last checkpoint")
+            study._storage.set_trial_user_attr(t._trial_id, os_.ATTR_REASON, reason)
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            callback(study, study._storage.get_trial(t._trial_id))
+            recovered.append(t.number)
+        os_.close_orphan_runs(tracker, study)
+        return recovered
+
+    def _supervise(self, spec, study, slots, parent_id, started, deadline, view) -> tuple[str, int]:
+        beat_dir = Path(spec.storage_url()).parent / study.study_name / ".workers" if not spec.is_rdb_storage() \
+            else Path("runs") / study.study_name / ".workers"
+        beat_dir.mkdir(parents=True, exist_ok=True)
+        workers = [self._spawn(spec, s, parent_id, started, deadline, beat_dir) for s in slots]
+        got_signal: list[int] = []
+
+        def forward(signum, _frame):
+            got_signal.append(signum)
+            for w in workers:
+                if w.proc.poll() is None:
+                    w.proc.send_signal(signal.SIGTERM)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        trial_timeout = spec.trial_timeout_seconds()
+        stopped, code = "", 0
+        try:
+            while any(w.proc.poll() is None for w in workers):
+                view.update(study)
+                if trial_timeout:
+                    self._stop_hung(spec, study, workers, trial_timeout, parent_id, started, deadline, beat_dir)
+                time.sleep(0.5)
+            codes = [w.proc.returncode for w in workers]
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+        view.update(study)
+        if got_signal:
+            signum = got_signal[0]
+            stopped = f"stopped by {signal.Signals(signum).name}; running trials were checkpointed and requeued"
+            code = 128 + signum
+        elif EXIT_MAX_FAILURES in codes:
+            stopped = f"stopped: {spec.budget.max_failures} trials failed in a row (budget.max_failures)"
+            code = 1
+        elif deadline and time.time() >= deadline and os_.budget_left(study, spec.budget.n_trials) > 0:
+            stopped = f"stopped: budget.timeout ({spec.budget.timeout}) reached; run the command again to continue"
+        elif any(c not in (0, None) for c in codes):
+            stopped = f"workers exited with codes {codes}"
+            code = 1
+        return stopped, code
+
+    def _spawn(self, spec, slot, parent_id, started, deadline, beat_dir) -> _Worker:
+        beat = beat_dir / f"worker-{slot.index}.beat"
+        beat.touch()
+        cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec.path), "--slot", str(slot.index),
+               "--parent-run-id", parent_id, "--since", str(started), "--beat-file", str(beat)]
+        if deadline:
+            cmd += ["--deadline", str(deadline)]
+        env = {**os.environ, **slot.env()}
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        return _Worker(slot, proc, beat)
+
+    def _stop_hung(self, spec, study, workers, trial_timeout, parent_id, started, deadline, beat_dir) -> None:
+        """A worker whose trial made no progress for budget.trial_timeout is killed; its trial
+        is failed with the reason (not requeued: it would likely hang again) and the slot,
+        with its devices, gets a fresh worker."""
+        for i, w in enumerate(workers):
+            if w.proc.poll() is not None:
+                continue
+            idle = time.time() - w.beat_file.stat().st_mtime
+            if idle < trial_timeout:
+                continue
+            w.proc.kill()
+            w.proc.wait()
+            worker_id = f"{os.uname().nodename}:{w.proc.pid}"
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if t.user_attrs.get(os_.ATTR_WORKER) == worker_id:
+                    reason = f"hung: no progress for {idle:.0f} s (budget.trial_timeout={spec.budget.trial_timeout})"
+                    os_.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_uri())
+            workers[i] = self._spawn(spec, w.slot, parent_id, started, deadline, beat_dir)

@@ -1,0 +1,329 @@
+"""The Optuna study of a spec: storage, sampler, pruner, versions, orphans, records.
+
+Storage: a journal file under ``runs/`` by default (safe for parallel local workers,
+unlike a shared SQLite file), or any RDB URL. On RDB storage, Optuna's heartbeat and
+stale-trial retry are on, so a worker machine that dies has its trial failed and requeued.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import optuna
+from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import FrozenTrial, TrialState
+
+from sweeps import search_space as ss
+from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.errors import BackendError, StudyStateError
+from sweeps.spec import StudySpec
+
+HEARTBEAT_S = 10  # a RUNNING trial whose worker has been silent this long...
+GRACE_S = 40  # ...plus this grace period is failed and requeued by any other worker
+MAX_RETRIES = 3  # times one set of parameters is requeued after a crash
+ATTR_PARENT_RUN = "mlflow_parent_run_id"
+ATTR_SEARCH = "search_space"
+ATTR_SPEC_HASH = "spec_hash"
+ATTR_OUT_DIR = "out_dir"
+ATTR_RUN_ID = "mlflow_run_id"
+ATTR_WORKER = "worker"
+ATTR_REASON = "fail_reason"
+ATTR_BATCH_OVERRIDES = "train_overrides"
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+# The retry callback and its helpers are marked experimental since Optuna 2.8 but are stable
+# in practice; the warning would otherwise print once per worker and per trial.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+log = logging.getLogger("sweeps")
+
+
+# ---- storage -------------------------------------------------------------------------
+def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseStorage:
+    """Open the spec's storage. ``create=False`` (read-only commands) refuses to create a
+    journal file or database tables that are not there yet."""
+    url = spec.storage_url()
+    if spec.is_rdb_storage():
+        try:
+            return RDBStorage(
+                url, engine_kwargs={"pool_pre_ping": True}, skip_table_creation=not create,
+                heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                heartbeat_stale_trial_callback=StaleTrialCallback(spec.tracking_uri()),
+            )
+        except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
+            raise BackendError(f"storage: cannot open {url!r} ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0]}); check the URL, the server and the credentials") from exc
+    path = Path(url)
+    if not create and not path.exists():
+        raise StudyStateError(f"storage: {path} does not exist, so study {spec.name!r} has not run yet; "
+                              f"start it with: sweeps run {spec.path or '<spec>'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(path)))
+
+
+@contextlib.contextmanager
+def ask_lock(spec: StudySpec) -> Iterator[None]:
+    """Serialise "count the budget, then ask" across workers, so the total never overshoots.
+
+    Journal storage: an flock next to the journal (all its workers share this machine).
+    PostgreSQL: a session advisory lock, which holds across machines. Other RDBs: none
+    (overshoot is then bounded by the trials already running)."""
+    url = spec.storage_url()
+    if not spec.is_rdb_storage():
+        lock_path = Path(url + ".asklock")  # not ".lock": Optuna's own journal lock uses that name
+        with open(lock_path, "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+        return
+    if url.startswith("postgresql"):
+        import sqlalchemy
+
+        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        key = int.from_bytes(spec.name.encode()[:8].ljust(8, b"\0"), "big") & 0x7FFFFFFFFFFFFFFF
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+        engine.dispose()
+        return
+    yield
+
+
+# ---- sampler and pruner ------------------------------------------------------------------
+def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.BaseSampler:
+    """The spec's sampler. Each parallel worker seeds it with ``seed + worker_index``, so
+    workers do not propose the same random start-up points; one worker is exactly ``seed``."""
+    seed = None if spec.sampler.seed is None else spec.sampler.seed + worker_index
+    name = spec.sampler.name
+    if name == "tpe":
+        # constant_liar: running trials count as bad guesses, so parallel workers spread out.
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
+    if name == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed)
+    if name == "qmc":
+        return optuna.samplers.QMCSampler(seed=seed, scramble=True)
+    raise BackendError(f"sampler.name: {name!r} cannot run on the optuna backend")
+
+
+def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
+    p = spec.pruner
+    epochs = int(spec.resolved_train_config().epochs)
+    if p.name == "none":
+        return optuna.pruners.NopPruner()
+    if p.name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=p.warmup_epochs)
+    if p.name == "percentile":
+        return optuna.pruners.PercentilePruner(p.percentile, n_startup_trials=2, n_warmup_steps=p.warmup_epochs)
+    if p.name == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=p.min_resource,
+                                                      reduction_factor=p.reduction_factor)
+    if p.name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=p.min_resource, max_resource=epochs,
+                                              reduction_factor=p.reduction_factor)
+    raise BackendError(f"pruner.name: {p.name!r} cannot run on the optuna backend; use ray for pbt")
+
+
+# ---- study versions (--fresh) -------------------------------------------------------------
+def _versions(storage, name: str) -> list[tuple[int, str]]:
+    found = []
+    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        if s.study_name == name:
+            found.append((1, s.study_name))
+        m = re.fullmatch(re.escape(name) + r"-v(\d+)", s.study_name)
+        if m:
+            found.append((int(m.group(1)), s.study_name))
+    return sorted(found)
+
+
+def current_study_name(storage, name: str) -> str | None:
+    """The newest version of the study: ``name``, then ``name-v2``, ... after each --fresh."""
+    versions = _versions(storage, name)
+    return versions[-1][1] if versions else None
+
+
+def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
+               create: bool = True) -> optuna.Study:
+    """Create or load the spec's study (``fresh`` starts a new version and keeps the old).
+
+    A study resumed under the same name with a different search space is refused, naming
+    the changed parameters: its trials would not be comparable."""
+    storage = open_storage(spec, create=create)
+    name = current_study_name(storage, spec.name)
+    if name is None and not create:
+        raise StudyStateError(f"study {spec.name!r} is not in {spec.storage_url()}; run: sweeps run {spec.path}")
+    if fresh and name is not None:
+        version = _versions(storage, spec.name)[-1][0] + 1
+        name = f"{spec.name}-v{version}"
+    name = name or spec.name
+    direction = spec.objective.direction
+    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction=direction,
+                                sampler=make_sampler(spec, worker_index), pruner=make_pruner(spec))
+    stored = study.user_attrs.get(ATTR_SEARCH)
+    wanted = ss.signature(spec.search)
+    if stored is None and create:
+        study.set_user_attr(ATTR_SEARCH, wanted)
+        study.set_user_attr(ATTR_SPEC_HASH, spec.spec_hash())
+    elif stored is not None and stored != wanted:
+        changed = sorted(k for k in set(stored) | set(wanted) if stored.get(k) != wanted.get(k))
+        raise StudyStateError(
+            f"search space of study {name!r} changed since it started: {', '.join(changed)} differ "
+            f"(stored {[stored.get(k) for k in changed]}, spec {[wanted.get(k) for k in changed]}). "
+            f"Its trials would not be comparable: restore the search section, or start a new study "
+            f"with: sweeps run {spec.path} --fresh")
+    if study.direction.name.lower() != direction:
+        raise StudyStateError(f"objective.direction: study {name!r} was created to "
+                              f"{study.direction.name.lower()}, the spec says {direction}; use --fresh")
+    return study
+
+
+# ---- records -------------------------------------------------------------------------------
+def record_of(t: FrozenTrial) -> TrialRecord:
+    duration = None
+    if t.datetime_start and t.datetime_complete:
+        duration = (t.datetime_complete - t.datetime_start).total_seconds()
+    return TrialRecord(
+        number=t.number, state=t.state.name, params=dict(t.params),
+        value=_pruned_value(t),
+        duration_s=duration, run_id=t.user_attrs.get(ATTR_RUN_ID),
+        intermediate={int(k): float(v) for k, v in t.intermediate_values.items()},
+        reason=str(t.user_attrs.get(ATTR_REASON, "")),
+        started=t.datetime_start.timestamp() if t.datetime_start else None,
+        retry_of=t.system_attrs.get("failed_trial"),
+    )
+
+
+def _pruned_value(t: FrozenTrial) -> float | None:
+    return t.value if t.value is not None else t.user_attrs.get("best_value")
+
+
+def is_rdb_heartbeat(study: optuna.Study) -> bool:
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    return is_heartbeat_enabled(study._storage)
+
+
+ATTR_LR_RANGE = "lr_finder_range"
+
+
+def effective_search(spec: StudySpec, study: optuna.Study) -> dict:
+    """The spec's search space, with ``lr`` narrowed by the study-level LR finder when it ran."""
+    narrowed = study.user_attrs.get(ATTR_LR_RANGE)
+    if not narrowed or "lr" not in spec.search:
+        return spec.search
+    lr = spec.search["lr"].model_copy(update={"low": narrowed[0], "high": narrowed[1]})
+    return {**spec.search, "lr": lr}
+
+
+def enqueue_smaller_batch(spec: StudySpec, study: optuna.Study, failed: FrozenTrial) -> None:
+    """Out of memory: retry once at half the batch size with twice the accumulation,
+    so the effective batch (and so the learning-rate meaning) stays the same."""
+    cfg = spec.resolved_train_config(failed.params)
+    if cfg.batch_size < 2:
+        return
+    overrides = {"batch_size": cfg.batch_size // 2, "grad_accum_steps": cfg.grad_accum_steps * 2}
+    if "batch_size" in failed.params:
+        log.warning("trial %d ran out of memory with a searched batch_size; retry keeps the sampled value "
+                    "in params but trains at %d x %d", failed.number, overrides["batch_size"],
+                    overrides["grad_accum_steps"])
+    study.enqueue_trial(failed.params, user_attrs={ATTR_BATCH_OVERRIDES: overrides, "oom_retry_of": failed.number},
+                        skip_if_exists=False)
+
+
+def study_result(spec: StudySpec, study: optuna.Study) -> StudyResult:
+    trials = [record_of(t) for t in study.get_trials(deepcopy=False)]
+    return StudyResult(name=study.study_name, backend="optuna", direction=spec.objective.direction,
+                       metric=spec.objective.metric, trials=trials,
+                       parent_run_id=study.user_attrs.get(ATTR_PARENT_RUN))
+
+
+def budget_left(study: optuna.Study, n_trials: int) -> int:
+    """Trials still to start: the total counts finished (COMPLETE, PRUNED) and running ones;
+    FAIL does not count (its parameters are retried or replaced)."""
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    return n_trials - len(study.get_trials(deepcopy=False, states=states))
+
+
+def is_pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class StaleTrialCallback:
+    """Called for a trial whose worker died: closes its MLflow run as FAILED with the
+    reason, then requeues its parameters (Optuna's retry callback, which keeps the user
+    attributes, so the retry finds the original's checkpoint folder and resumes)."""
+
+    def __init__(self, tracking_uri: str, tracker=None) -> None:
+        self.tracking_uri, self._tracker = tracking_uri, tracker
+        self._retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        run_id = trial.user_attrs.get(ATTR_RUN_ID)
+        reason = trial.user_attrs.get(ATTR_REASON) or "worker heartbeat lost (the worker died); requeued"
+        if run_id:
+            _close_run(self._get_tracker(), run_id, reason)
+        self._retry(study, trial)
+
+    def _get_tracker(self):
+        if self._tracker is None:
+            from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+            self._tracker = MlflowTracker(self.tracking_uri)
+        return self._tracker
+
+
+def _close_run(tracker, run_id: str, reason: str) -> None:
+    from sweeps.tracking import layout
+    from sweeps.tracking.base import RunHandle
+
+    run = RunHandle(run_id, "", "")
+    tracker.set_tags(run, {layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason})
+    tracker.end_run(run, "FAILED")
+
+
+def close_orphan_runs(tracker, study: optuna.Study) -> None:
+    """Trial runs still RUNNING in MLflow whose trial is not running (killed between the
+    MLflow write and the study write): closed as FAILED, so no run stays RUNNING forever."""
+    parent = study.user_attrs.get(ATTR_PARENT_RUN)
+    if not parent:
+        return
+    running_ids = {t.user_attrs.get(ATTR_RUN_ID) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    from sweeps.study_run import running_children
+
+    for run_id in running_children(tracker, parent):
+        if run_id not in running_ids:
+            _close_run(tracker, run_id, "orphaned: the process running this trial died")
+
+
+def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, tracker=None,
+               tracking_uri: str | None = None) -> None:
+    """Fail another process's RUNNING trial with a reason; optionally requeue its parameters."""
+    study._storage.set_trial_user_attr(t._trial_id, ATTR_REASON, reason)
+    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    frozen = study._storage.get_trial(t._trial_id)
+    if requeue:
+        StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
+    elif frozen.user_attrs.get(ATTR_RUN_ID) and (tracker is not None or tracking_uri):
+        _close_run(tracker or StaleTrialCallback(tracking_uri)._get_tracker(), frozen.user_attrs[ATTR_RUN_ID], reason)

@@ -1,0 +1,53 @@
+"""Durations in a study spec: ``budget.timeout`` and ``budget.trial_timeout``.
+
+A duration is a positive number of seconds (``90``, ``1.5``) or a string of
+units in the order d, h, m, s, each at most once: ``"90s"``, ``"30m"``, ``"2h"``,
+``"1h30m"``, ``"1d12h"``, ``"1.5h"``. ``"1:30"`` is refused on purpose: it reads as
+90 seconds to some people and 90 minutes to others.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+_UNIT_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION_RE = re.compile(
+    r"^(?:(?P<d>\d+(?:\.\d+)?)d)?(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?$"
+)
+EXAMPLES = "a number of seconds or a string such as 90s, 30m, 2h, 1h30m"
+
+
+def parse_duration(value: object) -> float | None:
+    """Seconds in ``value`` (None stays None). Raises ValueError naming the value and the fix."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration; use {EXAMPLES}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().replace(" ", "").lower()
+        if re.fullmatch(r"\d+(?:\.\d+)?", text):  # "90": seconds, like the bare number 90
+            text += "s"
+        match = _DURATION_RE.match(text) if text else None
+        if match is None or not any(match.groupdict().values()):
+            raise ValueError(f"{value!r} is not a duration; use {EXAMPLES}")
+        seconds = sum(float(v) * _UNIT_SECONDS[k] for k, v in match.groupdict().items() if v)
+    else:
+        raise ValueError(f"{value!r} is not a duration; use {EXAMPLES}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{value!r} is not a positive duration; use {EXAMPLES}, or null for no limit")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Short human form for messages and summaries: 5400 -> '1h30m', 42.5 -> '42.5s'."""
+    if seconds < 60:
+        return f"{seconds:g}s"
+    whole = int(round(seconds))
+    parts = []
+    for unit in ("d", "h", "m", "s"):
+        n, whole = divmod(whole, int(_UNIT_SECONDS[unit]))
+        if n:
+            parts.append(f"{n}{unit}")
+    return "".join(parts)

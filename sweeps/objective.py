@@ -1,0 +1,231 @@
+"""One trial, whichever backend runs it: spec + sampled params -> core.train -> a tracked MLflow run.
+
+The backend supplies two small callables: ``should_prune(epoch, value)`` (Optuna's
+pruner or a Ray scheduler) and an ``interrupt`` event (SIGTERM/Ctrl-C, or a deadline).
+Everything else about a trial (the MLflow child run, its params, per-step curves,
+artifacts and status mapping) is decided here, once, so both backends write the same layout.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+from core.config import TrainConfig, apply_overrides
+from core.reporting import Decision
+from core.results import TrainResult
+from core.train import train
+from sweeps.spec import StudySpec
+from sweeps.tracking import layout
+from sweeps.tracking.base import RunHandle, Tracker
+
+TrialState = Literal["COMPLETE", "PRUNED", "FAIL", "INTERRUPTED"]
+PruneFn = Callable[[int, float], bool]
+
+_ARTIFACT_DIRS = {
+    "checkpoint_best": layout.ART_CHECKPOINT_DIR, "onnx": layout.ART_ONNX_DIR, "onnx_report": layout.ART_ONNX_DIR,
+    "confusion_matrix": layout.ART_EVAL_DIR, "lr_finder": layout.ART_LR_FINDER_DIR,
+}
+_MLFLOW_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED", "INTERRUPTED": "KILLED"}
+
+
+@dataclass
+class TrialOutcome:
+    state: TrialState
+    value: float | None  # best value of the objective metric over the trial's epochs
+    reason: str
+    run: RunHandle | None
+    result: TrainResult | None = None
+    seconds: float = 0.0
+    oom: bool = False
+
+
+@dataclass
+class TrialSpec:
+    """What a backend knows about a trial before it runs."""
+
+    number: int
+    params: dict
+    out_dir: Path
+    resume: bool = False
+    tags: dict = field(default_factory=dict)  # extra tags: retry_of, worker slot, backend ids
+    overrides: dict = field(default_factory=dict)  # train fields forced by the backend (OOM retry)
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def trial_config(spec: StudySpec, params: dict, overrides: dict | None = None) -> TrainConfig:
+    """The resolved TrainConfig of a trial. The best checkpoint (the model a trial is judged,
+    promoted and exported by) follows the study objective."""
+    cfg = spec.resolved_train_config(params)
+    extra = {"monitor": spec.objective.metric,
+             "monitor_mode": "max" if spec.objective.direction == "maximize" else "min"}
+    return apply_overrides(cfg, {**extra, **(overrides or {})})
+
+
+class TrialReporter:
+    """core.reporting.Reporter for one tracked trial."""
+
+    def __init__(self, tracker: Tracker, run: RunHandle, objective: str, should_prune: PruneFn,
+                 interrupt: threading.Event, heartbeat: Callable[[], None] | None = None) -> None:
+        self.tracker, self.run, self.objective = tracker, run, objective
+        self.should_prune, self.interrupt, self.heartbeat = should_prune, interrupt, heartbeat
+        self.intermediate: dict[int, float] = {}
+        self._last_beat = 0.0
+
+    def report_step(self, step: int, metrics: dict[str, float]) -> Decision:
+        # Buffered by the tracker: no I/O on this path.
+        self.tracker.log_metrics(self.run, {layout.STEP_METRIC_PREFIX + k: v for k, v in metrics.items()}, step)
+        now = time.monotonic()
+        if self.heartbeat is not None and now - self._last_beat > 1.0:
+            self._last_beat = now
+            self.heartbeat()
+        return Decision.INTERRUPT if self.interrupt.is_set() else Decision.CONTINUE
+
+    def report_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> Decision:
+        self.tracker.log_metrics(self.run, metrics, epoch)
+        self.tracker.flush(self.run)  # one batch per epoch keeps the UI current at negligible cost
+        if self.heartbeat is not None:
+            self.heartbeat()
+        if self.interrupt.is_set():
+            return Decision.INTERRUPT
+        value = metrics[self.objective]
+        self.intermediate[epoch] = value
+        return Decision.PRUNE if self.should_prune(epoch, value) else Decision.CONTINUE
+
+    def log_artifact(self, path: Path, kind: str) -> None:
+        if kind in _ARTIFACT_DIRS:
+            self.tracker.log_artifact(self.run, path, _ARTIFACT_DIRS[kind])
+
+
+def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: TrialSpec,
+                    backend: str) -> RunHandle:
+    """Create the trial's nested MLflow run with its tags, params and resolved config."""
+    cfg = trial_config(spec, trial.params, trial.overrides)
+    tags = {
+        layout.TAG_ROLE: layout.ROLE_TRIAL, layout.TAG_STUDY: spec.name, layout.TAG_BACKEND: backend,
+        layout.TAG_TRIAL_NUMBER: trial.number, layout.TAG_STATE: "RUNNING", layout.TAG_SEED: cfg.seed,
+        layout.TAG_DEVICE: _device_description(), layout.TAG_WORKER: worker_name(),
+        layout.TAG_SPEC_HASH: spec.spec_hash(), **trial.tags,
+    }
+    run = tracker.start_run(parent.experiment_id, f"trial-{trial.number}", parent=parent, tags=tags)
+    flat = {f"train.{k}": v for k, v in cfg.to_dict().items() if k != "distributed"}
+    flat.update({f"train.distributed.{k}": v for k, v in cfg.to_dict()["distributed"].items()})
+    flat.update({f"task.{k}": v for k, v in spec.task_args(trial.params).items()})
+    flat.update({f"task.{k}": v for k, v in (("name", spec.task.name or spec.task.target),
+                                             ("model", spec.task.model)) if v is not None})
+    tracker.log_params(run, {**flat, **{f"search.{k}": v for k, v in trial.params.items()}})
+    tracker.log_dict(run, resolved_config(spec, trial, cfg), layout.ART_CONFIG)
+    return run
+
+
+def resolved_config(spec: StudySpec, trial: TrialSpec, cfg: TrainConfig) -> dict:
+    """Everything needed to rebuild the trial exactly (``sweeps rerun`` reads this)."""
+    return {"study": spec.name, "trial_number": trial.number, "params": trial.params, "seed": cfg.seed,
+            "train": cfg.to_dict(), "task": {"name": spec.task.name, "target": spec.task.target,
+                                              "model": spec.task.model, "args": spec.task_args(trial.params)},
+            "objective": spec.objective.model_dump(), "spec_hash": spec.spec_hash()}
+
+
+def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: TrialSpec, backend: str,
+              should_prune: PruneFn, interrupt: threading.Event,
+              heartbeat: Callable[[], None] | None = None,
+              on_start: Callable[[RunHandle], None] | None = None) -> TrialOutcome:
+    """Run one trial end to end. Never raises for a failing trial: the failure is the outcome.
+    ``on_start`` receives the trial's MLflow run before training (the backend records its id,
+    so a crash recovery can close the run)."""
+    started = time.monotonic()
+    run = start_trial_run(spec, tracker, parent, trial, backend)
+    if on_start is not None:
+        on_start(run)
+    reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat)
+    try:
+        task = spec.make_task(trial.params)
+        cfg = trial_config(spec, trial.params, trial.overrides)
+        result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=trial.resume)
+        outcome = _outcome_of(result, run)
+    except Exception as exc:  # noqa: BLE001 - a failing trial is data, not a crash of the study
+        oom = _is_oom(exc)
+        reason = "out of memory: " + _first_line(exc) if oom else f"{type(exc).__name__}: {_first_line(exc)}"
+        tracker.set_tags(run, {"sweeps.traceback": traceback.format_exc()[-4000:]})
+        outcome = TrialOutcome("FAIL", None, reason, run, oom=oom)
+        if oom:
+            _release_cuda_memory()
+    outcome.seconds = time.monotonic() - started
+    finish_trial_run(tracker, run, outcome)
+    return outcome
+
+
+def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) -> None:
+    """Final metrics, tags and the MLflow status that mirrors the study state:
+    COMPLETE -> FINISHED; PRUNED -> KILLED + sweeps.pruned; FAIL -> FAILED + sweeps.error;
+    INTERRUPTED (SIGTERM) -> KILLED, and the study marks the trial FAIL with the reason."""
+    tags: dict = {layout.TAG_STATE: "FAIL" if outcome.state == "INTERRUPTED" else outcome.state}
+    if outcome.state == "PRUNED":
+        tags[layout.TAG_PRUNED] = "true"
+    if outcome.reason:
+        tags["sweeps.reason"] = outcome.reason
+    if outcome.state in ("FAIL", "INTERRUPTED"):
+        tags[layout.TAG_ERROR] = outcome.reason
+    result = outcome.result
+    if result is not None and result.onnx is not None:
+        tags[layout.TAG_ONNX_PASSED] = str(result.onnx.passed).lower()
+        tracker.log_metrics(run, {"onnx_max_abs_diff": result.onnx.max_abs_diff,
+                                  "onnx_ort_latency_ms": result.onnx.ort_latency_ms,
+                                  "onnx_torch_latency_ms": result.onnx.torch_latency_ms}, 0)
+    if outcome.value is not None:
+        tracker.log_metrics(run, {"objective": outcome.value}, 0)
+    tracker.log_metrics(run, {"trial_seconds": outcome.seconds}, 0)
+    tracker.set_tags(run, tags)
+    tracker.end_run(run, _MLFLOW_STATUS[outcome.state])
+
+
+def _outcome_of(result: TrainResult, run: RunHandle) -> TrialOutcome:
+    if result.status == "completed":
+        return TrialOutcome("COMPLETE", result.best_metric, result.reason, run, result)
+    if result.status == "pruned":
+        return TrialOutcome("PRUNED", result.best_metric, result.reason, run, result)
+    if result.status == "diverged":
+        # A diverging learning rate is a result about the search space, not a crash: it is
+        # PRUNED (so samplers learn to avoid it and it does not count as a failure in a row).
+        return TrialOutcome("PRUNED", result.best_metric, "diverged: " + result.reason, run, result)
+    return TrialOutcome("INTERRUPTED", result.best_metric, result.reason, run, result)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _release_cuda_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+def _device_description() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda (CUDA_VISIBLE_DEVICES={visible})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+

@@ -1,0 +1,338 @@
+"""The study spec: one YAML file = one study (the format: STUDY_SPEC.md in the design docs).
+
+:func:`load_spec` reads a file, checks every rule and returns a :class:`StudySpec`, or
+raises :class:`sweeps.errors.SpecError` listing *every* problem at once, each naming the
+field path, the value, what is allowed and (for a misspelt key) what was probably meant.
+Loading creates no files and touches no storage: the CLI calls it before anything else.
+
+Types, defaults and single-field rules live in the section models below; the rules
+that span several fields (task arguments, train vs search, backend vs sampler/pruner)
+and the translation of pydantic's errors into those messages live in
+:mod:`sweeps.spec_checks`; the search-parameter rules in :mod:`sweeps.search_space`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from core.config import SuggestRule, TrainConfig, apply_overrides
+from sweeps import search_space as ss
+from sweeps.durations import parse_duration
+from sweeps.errors import SpecError
+from sweeps.search_space import SearchParam
+from sweeps.yaml_loader import load_yaml_with_lines
+
+if TYPE_CHECKING:
+    from core.tasks.base import Task
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+NAME_MAX = 100
+DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"  # relative to the working directory, like storage
+RDB_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")  # SQLAlchemy URL schemes
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
+PRUNERS = ("none", "median", "percentile", "asha", "hyperband", "pbt")
+BACKEND_SAMPLERS = {"optuna": SAMPLERS, "ray": ("random", "grid", "tpe")}
+BACKEND_PRUNERS = {"optuna": ("none", "median", "percentile", "asha", "hyperband"),
+                   "ray": ("none", "median", "asha", "hyperband", "pbt")}
+_SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", "budget", "resources",
+                           "lr_finder", "tracking")
+_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
+_ENCODED_RE = re.compile(r"%(?:25)*(?:2e|2f|5c)", re.I)  # %2e = '.', %2f = '/', %5c = '\', also double-encoded
+
+
+class _Section(BaseModel):
+    # strict: YAML gives real types, so "3" is not silently the int 3 and true is not 1.0.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TaskSection(_Section):
+    """Which task builds the model and the data: a built-in ``name`` or a ``target`` (module:callable)."""
+
+    name: str | None = None
+    target: str | None = None
+    model: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class ObjectiveSection(_Section):
+    metric: str = "val_acc"
+    direction: Literal["maximize", "minimize"] = "maximize"
+
+
+class SamplerSection(_Section):
+    name: Literal["tpe", "random", "grid", "cmaes", "gp", "qmc"] = "tpe"
+    seed: int | None = 0
+
+
+class PrunerSection(_Section):
+    """Early stopping of bad trials. Each option applies to some pruners only (see :meth:`options`);
+    setting one the chosen pruner ignores, to a non-default value, is an error."""
+
+    name: Literal["none", "median", "percentile", "asha", "hyperband", "pbt"] = "median"
+    warmup_epochs: int = Field(1, ge=0)  # median/percentile: never prune before this many epochs
+    percentile: float = Field(25.0, gt=0, lt=100)  # percentile: prune below this percentile
+    min_resource: int = Field(1, ge=1)  # asha/hyperband: epochs every trial gets
+    reduction_factor: int = Field(3, ge=2)  # asha/hyperband: keep 1/reduction_factor per rung
+    perturbation_interval: int = Field(2, ge=1)  # pbt: epochs between exploit/explore steps
+
+    def option_names(self, backend: str) -> tuple[str, ...]:
+        """Options the chosen pruner reads under ``backend`` (Ray's HyperBand has no min_resource)."""
+        return {"none": (), "median": ("warmup_epochs",), "percentile": ("warmup_epochs", "percentile"),
+                "asha": ("min_resource", "reduction_factor"),
+                "hyperband": ("reduction_factor",) if backend == "ray" else ("min_resource", "reduction_factor"),
+                "pbt": ("perturbation_interval",)}[self.name]
+
+    def options(self, backend: str = "optuna") -> dict[str, int | float]:
+        """The chosen pruner's options with defaults filled in, e.g. ``{"warmup_epochs": 1}``."""
+        return {k: getattr(self, k) for k in self.option_names(backend)}
+
+
+class BudgetSection(_Section):
+    n_trials: int = Field(10, ge=1)  # finished trials in total, across invocations and workers
+    timeout: float | int | str | None = None  # wall clock of this invocation; see sweeps.durations
+    max_failures: int = Field(3, ge=1)  # failures in a row before the study stops
+    trial_timeout: float | int | str | None = None  # a trial with no progress for this long is stopped
+    oom_retry_smaller_batch: bool = False  # retry a CUDA-OOM trial once at half the batch size
+
+    @field_validator("timeout", "trial_timeout", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> Any:
+        parse_duration(value)  # raises ValueError with the fix
+        return value
+
+
+class ResourcesSection(_Section):
+    devices: Literal["auto", "cpu"] | list[int] = "auto"
+    gpus_per_trial: float = Field(1.0, gt=0)
+    workers: Literal["auto"] | int = "auto"
+    cpus_per_trial: Literal["auto"] | float = "auto"
+    ray_address: str | None = None
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, v: Any) -> Any:
+        if v in ("auto", "cpu"):
+            return v
+        if (isinstance(v, list) and v and len(set(v)) == len(v)
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)):
+            return v
+        raise ValueError(f"{v!r} is not allowed; use auto, cpu, or a list of distinct GPU indices like [0, 1]")
+
+    @field_validator("gpus_per_trial", mode="after")
+    @classmethod
+    def _gpus(cls, v: float) -> float:
+        # A fraction must pack whole trials onto one GPU; above 1 a trial gets whole GPUs.
+        share_ok = v < 1 and abs(round(1 / v) * v - 1) < 1e-6
+        if not (share_ok or float(v).is_integer()):
+            raise ValueError(f"{v!r} is not allowed; use a whole number of GPUs or a fraction that divides "
+                             "one GPU evenly (0.5, 0.25, ...)")
+        return v
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError(f"{v!r} is not allowed; use auto or a number of parallel trials >= 1")
+
+    @field_validator("cpus_per_trial", mode="before")
+    @classmethod
+    def _cpus(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            return v if v == "auto" else float(v)
+        raise ValueError(f"{v!r} is not allowed; use auto or a positive number of CPU cores")
+
+
+class LrFinderSection(_Section):
+    """Study-level LR range test run once before the trials.
+
+    With ``narrow_search`` the search range of ``lr`` becomes
+    ``[suggestion / narrow_factor, suggestion * narrow_factor]`` intersected with the spec's
+    ``[low, high]`` (see :meth:`narrowed_range`); without it the curve and the suggestion are
+    only recorded.
+    """
+
+    enabled: bool = False
+    start_lr: float = Field(1.0e-7, gt=0, allow_inf_nan=False)
+    end_lr: float = Field(10.0, gt=0, allow_inf_nan=False)
+    num_steps: int = Field(100, ge=2)
+    rule: SuggestRule = "valley"
+    narrow_search: bool = True
+    narrow_factor: float = Field(10.0, gt=1, allow_inf_nan=False)
+
+    def narrowed_range(self, suggestion: float, low: float, high: float) -> tuple[float, float] | None:
+        """The narrowed ``lr`` range, or None when it does not meet ``[low, high]`` (the caller
+        must then say so and keep the spec's range or stop; it must not guess)."""
+        new_low, new_high = max(low, suggestion / self.narrow_factor), min(high, suggestion * self.narrow_factor)
+        return (new_low, new_high) if new_low <= new_high else None
+
+
+class TrackingSection(_Section):
+    uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else DEFAULT_TRACKING_URI
+    experiment: str | None = None  # default: the study name
+
+
+class StudySpec(_Section):
+    """A validated study. Build it with :func:`load_spec` or :func:`spec_from_dict`, which also
+    enforce the rules spanning several fields; constructing it directly skips those."""
+
+    name: str
+    description: str = ""
+    task: TaskSection
+    train: dict[str, Any] = Field(default_factory=dict)
+    search: dict[str, SearchParam] = Field(default_factory=dict)
+    objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
+    backend: Literal["optuna", "ray"] = "optuna"
+    sampler: SamplerSection = Field(default_factory=SamplerSection)
+    pruner: PrunerSection = Field(default_factory=PrunerSection)
+    budget: BudgetSection = Field(default_factory=BudgetSection)
+    resources: ResourcesSection = Field(default_factory=ResourcesSection)
+    lr_finder: LrFinderSection = Field(default_factory=LrFinderSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    storage: str | None = None  # default runs/<name>.journal
+    _path: Path | None = PrivateAttr(default=None)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, v: Any) -> Any:
+        if not isinstance(v, str) or not NAME_RE.match(v) or v in (".", "..") or len(v) > NAME_MAX:
+            raise ValueError(f"{v!r} is not allowed; use 1-{NAME_MAX} of A-Z a-z 0-9 _ . - (not '.' or '..'), "
+                             "e.g. lr_bs; it names the Optuna study, the MLflow experiment and files under runs/")
+        return v
+
+    @field_validator("storage", mode="before")
+    @classmethod
+    def _storage(cls, v: Any) -> Any:
+        if v is not None:
+            check_storage(v)
+        return v
+
+    # -- where things are
+    @property
+    def path(self) -> Path | None:
+        """The spec file this was loaded from (None when built from a dict)."""
+        return self._path
+
+    def storage_url(self) -> str:
+        """What Optuna opens: a journal-file path (default ``runs/<name>.journal``) or an RDB URL."""
+        return self.storage if self.storage is not None else f"runs/{self.name}.journal"
+
+    def is_rdb_storage(self) -> bool:
+        return _URL_RE.match(self.storage_url()) is not None
+
+    def journal_path(self) -> Path | None:
+        """The journal file (relative to the working directory unless absolute); None for an RDB URL."""
+        return None if self.is_rdb_storage() else Path(self.storage_url())
+
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+    def experiment_name(self) -> str:
+        return self.tracking.experiment or self.name
+
+    # -- one trial
+    def resolved_train_config(self, params: dict[str, Any] | None = None) -> TrainConfig:
+        """TrainConfig = defaults <- ``train:`` <- the sampled params that are train fields."""
+        train_params, _ = ss.split_params(params or {})
+        return apply_overrides(apply_overrides(TrainConfig(), self.train), train_params)
+
+    def task_args(self, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``task.args`` with the sampled ``task.<arg>`` params on top (``model`` too if searched)."""
+        return {**self.task.args, **ss.split_params(params or {})[1]}
+
+    def make_task(self, params: dict[str, Any] | None = None) -> "Task":
+        """Build the trial's :class:`core.tasks.Task` from the task section and sampled params."""
+        from core.tasks.base import make_task
+
+        args = self.task_args(params)
+        model = args.pop("model", self.task.model)
+        return make_task(self.task.name, target=self.task.target, model=model, args=args)
+
+    def timeout_seconds(self) -> float | None:
+        return parse_duration(self.budget.timeout)
+
+    def trial_timeout_seconds(self) -> float | None:
+        return parse_duration(self.budget.trial_timeout)
+
+    # -- identity
+    def spec_hash(self) -> str:
+        """sha256 of the canonical JSON of everything but ``description`` (tags runs with their spec)."""
+        data = self.model_dump(mode="json", exclude={"description"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def search_space_signature(self) -> dict[str, dict[str, Any]]:
+        """Canonical form of ``search``: a study resumed with a different one must be refused."""
+        return ss.signature(self.search)
+
+
+def check_storage(value: Any) -> None:
+    """Raise ValueError unless ``value`` is a safe journal path or an RDB URL Optuna can open."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{value!r} is not allowed; use a journal file path like runs/study.journal "
+                         "or an RDB URL like postgresql://user@host/db")
+    match = _URL_RE.match(value)
+    rest = match.group(2).rpartition("@")[2] if match else value  # a password may hold %2F: not a path
+    bad = ("a NUL byte" if "\x00" in value else "a backslash" if "\\" in value
+           else "a percent-encoded '.', '/' or '\\'" if _ENCODED_RE.search(rest)
+           else "a '..' component" if ".." in rest.split("/") else None)
+    if bad:
+        raise ValueError(f"{value!r} is refused: it contains {bad}; use a plain path inside the project "
+                         "such as runs/study.journal, or an absolute path without '..'")
+    if match:
+        dialect = match.group(1).split("+")[0].lower()
+        if dialect == "postgres":
+            raise ValueError(f"{value!r}: SQLAlchemy needs postgresql://, not postgres://")
+        if dialect not in RDB_DIALECTS:
+            raise ValueError(f"{value!r} is not an RDB URL Optuna can open; use a journal file path, or "
+                             f"one of {', '.join(d + '://' for d in RDB_DIALECTS)}")
+    elif value.endswith("/"):
+        raise ValueError(f"{value!r} is a folder; name the journal file, e.g. {value}study.journal")
+
+
+def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None = None) -> StudySpec:
+    """Validate a parsed spec (every rule, all problems at once). Raises SpecError."""
+    from sweeps.spec_checks import collect_problems  # imported here: it imports the models above
+
+    shown = str(path) if path is not None else "<spec>"
+    if not isinstance(data, dict):
+        raise SpecError(shown, [f"the spec is a {type(data).__name__}, not a mapping"])
+    # An empty section (`train:` with every line commented out) is YAML null: read it as "all defaults".
+    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS_WITH_DEFAULTS)}
+    spec, problems = collect_problems(data, lines or {})
+    if problems or spec is None:
+        raise SpecError(shown, problems)
+    spec._path = Path(path) if path is not None else None
+    return spec
+
+
+def load_spec(path: str | Path) -> StudySpec:
+    """Read, parse and validate a study spec file. Raises SpecError listing every problem."""
+    data, lines = load_yaml_with_lines(path)
+    return spec_from_dict(data, path, lines)
+
+
+def redact_url(url: str) -> str:
+    """``scheme://user:secret@host`` -> ``scheme://user:***@host`` (for logs and artifacts)."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def dump_spec_dict(spec: StudySpec, redact: bool = True) -> dict[str, Any]:
+    """The validated spec as plain JSON-able data, with the resolved storage, tracking URI and
+    experiment under ``resolved``; passwords in URLs are masked unless ``redact`` is False."""
+    data = spec.model_dump(mode="json")
+    data["resolved"] = {"storage": spec.storage_url(), "tracking_uri": spec.tracking_uri(),
+                        "experiment": spec.experiment_name(), "spec_hash": spec.spec_hash(),
+                        "timeout_s": spec.timeout_seconds(), "trial_timeout_s": spec.trial_timeout_seconds()}
+    if redact:
+        for section, key in (("resolved", "storage"), ("resolved", "tracking_uri"), ("tracking", "uri")):
+            if data[section].get(key):
+                data[section][key] = redact_url(data[section][key])
+        if data.get("storage"):
+            data["storage"] = redact_url(data["storage"])
+    return data

@@ -1,0 +1,379 @@
+"""Every rule of a study spec, checked in one pass so that all problems are reported at once.
+
+Called by :func:`sweeps.spec.spec_from_dict`. Two kinds of problems are collected:
+
+1. pydantic's type errors, rewritten by :mod:`sweeps.spec_messages`;
+2. the rules spanning several fields (STUDY_SPEC.md "Rules the loader enforces"): the task
+   resolves and takes the given arguments, train values type-check against TrainConfig,
+   search keys are train fields or ``task.<arg>`` and not also fixed, the objective is a
+   reported metric, the sampler/pruner run on the chosen backend, options a component
+   would ignore are refused (never a silent fallback).
+
+The cross-field rules still run when some sections failed to validate, on the sections
+that did, so one run of the loader shows the whole list.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from functools import cache
+from typing import Any, Iterator, Literal, get_args, get_origin, get_type_hints
+
+from pydantic import TypeAdapter, ValidationError
+
+from core.config import ConfigError, TrainConfig, apply_overrides, config_fields
+from core.results import EPOCH_METRICS
+from sweeps import search_space as ss
+from sweeps.search_space import CategoricalParam, FloatParam, Problem, SearchParam
+from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudySpec
+from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
+
+LOWER_IS_BETTER = ("train_loss", "val_loss", "grad_norm", "epoch_time_s", "peak_mem_mb", "skipped_steps")
+
+
+def collect_problems(data: dict[str, Any], lines: dict[tuple[str, ...], int]) -> tuple[StudySpec | None, list[str]]:
+    """Validate ``data``; returns (spec or None, every problem rendered with its line)."""
+    problems: list[Problem] = []
+    try:
+        spec = StudySpec.model_validate(data)
+        sections = {key: getattr(spec, key) for key in StudySpec.model_fields}
+    except ValidationError as exc:
+        spec = None
+        problems += pydantic_problems(exc)
+        sections = _valid_sections(data)
+    problems += cross_problems(sections)
+    rendered = [render(loc, text, lines) for loc, text in problems]
+    return spec, list(dict.fromkeys(rendered))  # drop exact repeats, keep order
+
+
+@cache
+def _adapter(annotation: Any) -> TypeAdapter:
+    return TypeAdapter(annotation)
+
+
+def _valid_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """Each section validated alone (None where invalid), so cross-field rules can still run."""
+    out: dict[str, Any] = {}
+    for key, field in StudySpec.model_fields.items():
+        if key not in data:
+            out[key] = None if field.is_required() else field.get_default(call_default_factory=True)
+            continue
+        if key == "search" and isinstance(data[key], dict):
+            params = {}
+            for name, raw in data[key].items():  # one bad parameter must not hide the others
+                if not isinstance(name, str):
+                    continue  # already reported by pydantic
+                with contextlib.suppress(ValidationError):
+                    params[name] = _adapter(SearchParam).validate_python(raw)
+            out[key] = params
+            continue
+        try:
+            out[key] = _adapter(field.annotation).validate_python(data[key])
+        except ValidationError:
+            out[key] = None
+    return out
+
+
+# ------------------------------------------------------------------------ cross-field rules
+class _TaskInfo:
+    def __init__(self, label: str, accepted: list[str] | None, hints: dict[str, Any], models: tuple[str, ...],
+                 builtin: bool) -> None:
+        self.label, self.accepted, self.hints, self.models, self.builtin = label, accepted, hints, models, builtin
+
+
+@contextlib.contextmanager
+def _no_bytecode() -> Iterator[None]:
+    # Importing a task.target must not write __pycache__ next to the user's module: loading creates no files.
+    old, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = old
+
+
+def _declared_models(factory: Any) -> tuple[str, ...]:
+    """``models`` of the Task class a factory is or declares it returns, without calling it."""
+    from core.tasks.base import Task
+
+    cls = factory
+    if not isinstance(factory, type):
+        try:
+            cls = get_type_hints(factory).get("return")
+        except Exception:  # unresolvable annotations in a user's module: no cheap check possible
+            return ()
+    return tuple(cls.models) if isinstance(cls, type) and issubclass(cls, Task) else ()
+
+
+def _task_problems(s: dict[str, Any], out: list[Problem]) -> _TaskInfo | None:
+    from core.tasks.base import TaskError, builtin_task_names, factory_arg_names, resolve_factory
+
+    task = s["task"]
+    if task is None:
+        return None
+    if (task.name is None) == (task.target is None):
+        out.append((("task",), "give exactly one of name (a built-in task: "
+                               f"{', '.join(builtin_task_names())}) or target (module:callable)"))
+        return None
+    which = "name" if task.name is not None else "target"
+    try:
+        with _no_bytecode():
+            factory = resolve_factory(task.name, task.target)
+    except TaskError as exc:
+        hint = did_you_mean(task.name, builtin_task_names()) if task.name else ""
+        loc, text = foreign(str(exc), ("task", which))
+        out.append((loc, text + hint))
+        return None
+    except Exception as exc:  # a user's module failing at import time: report, don't crash the loader
+        out.append((("task", which), f"{getattr(task, which)!r} could not be loaded: {type(exc).__name__}: {exc}"))
+        return None
+    accepted = factory_arg_names(factory)
+    try:
+        hints = get_type_hints(factory)
+    except Exception:
+        hints = {}
+    info = _TaskInfo(getattr(task, which), accepted, hints, _declared_models(factory), task.name is not None)
+    takes = ", ".join(a for a in accepted or [] if a != "model") or "no arguments"
+    for arg in task.args:
+        if arg == "model":
+            out.append((("task", "args", "model"), "set the model with task.model, not in task.args"))
+        elif accepted is not None and arg not in accepted:
+            out.append((("task", "args", arg), f"task {info.label!r} has no argument {arg!r}"
+                                               f"{did_you_mean(arg, accepted)}; it takes {takes}"))
+    # Built-in tasks check their model when built (_instantiate_checks): imagefolder takes any
+    # torchvision model, more than its `models` lists. A user's task is not built, so read `models`.
+    if not info.builtin and task.model is not None and info.models and task.model not in info.models:
+        out.append((("task", "model"), f"{task.model!r} is not offered by task {info.label!r}"
+                                       f"{did_you_mean(task.model, list(info.models))}; use one of {', '.join(info.models)}"))
+    return info
+
+
+def _representatives(p: Any) -> list[tuple[str, Any]]:
+    if isinstance(p, CategoricalParam):
+        return [("choices", c) for c in p.choices]
+    return [("low", p.low), ("high", p.high)]
+
+
+def _kind(hint: Any) -> str:
+    hint = unwrap(hint)
+    if get_origin(hint) is Literal:
+        return "literal"
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(hint, "other")
+
+
+def _type_mismatch(key: str, p: Any, hint: Any, owner: str) -> str | None:
+    """Why parameter ``p`` cannot feed a field typed ``hint`` (None when it can)."""
+    kind = _kind(hint)
+    if kind == "int" and isinstance(p, FloatParam):
+        return f"type float draws non-integers but {owner} is an integer; use type: int"
+    if kind in ("bool", "str", "literal") and not isinstance(p, CategoricalParam):
+        allowed = ", ".join(map(str, get_args(unwrap(hint)))) if kind == "literal" else kind
+        return f"type {p.type} draws numbers but {owner} takes {allowed}; use type: categorical"
+    return None
+
+
+def _instantiate_checks(s: dict[str, Any], info: _TaskInfo, out: list[Problem]) -> None:
+    """Build built-in tasks with the fixed args and each searched bound/choice: their constructors
+    are cheap and touch no data by contract, and they know their own argument ranges."""
+    from core.tasks.base import make_task
+
+    task = s["task"]
+    # Arguments already reported as unknown are left out, so the rest (model, values) still gets checked.
+    fixed = {k: v for k, v in task.args.items() if k != "model" and (info.accepted is None or k in info.accepted)}
+    attempts: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = [((), fixed, None)]
+    for key, p in (s["search"] or {}).items():
+        arg = key[len(ss.TASK_PREFIX):]
+        if key.startswith(ss.TASK_PREFIX) and (info.accepted is None or arg in info.accepted):
+            attempts += [(("search", key, which), {**fixed, arg: v}, v) for which, v in _representatives(p)]
+    for loc, args, value in attempts:
+        model = args.pop("model", task.model)
+        try:
+            make_task(task.name, model=model, args=args)
+        except Exception as exc:  # TaskError, or ValueError/TypeError from a task's own checks
+            if not loc:
+                out.append(foreign(str(exc), ("task",)))
+                return  # every searched value would fail the same way
+            out.append((loc, f"{show(value)} is refused by task {info.label!r}: {exc}"))
+
+
+def _search_problems(s: dict[str, Any], info: _TaskInfo | None, cfg: TrainConfig | None, out: list[Problem]) -> None:
+    search, train, task = s["search"] or {}, s["train"] or {}, s["task"]
+    fields = config_fields()
+    for key, p in search.items():
+        own = ss.param_problems(key, p, s["backend"] or "optuna")
+        out.extend(own)
+        at = ("search", key)
+        if key.startswith(ss.TASK_PREFIX):
+            if info is None:
+                continue
+            arg = key[len(ss.TASK_PREFIX):]
+            if info.accepted is not None and arg not in info.accepted:
+                names = [ss.TASK_PREFIX + a for a in info.accepted]
+                out.append((at, f"task {info.label!r} has no argument {arg!r}{did_you_mean(key, names)}; "
+                                f"searchable task arguments: {', '.join(names)}"))
+                continue
+            if arg in task.args or (arg == "model" and task.model is not None):
+                fixed = task.model if arg == "model" else task.args[arg]
+                place = "task.model" if arg == "model" else f"task.args.{arg}"
+                out.append((at, f"also fixed as {place} = {show(fixed)}; remove it from one of the two"))
+            if arg == "model" and not info.builtin and info.models and isinstance(p, CategoricalParam):
+                for bad in (c for c in p.choices if c not in info.models):
+                    out.append((at + ("choices",), f"{bad!r} is not offered by task {info.label!r}; "
+                                                   f"use models from {', '.join(info.models)}"))
+            problem = _type_mismatch(key, p, info.hints[arg], f"task argument {arg}") if arg in info.hints else None
+            if problem:
+                out.append((at, problem))
+            continue
+        if key not in fields:
+            names = list(fields) + [ss.TASK_PREFIX + a for a in ((info.accepted or []) if info else [])]
+            out.append((at, f"not a train-config field or task.<arg>{did_you_mean(key, names)}"))
+            continue
+        if key == "distributed":
+            out.append((at, "a nested section cannot be searched; set train.distributed instead"))
+            continue
+        if key in train:
+            out.append((at, f"also fixed in train (train.{key} = {show(train[key])}); remove it from one of the two"))
+        problem = _type_mismatch(key, p, fields[key], f"train.{key}")
+        if problem:
+            out.append((at, problem))
+            continue
+        for which, value in _representatives(p):
+            if any(loc == at + (which,) for loc, _ in own):
+                continue  # already explained (e.g. low <= 0 with log); one message per value
+            try:
+                apply_overrides(cfg or TrainConfig(), {key: value})
+            except ConfigError as exc:
+                text = re.sub(rf"^train\.{re.escape(key)}: ", "", str(exc))
+                out.append((at + (which,), f"{show(value)} is not valid for train.{key}: {text}"))
+    if info is not None and info.builtin:
+        _instantiate_checks(s, info, out)
+
+
+def _train_problems(s: dict[str, Any], out: list[Problem]) -> TrainConfig | None:
+    """Each train value on its own (so every bad one is listed), then all together."""
+    train = s["train"]
+    if train is None:
+        return None
+    fields, ok = config_fields(), True
+    for key, value in train.items():
+        try:
+            apply_overrides(TrainConfig(), {key: value})
+        except ConfigError as exc:
+            ok = False
+            loc, text = foreign(str(exc), ("train", key))
+            if isinstance(value, str) and value.lower() in BOOL_WORDS and _kind(fields.get(key)) == "bool":
+                text += " (only true and false are booleans in a study spec)"
+            out.append((loc, text))
+    if not ok:
+        return None
+    try:
+        cfg = apply_overrides(TrainConfig(), train)
+    except ConfigError as exc:
+        out.append(foreign(str(exc), ("train",)))
+        return None
+    if cfg.monitor not in EPOCH_METRICS:
+        out.append((("train", "monitor"), f"{cfg.monitor!r} is not a reported metric"
+                                          f"{did_you_mean(cfg.monitor, list(EPOCH_METRICS))}; use one of {', '.join(EPOCH_METRICS)}"))
+    return cfg
+
+
+def _objective_problems(s: dict[str, Any], out: list[Problem]) -> None:
+    obj = s["objective"]
+    if obj is None:
+        return
+    if obj.metric not in EPOCH_METRICS:
+        out.append((("objective", "metric"), f"{obj.metric!r} is not a metric the task reports"
+                                             f"{did_you_mean(obj.metric, list(EPOCH_METRICS))}; use one of {', '.join(EPOCH_METRICS)}"))
+    elif obj.metric in LOWER_IS_BETTER and "direction" not in obj.model_fields_set:
+        out.append((("objective", "direction"), f"not set, so the default maximize would maximize {obj.metric}; "
+                                                "set direction: minimize (or maximize explicitly)"))
+
+
+def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Problem]) -> None:
+    backend, sampler, pruner, search = s["backend"], s["sampler"], s["pruner"], s["search"]
+    if backend and sampler and sampler.name not in BACKEND_SAMPLERS[backend]:
+        out.append((("sampler", "name"), f"{sampler.name!r} does not run on backend {backend}; use one of "
+                                         f"{', '.join(BACKEND_SAMPLERS[backend])}, or backend: optuna"))
+    if backend and pruner and pruner.name not in BACKEND_PRUNERS[backend]:
+        other = "ray" if backend == "optuna" else "optuna"
+        out.append((("pruner", "name"), f"{pruner.name!r} does not run on backend {backend}; use one of "
+                                        f"{', '.join(BACKEND_PRUNERS[backend])}, or backend: {other}"))
+    runnable = backend is None or (sampler is not None and sampler.name in BACKEND_SAMPLERS[backend])
+    if sampler and search is not None and runnable:
+        if sampler.name == "grid":
+            out.extend(ss.grid_problems(search))
+        cats = [k for k, p in search.items() if isinstance(p, CategoricalParam)]
+        if sampler.name in ("cmaes", "qmc") and cats:
+            out.append((("sampler", "name"), f"{sampler.name!r} cannot sample categorical parameters "
+                                             f"({', '.join(cats)}): Optuna would draw them at random on the side; "
+                                             "use tpe or gp, or make them int/float"))
+    if pruner is None:
+        return
+    if pruner.name == "pbt" and backend == "ray":
+        if search is not None and not {"lr", "momentum"} & set(search):
+            out.append((("pruner", "name"), "pbt perturbs lr or momentum during training; add lr or momentum to search"))
+        if sampler and sampler.name not in ("random", "grid"):
+            out.append((("sampler", "name"), f"{sampler.name!r} cannot be combined with pruner pbt (Ray refuses a "
+                                             "search algorithm with PBT, which explores by itself); use random or grid"))
+    used = pruner.option_names(backend or "optuna")
+    for opt in ("warmup_epochs", "percentile", "min_resource", "reduction_factor", "perturbation_interval"):
+        value = getattr(pruner, opt)
+        if opt not in used and value != PrunerSection.model_fields[opt].default:
+            users = [n for n in ("median", "percentile", "asha", "hyperband", "pbt")
+                     if opt in PrunerSection(name=n).option_names(backend or "optuna")]
+            out.append((("pruner", opt), f"{show(value)} is set but pruner {pruner.name} on {backend} does not use "
+                                         f"it (it applies to {', '.join(users)}); remove it"))
+    if cfg is None or "epochs" in (search or {}):
+        return
+    limit = {"median": "warmup_epochs", "percentile": "warmup_epochs", "asha": "min_resource",
+             "hyperband": "min_resource", "pbt": "perturbation_interval"}.get(pruner.name)
+    # Only a value the user chose: the defaults (1 epoch) merely make pruning a no-op on tiny runs.
+    if limit in used and getattr(pruner, limit) != PrunerSection.model_fields[limit].default \
+            and getattr(pruner, limit) >= cfg.epochs:
+        out.append((("pruner", limit), f"{getattr(pruner, limit)} is not below train.epochs = {cfg.epochs}, so the "
+                                       f"pruner could never act; lower it, raise epochs, or use pruner: none"))
+
+
+def _resource_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Problem]) -> None:
+    res = s["resources"]
+    if res is None:
+        return
+    if s["backend"] == "optuna" and res.ray_address is not None:
+        out.append((("resources", "ray_address"), f"{res.ray_address!r} is set but backend is optuna; "
+                                                  "remove it or use backend: ray"))
+    if res.devices == "cpu" and res.gpus_per_trial != 1:
+        out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is set but devices: cpu uses no GPUs; remove it"))
+    if isinstance(res.devices, list) and res.gpus_per_trial > len(res.devices):
+        out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is more than the {len(res.devices)} "
+                                                     f"devices listed; lower it or list more devices"))
+    if cfg is not None and cfg.distributed.nproc > 1 and res.gpus_per_trial < 1:
+        out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is a GPU share but train.distributed.nproc "
+                                                     f"= {cfg.distributed.nproc}; DDP needs whole GPUs per process"))
+
+
+def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:
+    lf, search = s["lr_finder"], s["search"]
+    if lf is None:
+        return
+    if lf.end_lr <= lf.start_lr:
+        out.append((("lr_finder", "end_lr"), f"{lf.end_lr!r} is not above start_lr {lf.start_lr!r}; use end_lr > start_lr"))
+    if lf.enabled and lf.narrow_search and search is not None:
+        p = search.get("lr")
+        if p is None:
+            out.append((("lr_finder", "narrow_search"), "true but lr is not in search, so there is no range to "
+                                                        "narrow; add lr to search or set narrow_search: false"))
+        elif not isinstance(p, FloatParam):
+            out.append((("lr_finder", "narrow_search"), f"true but search.lr is type {p.type}; narrowing needs type: float"))
+
+
+def cross_problems(sections: dict[str, Any]) -> list[Problem]:
+    """The rules spanning several fields, on whichever sections validated."""
+    out: list[Problem] = []
+    info = _task_problems(sections, out)
+    cfg = _train_problems(sections, out)
+    _search_problems(sections, info, cfg, out)
+    _objective_problems(sections, out)
+    _backend_problems(sections, cfg, out)
+    _resource_problems(sections, cfg, out)
+    _lr_finder_problems(sections, out)
+    return out

@@ -1,0 +1,105 @@
+"""The study's parent MLflow run: one per study, reused when the study resumes.
+
+It holds the spec file and its hash, the git commit and package versions, the best trial
+so far (kept current after every trial) and the end-of-run summary. Both backends use it.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+from pathlib import Path
+
+from sweeps.backends.base import StudyResult
+from sweeps.spec import StudySpec, dump_spec_dict
+from sweeps.tracking import layout
+from sweeps.tracking.base import RunHandle, Tracker
+
+PACKAGES = ("torch", "torchvision", "optuna", "mlflow", "ray", "onnxruntime", "numpy", "sweeps")
+
+
+def git_commit(cwd: str | Path | None = None) -> str:
+    """HEAD of the working tree (``+dirty`` when it has uncommitted changes), or "unknown"."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def find_parent(tracker: Tracker, spec: StudySpec, study_name: str) -> RunHandle | None:
+    experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
+    return tracker.find_run(experiment_id, {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name})
+
+
+def find_or_create_parent(tracker: Tracker, spec: StudySpec, study_name: str, backend: str) -> RunHandle:
+    """The study's parent run, created on first use with the spec, commit and versions."""
+    existing = find_parent(tracker, spec, study_name)
+    if existing is not None:
+        return existing
+    experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
+    tags = {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name, layout.TAG_BACKEND: backend,
+            layout.TAG_SPEC_HASH: spec.spec_hash(), layout.TAG_GIT_COMMIT: git_commit(),
+            "mlflow.note.content": spec.description or f"Study {study_name}"}
+    parent = tracker.start_run(experiment_id, study_name, parent=None, tags=tags)
+    tracker.log_params(parent, {"objective.metric": spec.objective.metric,
+                                "objective.direction": spec.objective.direction,
+                                "sampler": spec.sampler.name, "pruner": spec.pruner.name,
+                                "n_trials": spec.budget.n_trials, "backend": backend,
+                                **{f"version.{k}": v for k, v in package_versions().items()}})
+    if spec.path is not None and Path(spec.path).is_file():
+        tracker.log_artifact(parent, spec.path, layout.ART_SPEC_DIR)
+    tracker.log_dict(parent, dump_spec_dict(spec), f"{layout.ART_SPEC_DIR}/resolved_spec.json")
+    return parent
+
+
+def update_parent_best(tracker: Tracker, parent: RunHandle, result: StudyResult) -> None:
+    """Keep the parent's best-trial tags and counts current (called after every trial)."""
+    best = result.best()
+    counts = result.counts()
+    metrics = {f"trials_{state.lower()}": float(n) for state, n in counts.items()}
+    tags = {}
+    if best is not None:
+        metrics["best_value"] = float(best.value)
+        tags = {layout.TAG_BEST_TRIAL: best.number, layout.TAG_BEST_RUN_ID: best.run_id or ""}
+    step = len(result.finished())
+    tracker.log_metrics(parent, metrics, step)
+    if tags:
+        tracker.set_tags(parent, tags)
+    tracker.flush(parent)
+
+
+def write_summary(tracker: Tracker, parent: RunHandle, result: StudyResult) -> dict:
+    best = result.best()
+    summary = {
+        "study": result.name, "backend": result.backend, "metric": result.metric, "direction": result.direction,
+        "counts": result.counts(), "stopped_reason": result.stopped_reason,
+        "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
+                                           "run_id": best.run_id},
+        "trials": [{"number": t.number, "state": t.state, "value": t.value, "params": t.params,
+                    "duration_s": t.duration_s, "run_id": t.run_id, "reason": t.reason} for t in result.trials],
+    }
+    update_parent_best(tracker, parent, result)
+    tracker.log_dict(parent, summary, layout.ART_SUMMARY)
+    return summary
+
+
+def running_children(tracker, parent_run_id: str) -> list[str]:
+    """Run ids of the parent's child runs whose MLflow status is still RUNNING."""
+    client = tracker.client
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    runs = client.search_runs([experiment_id], filter_string=(
+        f"tags.`{layout.PARENT_TAG}` = '{parent_run_id}' and attributes.status = 'RUNNING'"), max_results=1000)
+    return [r.info.run_id for r in runs]

@@ -1,0 +1,188 @@
+"""Reaching the tracking store: the fail-fast connection check run before any training,
+and ``sync_spool``, which sends what a sweep spooled while the store was down
+(``sweeps sync-tracking --uri URI --spool DIR``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from sweeps.errors import TrackingError
+from sweeps.tracking.spool import Spool, drain, is_transient
+
+log = logging.getLogger(__name__)
+
+_CHECK_TIMEOUT_S = (3.0, 5.0)  # (connect, read): an unreachable server fails in seconds
+_FIX = (
+    "Start the tracking server or point the study's tracking.uri at one that runs "
+    "(e.g. `mlflow server --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000`, "
+    "then --tracking-uri http://127.0.0.1:5000)."
+)
+
+
+# MLflow's HTTP client retries 7 times with exponential backoff and a 120 s timeout: an
+# unreachable server would stall a flush (and training) for minutes. The spool makes
+# retrying later cheap, so fail fast instead.
+_FAST_FAIL_HTTP_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+}
+
+
+def is_http_uri(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def apply_fast_fail_http_defaults() -> None:
+    """Make MLflow's HTTP client give up in seconds. MLflow reads these variables on
+    every request and has no per-client setting, so this is process-wide; setdefault
+    keeps any value the user set explicitly."""
+    for name, value in _FAST_FAIL_HTTP_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def sync_command(tracking_uri: str, spool_dir: str | Path) -> str:
+    """The command that sends a spool later; quoted in warnings and errors."""
+    return f"sweeps sync-tracking --uri {tracking_uri} --spool {spool_dir}"
+
+
+def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
+    """Raise TrackingError naming ``tracking_uri`` and the fix unless the store answers.
+
+    Called before any training starts and before a sync. For http(s) it asks the REST
+    API directly with a timeout of seconds and no retries (MLflow's own client would
+    retry for minutes); a database server gets one connection attempt with a timeout
+    (MLflow's engine setup retries for ~100 s); then one cheap query through the client.
+    """
+    if is_http_uri(tracking_uri):
+        _check_http(tracking_uri)
+        return
+    scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme in ("postgresql", "postgres", "mysql", "mssql"):
+        _check_database(tracking_uri, scheme)
+    try:
+        get_client().search_experiments(max_results=1)
+    except TrackingError:
+        raise
+    except Exception as exc:  # any error here means the store is not usable: say so now
+        raise TrackingError(
+            f"cannot use the MLflow tracking store {tracking_uri!r}: {exc}. Check the URI "
+            f"(for sqlite, that its folder can be created and written). {_FIX}"
+        ) from exc
+
+
+def _check_database(uri: str, scheme: str) -> None:
+    import sqlalchemy
+
+    connect_args = {"connect_timeout": 5} if scheme in ("postgresql", "postgres", "mysql") else {}
+    engine = sqlalchemy.create_engine(uri, connect_args=connect_args, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect():
+            pass
+    except Exception as exc:
+        raise TrackingError(
+            f"cannot connect to the database of the MLflow tracking store {uri!r}: "
+            f"{str(exc).splitlines()[0]}. Start the database or fix the URI (host, port, "
+            f"user, password, database name)."
+        ) from exc
+    finally:
+        engine.dispose()
+
+
+def _check_http(uri: str) -> None:
+    import requests
+
+    # The same credentials MLflow's client would send (its documented variables).
+    headers = {}
+    auth = None
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
+    elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
+        auth = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ.get("MLFLOW_TRACKING_PASSWORD", ""))
+    verify: bool | str = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
+        verify = False
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search"
+    try:
+        resp = requests.post(url, json={"max_results": 1}, headers=headers, auth=auth,
+                             verify=verify, timeout=_CHECK_TIMEOUT_S)
+    except requests.exceptions.RequestException as exc:
+        raise TrackingError(f"cannot reach the MLflow tracking server at {uri}: {exc}. {_FIX}") from exc
+    if resp.status_code in (401, 403):
+        raise TrackingError(
+            f"the MLflow tracking server at {uri} refused access (HTTP {resp.status_code}). Set "
+            f"MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN."
+        )
+    if resp.status_code != 200:
+        raise TrackingError(
+            f"{uri} does not answer like an MLflow tracking server (HTTP {resp.status_code} "
+            f"from {url}: {resp.text[:200]!r}). {_FIX}"
+        )
+
+
+def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> dict:
+    """Send every run's spooled writes to the store at ``tracking_uri``, oldest spool
+    first, each run's writes in order; called by ``sweeps sync-tracking``.
+
+    Raises TrackingError (before sending anything) when the store cannot be reached.
+    Returns::
+
+        {"runs": {run_id: {"metrics": n, "params": n, "tags": n, "artifacts": n,
+                           "statuses": n, "drained": bool}},
+         "totals": {"metrics": n, ...},
+         "refused": [one line per write the store refused (dropped: it never would accept it)],
+         "failed": {run_id: reason}   # run unknown to this store, or the store went
+                                      # away mid-sync: the spool is kept, run again later
+        }
+
+    Safe to run again, and safe to interrupt: progress is committed per batch.
+    """
+    from mlflow.tracking import MlflowClient
+
+    if is_http_uri(tracking_uri):
+        apply_fast_fail_http_defaults()
+    spool = Spool(spool_dir)
+    if not spool.directory.is_dir():
+        raise TrackingError(
+            f"no spool folder at {str(spool.directory)!r}: nothing to send. Pass the folder the "
+            f"sweep's warning named (the default is runs/.mlflow_spool)."
+        )
+    made: list[Any] = [client]
+
+    def get_client() -> Any:
+        if made[0] is None:
+            made[0] = MlflowClient(tracking_uri=tracking_uri)
+        return made[0]
+
+    check_store(tracking_uri, get_client)
+    client = get_client()
+    totals = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
+    result: dict[str, Any] = {"runs": {}, "totals": totals, "refused": [], "failed": {}}
+    for run_id in spool.run_ids():
+        try:
+            # A run the store does not know means the wrong --uri: every write would be
+            # refused and dropped, so keep the spool and say so instead.
+            client.get_run(run_id)
+        except Exception as exc:
+            reason = f"run {run_id} not found at {tracking_uri} ({str(exc).splitlines()[0]}): is --uri the store the sweep used?"
+            result["failed"][run_id] = reason
+            log.error("%s; its spool is kept", reason)
+            continue
+        try:
+            counts, refusals, drained = drain(spool, client, run_id)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            result["failed"][run_id] = f"{type(exc).__name__}: {exc}"
+            log.warning("sync of run %s stopped, the store failed (%s); run the sync again", run_id, exc)
+            continue
+        for key, n in counts.items():
+            totals[key] += n
+        result["runs"][run_id] = {**{k: counts.get(k, 0) for k in totals}, "drained": drained}
+        result["refused"].extend(refusals)
+        for line in refusals:
+            log.error("%s", line)
+    return result

@@ -1,0 +1,220 @@
+"""Read a study spec's YAML safely, with YAML 1.2 scalars and errors that point at a line.
+
+Used by :func:`sweeps.spec.load_spec`; anything else that reads a YAML file the user
+wrote should use :func:`load_yaml` too, so every file is read by the same rules:
+
+- Only :class:`yaml.SafeLoader` machinery is used, never ``yaml.load`` with an unsafe
+  loader: ``!!python/object...`` and every other tag that would build something other
+  than a mapping, list, string, number, boolean or null is refused with a SpecError
+  (nothing is constructed, nothing is called).
+- Plain scalars follow YAML 1.2, not PyYAML's YAML 1.1 rules, because the 1.1 rules
+  silently turn reasonable spec values into the wrong type:
+
+  ==================  ==================  =====================================
+  written             YAML 1.1 (PyYAML)   here
+  ==================  ==================  =====================================
+  ``1e-3``            the string "1e-3"   the float 0.001 (no dot needed)
+  ``1.0e3``           the string          the float 1000.0 (exponent sign optional)
+  ``no`` ``yes``      False / True        the strings "no" / "yes"
+  ``on`` ``off``      True / False        the strings "on" / "off"
+  ``1:30``            the int 90          the string "1:30" (a duration check rejects it)
+  ``010``             the int 8 (octal)   the string "010" (a type check rejects it)
+  ``2024-01-01``      a datetime.date     the string "2024-01-01"
+  ==================  ==================  =====================================
+
+  Only ``true``/``false`` (any case: True, TRUE) are booleans, so ``optimizer: no`` is
+  the string "no" and fails with "'no' is not one of sgd, adam, adamw" instead of
+  reaching the config as ``False``.
+- A key repeated in one mapping is an error (YAML says keys are unique; PyYAML would
+  keep the last one silently).
+- Syntax errors name the line and column (1-based).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.constructor import ConstructorError
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from sweeps.errors import SpecError
+
+MAX_BYTES = 1 << 20  # a spec is a few hundred bytes; anything this big is a mistake
+MAX_VALUES = 100_000  # after alias expansion: stops "billion laughs" documents and recursion
+
+_DROPPED_TAGS = {
+    "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
+    "tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:value",
+}
+# Types a spec has no use for and that are not JSON-able; refused even when tagged explicitly.
+_REFUSED_TAGS = ("binary", "set", "omap", "pairs", "timestamp", "value")
+
+Lines = dict[tuple[str, ...], int]  # field path (keys as strings) -> 1-based line
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 scalar resolution, unique keys and no exotic types."""
+
+    # Start from SafeLoader's resolvers minus the YAML 1.1 bool/int/float/timestamp ones.
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in entries if tag not in _DROPPED_TAGS]
+        for first, entries in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict:  # noqa: D401
+        if isinstance(node, MappingNode):
+            seen: dict[Any, yaml.Mark] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` merges may override; that is what they are for
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # unhashable key: SafeConstructor reports it below
+                if first is not None:
+                    raise ConstructorError(
+                        None, None,
+                        f"duplicate key {key!r} (first at line {first.line + 1}); "
+                        "each key may appear once in a mapping",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _refuse(loader: _SpecLoader, node: Node) -> Any:
+    raise ConstructorError(None, None, f"could not determine a constructor for the tag {node.tag!r}",
+                           node.start_mark)
+
+
+for _name in _REFUSED_TAGS:
+    _SpecLoader.add_constructor(f"tag:yaml.org,2002:{_name}", _refuse)
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+# Floats: a dot or an exponent (or both); `1e-3` and `1.0e3` included, unlike YAML 1.1.
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[0-9][0-9_]*[eE][-+]?[0-9]+
+                    |\.(?:inf|Inf|INF))
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+# Ints: decimal only; a leading zero is not octal and `1:30` is not base 60.
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789"))
+
+
+def _where(mark: yaml.Mark | None) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One readable line for a PyYAML error: position first, then what is wrong."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return f"not valid YAML: {exc}"
+    mark = exc.problem_mark or exc.context_mark
+    problem = exc.problem or "invalid YAML"
+    if isinstance(exc, ConstructorError) and "could not determine a constructor" in problem:
+        tag = re.search(r"'([^']*)'", problem)
+        shown = tag.group(1).replace("tag:yaml.org,2002:", "!!") if tag else "this tag"
+        return (f"{_where(mark)}: the tag {shown!r} is refused; a study spec may hold only mappings, "
+                "lists, strings, numbers, true/false and null (remove the tag)")
+    if isinstance(exc, ConstructorError):
+        return f"{_where(mark)}: {problem}"
+    if "another document" in problem:
+        return f"{_where(mark)}: a second YAML document ('---'); a spec file holds exactly one"
+    context = f" ({exc.context}, {_where(exc.context_mark)})" if exc.context and exc.context_mark else ""
+    return f"{_where(mark)}: YAML syntax error: {problem}{context}"
+
+
+def _line_map(root: Node | None) -> Lines:
+    """Field path -> line of its key (mappings) or item (lists), to point problems at the file.
+
+    An aliased node is the same object as its anchor: it is mapped once, at the anchor, so
+    repeated or recursive aliases cost nothing here (``_check_size`` refuses those later).
+    """
+    out: Lines = {}
+    seen: set[int] = set()
+    stack: list[tuple[Node | None, tuple[str, ...]]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, MappingNode):
+            for key_node, value_node in node.value:
+                if isinstance(key_node, ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    sub = path + (str(key_node.value),)
+                    out.setdefault(sub, key_node.start_mark.line + 1)
+                    stack.append((value_node, sub))
+        elif isinstance(node, SequenceNode):
+            for i, item in enumerate(node.value):
+                sub = path + (str(i),)
+                out.setdefault(sub, item.start_mark.line + 1)
+                stack.append((item, sub))
+    return out
+
+
+def _check_size(data: Any, path: str) -> None:
+    """Walk the constructed document with a budget: aliases may repeat (or recurse into) a subtree."""
+    budget = MAX_VALUES
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise SpecError(path, [f"the document expands to more than {MAX_VALUES} values "
+                                   "(YAML aliases repeating or recursing); write the spec out plainly"])
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def parse_yaml_text(text: str, path: str = "<string>") -> tuple[Any, Lines]:
+    """Parse one YAML document with the spec rules; returns (data, line map). Raises SpecError."""
+    loader = _SpecLoader(text)
+    try:
+        node = loader.get_single_node()
+        lines = _line_map(node)  # before construction: merges (`<<`) rewrite the node tree
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as exc:
+        raise SpecError(path, [_yaml_problem(exc)]) from None
+    finally:
+        loader.dispose()
+    _check_size(data, path)
+    return data, lines
+
+
+def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], Lines]:
+    """Read a spec file: a top-level mapping and the line of each key. Raises SpecError."""
+    shown = str(path)
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise SpecError(shown, ["no such file" if not p.exists() else "not a regular file"])
+        if p.stat().st_size > MAX_BYTES:
+            raise SpecError(shown, [f"the file is larger than {MAX_BYTES} bytes; a study spec is a short YAML file"])
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(shown, [f"not UTF-8 text (byte {exc.start}); save the spec as UTF-8"]) from None
+    except OSError as exc:
+        raise SpecError(shown, [f"cannot read the file: {exc.strerror or exc}"]) from None
+    data, lines = parse_yaml_text(text, shown)
+    if data is None:
+        raise SpecError(shown, ["the file is empty; a study spec is a YAML mapping with at least 'name' and 'task'"])
+    if not isinstance(data, dict):
+        raise SpecError(shown, [f"the top level is a {type(data).__name__}, not a mapping; "
+                                "a study spec starts with keys such as 'name:' and 'task:'"])
+    return data, lines
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a spec file as a plain dict (top level must be a mapping). Raises SpecError."""
+    return load_yaml_with_lines(path)[0]
