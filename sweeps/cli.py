@@ -132,7 +132,7 @@ def cmd_sync_tracking(a: argparse.Namespace) -> int:
 
     report = sync_spool(a.uri, a.spool)
     console.print(report)
-    return 0
+    return 1 if report.get("failed") or report.get("refused") else 0
 
 
 @command("repair-journal", "keep the intact records of a damaged Optuna journal file (a backup is kept)")

@@ -103,3 +103,15 @@ def running_children(tracker, parent_run_id: str) -> list[str]:
     runs = client.search_runs([experiment_id], filter_string=(
         f"tags.`{layout.PARENT_TAG}` = '{parent_run_id}' and attributes.status = 'RUNNING'"), max_results=1000)
     return [r.info.run_id for r in runs]
+
+
+def tracker_for(spec: StudySpec):
+    """The spec's tracker. With a local SQLite store (the embedded default), artifacts go
+    beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own."""
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+    uri = spec.tracking_uri()
+    root = None
+    if uri.startswith("sqlite:///"):
+        root = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
+    return MlflowTracker(uri, artifact_root=root)

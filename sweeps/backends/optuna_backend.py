@@ -26,8 +26,7 @@ from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.errors import StudyStateError
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
 from sweeps.spec import StudySpec
-from sweeps.study_run import find_or_create_parent, write_summary
-from sweeps.tracking.mlflow_tracker import MlflowTracker
+from sweeps.study_run import find_or_create_parent, tracker_for, write_summary
 
 log = logging.getLogger("sweeps")
 _PR_SET_PDEATHSIG = 1
@@ -61,7 +60,7 @@ class OptunaBackend:
     def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
         from sweeps.live import LiveView
 
-        tracker = MlflowTracker(spec.tracking_uri())
+        tracker = tracker_for(spec)
         tracker.check_connection()  # before anything is created or trained
         slots = self._plan(spec)
         with self._run_lock(spec):
@@ -125,7 +124,7 @@ class OptunaBackend:
 
         return held()
 
-    def _recover_orphans(self, spec: StudySpec, study: optuna.Study, tracker: MlflowTracker) -> list[int]:
+    def _recover_orphans(self, spec: StudySpec, study: optuna.Study, tracker) -> list[int]:
         """Journal storage with the run lock held: every RUNNING trial belongs to a process
         that died (SIGKILL, OOM killer, power). Each is failed with the reason, its MLflow
         run closed as FAILED, and its parameters requeued to resume from its checkpoint."""

@@ -22,9 +22,8 @@ from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
 from sweeps.objective import TrialSpec, run_trial, worker_name
 from sweeps.spec import StudySpec
-from sweeps.study_run import update_parent_best
+from sweeps.study_run import tracker_for, update_parent_best
 from sweeps.tracking.base import RunHandle
-from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 EXIT_OK, EXIT_MAX_FAILURES = 0, 3
 log = logging.getLogger("sweeps")
@@ -79,7 +78,7 @@ def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None
     signals = _Signals()
     study = os_.open_study(spec, worker_index=worker_index)
     since_dt = datetime.fromtimestamp(since or time.time())
-    tracker = MlflowTracker(spec.tracking_uri())
+    tracker = tracker_for(spec)
     experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
     parent_id = parent_run_id or study.user_attrs.get(os_.ATTR_PARENT_RUN)
     if parent_id is None:
