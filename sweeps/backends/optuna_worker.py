@@ -133,14 +133,15 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     if outcome.reason:
         trial.set_user_attr(os_.ATTR_REASON, outcome.reason)
 
+    exhausted = False
     if outcome.state == "COMPLETE":
-        study.tell(trial, outcome.value)
+        exhausted = _tell(study, trial, values=outcome.value)
     elif outcome.state == "PRUNED":
-        study.tell(trial, state=TrialState.PRUNED)
+        exhausted = _tell(study, trial, state=TrialState.PRUNED)
     else:
         if outcome.state == "INTERRUPTED":
             trial.set_user_attr("interrupted", True)
-        study.tell(trial, state=TrialState.FAIL)
+        exhausted = _tell(study, trial, state=TrialState.FAIL)
         frozen = study._storage.get_trial(trial._trial_id)
         if outcome.state == "INTERRUPTED":
             # Requeue the same parameters; the retry resumes from the checkpoint just saved.
@@ -150,7 +151,24 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     update_parent_best(tracker, parent, os_.study_result(spec, study))
     if outcome.state == "INTERRUPTED":
         return signals.exit_code()
+    if exhausted:
+        log.warning("the grid of search values is exhausted; this worker stops")
+        return EXIT_OK
     return None
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, **kwargs) -> bool:
+    """``study.tell``; True when the sampler says the search space is exhausted.
+
+    GridSampler calls ``study.stop()`` after the last grid point, which Optuna only allows
+    inside ``optimize``; the trial's state is stored before that (in a ``finally``)."""
+    try:
+        study.tell(trial, **kwargs)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+        return True
+    return False
 
 
 def _heartbeat(study: optuna.Study, trial: optuna.Trial, beat_file: Path | None):

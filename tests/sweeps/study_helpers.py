@@ -1,0 +1,70 @@
+"""Write tiny study specs and run the real `sweeps` CLI on them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_spec(folder: Path, name: str = "tiny", **overrides) -> Path:
+    """A digits-MLP study that trains in about a second per trial."""
+    spec = {
+        "name": name,
+        "description": "tiny test study",
+        "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
+        "train": {"epochs": 2, "batch_size": 128, "optimizer": "sgd", "scheduler": "constant",
+                  "num_workers": 0, "export_onnx": False, "seed": 0},
+        "search": {"lr": {"type": "float", "low": 0.01, "high": 0.5, "log": True}},
+        "objective": {"metric": "val_acc", "direction": "maximize"},
+        "sampler": {"name": "random", "seed": 0},
+        "pruner": {"name": "none"},
+        "budget": {"n_trials": 4, "max_failures": 3},
+        "resources": {"devices": "cpu", "workers": 1},
+        "tracking": {"uri": "sqlite:///runs/mlflow.db"},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def sweeps_env(**extra) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def run_cli(cwd: Path, *args: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sweeps.cli", *args], cwd=cwd, env=sweeps_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(cwd: Path, *args: str, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sweeps.cli", *args], cwd=cwd, env=sweeps_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def mlflow_runs(cwd: Path, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{cwd}/runs/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], max_results=1000) if exp else []
+
+
+def load_study(cwd: Path, name: str):
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = JournalStorage(JournalFileBackend(str(cwd / "runs" / f"{name}.journal")))
+    return optuna.load_study(study_name=name, storage=storage)

@@ -1,0 +1,198 @@
+"""`sweeps run` on Optuna end to end: real workers, real MLflow store, real journal storage."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, sweeps_env, write_spec
+
+pytestmark = pytest.mark.slow
+
+READBACK = r"""
+import json, sys
+from mlflow.tracking import MlflowClient
+client = MlflowClient(sys.argv[1])
+exp = client.get_experiment_by_name(sys.argv[2])
+runs = client.search_runs([exp.experiment_id], max_results=1000)
+out = []
+for r in runs:
+    arts = [a.path for a in client.list_artifacts(r.info.run_id)]
+    for top in list(arts):
+        arts += [a.path for a in client.list_artifacts(r.info.run_id, top)]
+    out.append({"id": r.info.run_id, "status": r.info.status, "tags": r.data.tags, "params": r.data.params,
+                "metrics": sorted(r.data.metrics),
+                "val_acc_steps": [m.step for m in client.get_metric_history(r.info.run_id, "val_acc")],
+                "train_loss_steps": len(client.get_metric_history(r.info.run_id, "step/train_loss")),
+                "artifacts": arts})
+print(json.dumps(out))
+"""
+
+
+def _readback(cwd, experiment):
+    proc = subprocess.run([sys.executable, "-c", READBACK, f"sqlite:///{cwd}/runs/mlflow.db", experiment],
+                          capture_output=True, text=True, env=sweeps_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_four_trials_make_one_parent_and_four_nested_children(tmp_path):
+    spec = write_spec(tmp_path, train={"export_onnx": True})
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "promote it:" in proc.stdout and "sweeps rerun" in proc.stdout
+
+    runs = _readback(tmp_path, "tiny")  # read back from a separate process
+    parents = [r for r in runs if r["tags"].get("sweeps.role") == "study"]
+    children = [r for r in runs if r["tags"].get("sweeps.role") == "trial"]
+    assert len(parents) == 1 and len(children) == 4
+    parent = parents[0]
+    assert "spec/tiny.yaml" in parent["artifacts"] and "summary/summary.json" in parent["artifacts"]
+    assert parent["tags"]["sweeps.best_trial"] in {c["tags"]["sweeps.trial_number"] for c in children}
+    for child in children:
+        assert child["tags"]["mlflow.parentRunId"] == parent["id"]
+        assert child["status"] == "FINISHED" and child["tags"]["sweeps.state"] == "COMPLETE"
+        assert child["val_acc_steps"] == [1, 2]
+        assert child["train_loss_steps"] == 2 * 12  # 1,437 training images / batch 128 = 12 steps per epoch
+        assert "train.lr" in child["params"] and "search.lr" in child["params"]
+        assert float(child["params"]["search.lr"]) == pytest.approx(float(child["params"]["train.lr"]))
+        for art in ("config/resolved_config.json", "checkpoints/best.pt", "onnx/model.onnx",
+                    "onnx/onnx_parity.json", "eval/confusion_matrix.json"):
+            assert art in child["artifacts"], (art, child["artifacts"])
+        assert child["tags"]["sweeps.onnx_parity_passed"] == "true"
+    assert sorted(int(c["tags"]["sweeps.trial_number"]) for c in children) == [0, 1, 2, 3]
+
+    # The storage is a plain Optuna journal: optuna.load_study opens it.
+    study = load_study(tmp_path, "tiny")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 4
+    assert study.best_value == max(t.value for t in study.trials)
+
+    # Running the same command again resumes: the budget is a total, so nothing more runs.
+    again = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert len(load_study(tmp_path, "tiny").trials) == 4
+    assert len([r for r in mlflow_runs(tmp_path, "tiny") if r.data.tags.get("sweeps.role") == "study"]) == 1
+
+    status = run_cli(tmp_path, "status", str(spec))
+    assert status.returncode == 0 and "COMPLETE" in status.stdout and "*" in status.stdout
+
+
+def test_pruned_trials_are_pruned_in_optuna_and_killed_in_mlflow(tmp_path):
+    # Two good learning rates first (startup trials), then hopeless ones the median pruner stops.
+    spec = write_spec(tmp_path, name="prune", train={"epochs": 4},
+                      search={"lr": {"type": "categorical", "choices": [0.3, 1.0e-6]}},
+                      sampler={"name": "grid", "seed": 0}, pruner={"name": "median", "warmup_epochs": 0},
+                      budget={"n_trials": 2})
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    # Grow the study: enqueue more hopeless and good trials in a second invocation.
+    spec = write_spec(tmp_path, name="prune", train={"epochs": 4},
+                      search={"lr": {"type": "categorical", "choices": [0.3, 1.0e-6]}},
+                      sampler={"name": "random", "seed": 1}, pruner={"name": "median", "warmup_epochs": 0},
+                      budget={"n_trials": 8})
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    study = load_study(tmp_path, "prune")
+    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    assert pruned, [(t.params, t.state.name) for t in study.trials]
+    assert all(t.params["lr"] == 1.0e-6 for t in pruned)
+    runs = {r.data.tags["sweeps.trial_number"]: r for r in mlflow_runs(tmp_path, "prune")
+            if r.data.tags.get("sweeps.role") == "trial"}
+    for t in pruned:
+        run = runs[str(t.number)]
+        assert run.info.status == "KILLED" and run.data.tags["sweeps.pruned"] == "true"
+        assert "pruned after epoch" in run.data.tags["sweeps.reason"]
+
+
+def test_two_cpu_workers_run_trials_at_the_same_time_without_lock_errors(tmp_path):
+    spec = write_spec(tmp_path, name="par", train={"epochs": 6, "batch_size": 32},
+                      budget={"n_trials": 4}, resources={"devices": "cpu", "workers": 2})
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "locked" not in out.lower() and "Traceback" not in out
+    study = load_study(tmp_path, "par")
+    trials = study.trials
+    assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
+    assert len({t.user_attrs["worker"] for t in trials}) == 2  # both workers ran trials
+    overlaps = [(a.number, b.number) for a in trials for b in trials if a.number < b.number
+                and a.datetime_start < b.datetime_complete and b.datetime_start < a.datetime_complete]
+    assert overlaps, "no two trials ran at the same time"
+
+
+def test_bad_spec_exits_2_and_creates_nothing(tmp_path):
+    spec = write_spec(tmp_path, name="bad", search={"lr": {"type": "float", "low": 0.0, "high": 1.0, "log": True}},
+                      budget={"n_trials": 0})
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = run_cli(tmp_path, "run", str(spec))
+    assert proc.returncode == 2
+    assert "search.lr" in proc.stderr and "budget.n_trials" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_unreachable_tracking_server_fails_before_training(tmp_path, free_port):
+    spec = write_spec(tmp_path, name="nosrv", tracking={"uri": f"http://127.0.0.1:{free_port}"})
+    started = time.monotonic()
+    proc = run_cli(tmp_path, "run", str(spec), timeout=120)
+    assert proc.returncode != 0
+    assert f"127.0.0.1:{free_port}" in proc.stderr
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "runs" / "nosrv.journal").exists()
+
+
+def test_changed_search_space_is_refused_unless_fresh(tmp_path):
+    spec = write_spec(tmp_path, name="chg", budget={"n_trials": 1})
+    assert run_cli(tmp_path, "run", str(spec), "--quiet").returncode == 0
+    spec = write_spec(tmp_path, name="chg", budget={"n_trials": 1},
+                      search={"lr": {"type": "float", "low": 0.001, "high": 0.5, "log": True}})
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert proc.returncode == 2 and "lr" in proc.stderr and "--fresh" in proc.stderr
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet", "--fresh")
+    assert proc.returncode == 0, proc.stderr
+    import optuna
+
+    names = sorted(s.study_name for s in optuna.get_all_study_summaries(load_study(tmp_path, "chg")._storage))
+    assert names == ["chg", "chg-v2"]  # the old study is kept
+
+
+def test_max_failures_in_a_row_stops_the_study(tmp_path):
+    (tmp_path / "broken_task.py").write_text(
+        "from core.tasks.digits import DigitsTask\n"
+        "class Broken(DigitsTask):\n"
+        "    def datasets(self):\n"
+        "        raise RuntimeError('data folder is empty')\n"
+        "def make_task(model='mlp'):\n"
+        "    return Broken(model)\n")
+    spec = write_spec(tmp_path, name="broken", task={"name": None, "target": "broken_task:make_task", "model": "mlp",
+                                                     "args": {}}, budget={"n_trials": 6, "max_failures": 2})
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=f"{tmp_path}:{sweeps_env()['PYTHONPATH']}")
+    assert proc.returncode == 1
+    assert "failed in a row" in proc.stdout + proc.stderr
+    study = load_study(tmp_path, "broken")
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]
+    assert "RuntimeError: data folder is empty" in study.trials[0].user_attrs["fail_reason"]
+    runs = [r for r in mlflow_runs(tmp_path, "broken") if r.data.tags.get("sweeps.role") == "trial"]
+    assert all(r.info.status == "FAILED" and "data folder is empty" in r.data.tags["sweeps.error"] for r in runs)
+
+
+def test_study_level_lr_finder_narrows_the_lr_range(tmp_path):
+    spec = write_spec(tmp_path, name="lrf", budget={"n_trials": 2},
+                      search={"lr": {"type": "float", "low": 1.0e-4, "high": 1.0, "log": True}},
+                      lr_finder={"enabled": True, "narrow_search": True, "narrow_factor": 3.0})
+    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    study = load_study(tmp_path, "lrf")
+    summary = study.user_attrs["lr_finder"]
+    low, high = summary["narrowed"]
+    assert low == pytest.approx(max(1e-4, summary["suggestion"] / 3)) and high == pytest.approx(
+        min(1.0, summary["suggestion"] * 3))
+    assert all(low <= t.params["lr"] <= high for t in study.trials)
+    parent = [r for r in mlflow_runs(tmp_path, "lrf") if r.data.tags.get("sweeps.role") == "study"][0]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "lr_finder")] == ["lr_finder/lr_finder.json"]
