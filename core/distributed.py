@@ -2,6 +2,7 @@
 world_size 1, where every collective is a no-op."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -46,17 +47,35 @@ class DistContext:
             dist.barrier()
 
 
-def init_from_env(backend_setting: str = "auto") -> DistContext:
+def resolve_backend(setting: str = "auto", device_setting: str = "auto") -> str:
+    """``auto`` -> NCCL when the run trains on CUDA, gloo otherwise (a CPU run on a GPU machine
+    still needs gloo: NCCL cannot reduce CPU tensors)."""
+    if setting != "auto":
+        return setting
+    on_cuda = device_setting.startswith("cuda") or (device_setting == "auto" and torch.cuda.is_available())
+    return "nccl" if on_cuda else "gloo"
+
+
+def lr_scale_factor(rule: str, world_size: int) -> float:
+    """Learning-rate multiplier for ``world_size`` processes: the global batch grows with the
+    world size, so ``linear`` (usual for SGD) multiplies by N and ``sqrt`` (usual for Adam) by sqrt(N)."""
+    if rule == "linear":
+        return float(world_size)
+    if rule == "sqrt":
+        return math.sqrt(world_size)
+    return 1.0
+
+
+def init_from_env(backend_setting: str = "auto", device_setting: str = "auto") -> DistContext:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR/PORT). Without those variables this is a 1-process context."""
+    LOCAL_RANK, MASTER_ADDR/PORT; ``core.ddp_launch`` sets the same variables). Without
+    those variables this is a 1-process context."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistContext()
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = backend_setting
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(backend_setting, device_setting)
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(local_rank)

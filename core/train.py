@@ -19,7 +19,7 @@ from torch import nn
 from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
 from core.data import make_train_loader, make_val_loader
-from core.distributed import DistContext, init_from_env, shutdown
+from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.precision import Precision
 from core.reporting import Decision, NullReporter, Reporter
@@ -49,7 +49,7 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     give bitwise-identical weights on CPU.
     """
     validate(cfg)
-    ctx = init_from_env(cfg.distributed.backend)
+    ctx = init_from_env(cfg.distributed.backend, cfg.device)
     # Only rank 0 talks to the outside; the others follow its broadcast decisions.
     reporter = (reporter or NullReporter()) if ctx.is_main else NullReporter()
     out = Path(out_dir) if out_dir is not None else None
@@ -85,7 +85,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     accum = cfg.grad_accum_steps
     steps_per_epoch = optimizer_steps_per_epoch(micro_batches, accum)
 
-    lr_scale = _lr_scale(cfg, ctx.world_size)
+    lr_scale = lr_scale_factor(cfg.distributed.lr_scale_rule, ctx.world_size)
     optimizer = build_optimizer(param_groups(model, cfg, backbone), cfg)
     if lr_scale != 1.0:
         for group in optimizer.param_groups:
@@ -118,6 +118,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             history = json.loads(state["history_json"])
             progress = state.get("progress")  # set when interrupted mid-epoch
             start_epoch = state["epoch"] + (0 if progress else 1)
+            if progress and progress.get("world_size", 1) != ctx.world_size:
+                progress = None  # another sharding: its micro-batch index means nothing here, so redo the epoch
 
     if out is not None and ctx.is_main:
         config_path = out / "config.json"
@@ -146,6 +148,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         model.train()
         skip = progress["next_batch"] if progress else 0
         loss_sum, correct, seen, train_time = (progress["sums"] if progress else (0.0, 0.0, 0.0, 0.0))
+        if not ctx.is_main:  # the checkpoint's partial sums are already summed over ranks
+            loss_sum, correct, seen = 0.0, 0.0, 0.0
         progress = None
         group_loss, group_n, grad_norm = 0.0, 0, float("nan")
         t0 = time.perf_counter()
@@ -189,13 +193,16 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             if sched_interval == "step":
                 scheduler.step()
             step += 1
+            if ctx.enabled:  # the step loss over the global batch, not rank 0's shard
+                group_loss, group_n = ctx.all_reduce_sum([group_loss, group_n], device)
             decision = reporter.report_step(step, {"train_loss": group_loss / group_n,
                                                    "lr": current_lr(optimizer), "grad_norm": grad_norm})
             group_loss, group_n = 0.0, 0
             if _agree(decision, ctx, device) is Decision.INTERRUPT:
                 train_time += time.perf_counter() - t0
+                loss_sum, correct, seen = ctx.all_reduce_sum([loss_sum, correct, seen], device)
                 if out is not None and ctx.is_main and cfg.save_checkpoints:
-                    ckpt.save_last(make_state(epoch, {"next_batch": i + 1,
+                    ckpt.save_last(make_state(epoch, {"next_batch": i + 1, "world_size": ctx.world_size,
                                                       "sums": (loss_sum, correct, seen, train_time)}), out)
                 status, reason = "interrupted", f"interrupted at step {step} (epoch {epoch}); checkpoint saved"
                 break
@@ -286,15 +293,6 @@ def _agree(decision: Decision, ctx: DistContext, device: torch.device) -> Decisi
     if not ctx.enabled:
         return decision
     return _DECISIONS[ctx.broadcast_int(_DECISIONS.index(decision), device)]
-
-
-def _lr_scale(cfg: TrainConfig, world_size: int) -> float:
-    rule = cfg.distributed.lr_scale_rule
-    if rule == "linear":
-        return float(world_size)
-    if rule == "sqrt":
-        return math.sqrt(world_size)
-    return 1.0
 
 
 def _peak_memory_mb(device: torch.device) -> float:

@@ -76,7 +76,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     spec = _load(a.spec)
     result = get_backend(spec.backend).run(spec, fresh=a.fresh, quiet=a.quiet)
-    return int(getattr(result, "exit_code", 0))
+    return result.exit_code
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
@@ -185,4 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m sweeps.cli`: run the main of the imported module, whose COMMANDS the
+    # command modules (sweeps.commands.*) register into, not this __main__ copy's.
+    from sweeps.cli import main as _main
+
+    sys.exit(_main())

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from core.config import TrainConfig, apply_overrides
+from core.ddp_launch import TaskSpec, train_distributed
+from core.distributed import lr_scale_factor
 from core.reporting import Decision
 from core.results import TrainResult
 from core.train import train
@@ -118,12 +120,25 @@ def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial:
     run = tracker.start_run(parent.experiment_id, f"trial-{trial.number}", parent=parent, tags=tags)
     flat = {f"train.{k}": v for k, v in cfg.to_dict().items() if k != "distributed"}
     flat.update({f"train.distributed.{k}": v for k, v in cfg.to_dict()["distributed"].items()})
+    # Derived, not config fields: under DDP the batch size is per process and lr may be scaled.
+    dist = cfg.distributed
+    flat["derived.global_batch_size"] = cfg.batch_size * dist.nproc * cfg.grad_accum_steps
+    if dist.lr_scale_rule != "none":
+        flat["derived.lr_scale"] = lr_scale_factor(dist.lr_scale_rule, dist.nproc)
+        flat["derived.scaled_lr"] = cfg.lr * flat["derived.lr_scale"]
     flat.update({f"task.{k}": v for k, v in spec.task_args(trial.params).items()})
     flat.update({f"task.{k}": v for k, v in (("name", spec.task.name or spec.task.target),
                                              ("model", spec.task.model)) if v is not None})
     tracker.log_params(run, {**flat, **{f"search.{k}": v for k, v in trial.params.items()}})
     tracker.log_dict(run, resolved_config(spec, trial, cfg), layout.ART_CONFIG)
     return run
+
+
+def task_spec(spec: StudySpec, params: dict) -> TaskSpec:
+    """The trial's task as a picklable recipe: every DDP rank builds its own copy from it."""
+    args = spec.task_args(params)
+    model = args.pop("model", spec.task.model)
+    return TaskSpec(name=spec.task.name, target=spec.task.target, model=model, args=args)
 
 
 def resolved_config(spec: StudySpec, trial: TrialSpec, cfg: TrainConfig) -> dict:
@@ -147,9 +162,13 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
         on_start(run)
     reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat)
     try:
-        task = spec.make_task(trial.params)
+        task = spec.make_task(trial.params)  # also checks the task section before any rank starts
         cfg = trial_config(spec, trial.params, trial.overrides)
-        result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=trial.resume)
+        if cfg.distributed.nproc > 1:  # N rank processes; this process keeps the reporter
+            result = train_distributed(task_spec(spec, trial.params), cfg, reporter=reporter,
+                                       out_dir=trial.out_dir, resume=trial.resume)
+        else:
+            result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=trial.resume)
         outcome = _outcome_of(result, run)
     except Exception as exc:  # noqa: BLE001 - a failing trial is data, not a crash of the study
         oom = _is_oom(exc)

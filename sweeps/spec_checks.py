@@ -376,4 +376,33 @@ def cross_problems(sections: dict[str, Any]) -> list[Problem]:
     _backend_problems(sections, cfg, out)
     _resource_problems(sections, cfg, out)
     _lr_finder_problems(sections, out)
+    _ray_problems(sections, out)
     return out
+
+
+def _ray_problems(s: dict[str, Any], out: list[Problem]) -> None:
+    """Options the Ray backend cannot honour (each would otherwise be silently dropped)."""
+    if s["backend"] != "ray":
+        return
+    budget, lf, sampler, search = s["budget"], s["lr_finder"], s["sampler"], s["search"]
+    if s["storage"] is not None:
+        out.append((("storage",), f"{s['storage']!r} is the Optuna storage, but backend is ray (its experiment "
+                                  "state lives in runs/ray/<name>); remove storage or use backend: optuna"))
+    if budget is not None and budget.trial_timeout is not None:
+        out.append((("budget", "trial_timeout"), f"{budget.trial_timeout!r} is not supported on backend ray; "
+                                                 "remove it or use backend: optuna"))
+    if budget is not None and budget.oom_retry_smaller_batch:
+        out.append((("budget", "oom_retry_smaller_batch"), "true is not supported on backend ray; remove it "
+                                                           "or use backend: optuna"))
+    if lf is not None and lf.enabled:
+        out.append((("lr_finder", "enabled"), "true is not supported on backend ray (the study-level LR finder "
+                                              "runs on Optuna studies); set it false or use backend: optuna"))
+    res = s["resources"]
+    if res is not None and res.ray_address is not None and isinstance(res.devices, list):
+        out.append((("resources", "devices"), f"{res.devices!r} cannot pin GPUs of a Ray cluster "
+                                              f"(ray_address {res.ray_address!r}); Ray assigns them: use auto or cpu"))
+    if sampler is not None and sampler.name == "grid" and search and budget is not None \
+            and not ss.grid_problems(search) and ss.grid_size(search) > budget.n_trials:
+        out.append((("budget", "n_trials"), f"{budget.n_trials} is below the {ss.grid_size(search)} points of the "
+                                            "grid; Ray's grid search runs every point, so raise n_trials to "
+                                            f"{ss.grid_size(search)}, shrink the grid, or use backend: optuna"))

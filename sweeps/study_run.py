@@ -45,9 +45,12 @@ def find_parent(tracker: Tracker, spec: StudySpec, study_name: str) -> RunHandle
 
 
 def find_or_create_parent(tracker: Tracker, spec: StudySpec, study_name: str, backend: str) -> RunHandle:
-    """The study's parent run, created on first use with the spec, commit and versions."""
+    """The study's parent run, created on first use with the spec, commit and versions.
+    A resumed study reopens its parent (RUNNING again until this invocation ends)."""
     existing = find_parent(tracker, spec, study_name)
     if existing is not None:
+        tracker.client.update_run(existing.run_id, status="RUNNING")
+        tracker.set_tags(existing, {layout.TAG_GIT_COMMIT: git_commit()})
         return existing
     experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
     tags = {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name, layout.TAG_BACKEND: backend,
@@ -79,6 +82,14 @@ def update_parent_best(tracker: Tracker, parent: RunHandle, result: StudyResult)
     if tags:
         tracker.set_tags(parent, tags)
     tracker.flush(parent)
+
+
+def parent_status(result: StudyResult, exit_code: int) -> str:
+    """FINISHED when the invocation ended normally (budget met or timeout), KILLED after a
+    signal, FAILED when it stopped on errors (max_failures, crashed workers)."""
+    if exit_code in (130, 143):
+        return "KILLED"
+    return "FINISHED" if exit_code == 0 else "FAILED"
 
 
 def write_summary(tracker: Tracker, parent: RunHandle, result: StudyResult) -> dict:

@@ -30,6 +30,7 @@ class StudyResult:
     trials: list[TrialRecord]
     parent_run_id: str | None = None
     stopped_reason: str = ""  # why `run` stopped early (max_failures, timeout, signal), else ""
+    exit_code: int = 0  # what `sweeps run` exits with (130/143 after a signal)
 
     def finished(self) -> list[TrialRecord]:
         return [t for t in self.trials if t.state in ("COMPLETE", "PRUNED")]

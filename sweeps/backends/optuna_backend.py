@@ -26,7 +26,7 @@ from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.errors import StudyStateError
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
 from sweeps.spec import StudySpec
-from sweeps.study_run import find_or_create_parent, tracker_for, write_summary
+from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, write_summary
 
 log = logging.getLogger("sweeps")
 _PR_SET_PDEATHSIG = 1
@@ -81,9 +81,9 @@ class OptunaBackend:
                                                               storage=os_.open_storage(spec)))
             result.stopped_reason = stopped
             write_summary(tracker, parent, result)
-            tracker.flush()
+            tracker.end_run(parent, parent_status(result, code))
             view.finish(result)
-        result.exit_code = code  # type: ignore[attr-defined]
+        result.exit_code = code
         return result
 
     def _plan(self, spec: StudySpec) -> list[WorkerSlot]:

@@ -173,8 +173,12 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
         name = f"{spec.name}-v{version}"
     name = name or spec.name
     direction = spec.objective.direction
-    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction=direction,
-                                sampler=make_sampler(spec, worker_index), pruner=make_pruner(spec))
+    if create:
+        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction=direction,
+                                    sampler=make_sampler(spec, worker_index), pruner=make_pruner(spec))
+    else:  # read-only: create_study(load_if_exists) would append a create record to a journal
+        study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(spec, worker_index),
+                                  pruner=make_pruner(spec))
     stored = study.user_attrs.get(ATTR_SEARCH)
     wanted = ss.signature(spec.search)
     if stored is None and create:

@@ -1,0 +1,213 @@
+"""Tables of one study, built from the study storage (``Backend.load``) and MLflow.
+
+Every figure of the report is drawn from these tables, and ``sweeps status --format``
+prints :func:`trials_table`; so tests check numbers here, not pixels. The tables that need
+only the :class:`~sweeps.backends.base.StudyResult` live in this module; the two read from
+MLflow (learning curves, LR-finder curve) live in :mod:`dashboards.mlflow_tables`.
+
+Conventions: one row per trial (or per trial and epoch), sorted by trial number; a trial's
+``value`` is the study's value (for a pruned trial, the best value it reached before it
+was stopped); "best" means the best COMPLETE trial, as in ``StudyResult.best``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from sweeps.backends.base import StudyResult
+
+STATE_ORDER = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
+FINISHED_STATES = ("COMPLETE", "PRUNED", "FAIL")
+TRIAL_COLUMNS = ("number", "state", "value")  # then one column per parameter, then TRIAL_TAIL
+TRIAL_TAIL = ("duration_s", "run_id", "is_best", "reason")
+IMPORTANCE_MIN_TRIALS = 2  # fANOVA needs at least two completed trials with a finite value
+
+
+@dataclass
+class StudyTables:
+    """Everything the report draws. ``param_names`` is the order of the parameter columns;
+    ``param_kinds`` says how to draw each axis: ``log``, ``linear`` or ``categorical``."""
+
+    study: str
+    backend: str
+    metric: str
+    direction: str
+    param_names: list[str]
+    param_kinds: dict[str, str]
+    trials: pd.DataFrame
+    best_so_far: pd.DataFrame
+    state_counts: pd.DataFrame
+    importances: pd.DataFrame
+    curves: pd.DataFrame
+    lr_finder: pd.DataFrame
+    lr_finder_info: dict[str, Any] = field(default_factory=dict)  # rule, suggestion, narrowed; {} if none
+    importance_note: str = ""  # why the importances table is empty, when it is
+
+    def best_row(self) -> pd.Series | None:
+        best = self.trials[self.trials["is_best"]]
+        return None if best.empty else best.iloc[0]
+
+
+def param_names(result: StudyResult, search: dict | None = None) -> list[str]:
+    """The spec's search keys in spec order, then any other key a trial carries (sorted)."""
+    names = list(search or {})
+    extra = sorted({k for t in result.trials for k in t.params} - set(names))
+    return names + extra
+
+
+def param_kinds(search: dict | None, names: list[str], trials: pd.DataFrame | None = None) -> dict[str, str]:
+    """``log`` | ``linear`` | ``categorical`` per parameter (from the spec; guessed from the values
+    of a parameter the spec does not name: numbers are linear, anything else categorical)."""
+    out: dict[str, str] = {}
+    for name in names:
+        p = (search or {}).get(name)
+        if p is not None:
+            out[name] = "categorical" if p.type == "categorical" else ("log" if p.log else "linear")
+        elif trials is not None and name in trials and pd.api.types.is_numeric_dtype(trials[name]):
+            out[name] = "linear"
+        else:
+            out[name] = "categorical"
+    return out
+
+
+def trials_table(result: StudyResult, search: dict | None = None) -> pd.DataFrame:
+    """One row per trial: number, state, value, one column per parameter, duration_s, run_id,
+    is_best (the best COMPLETE trial), reason (why it failed or was pruned, when known)."""
+    names = param_names(result, search)
+    best = result.best()
+    rows = []
+    for t in sorted(result.trials, key=lambda t: t.number):
+        row: dict[str, Any] = {"number": t.number, "state": t.state, "value": _float(t.value)}
+        row.update({name: t.params.get(name) for name in names})
+        row.update({"duration_s": _float(t.duration_s), "run_id": t.run_id,
+                    "is_best": best is not None and t.number == best.number, "reason": t.reason or ""})
+        rows.append(row)
+    columns = [*TRIAL_COLUMNS, *names, *TRIAL_TAIL]
+    df = pd.DataFrame(rows, columns=columns)
+    return df.astype({"number": "int64", "value": "float64", "duration_s": "float64", "is_best": "bool"})
+
+
+def table_records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows as plain JSON-able dicts: numpy scalars as Python numbers (full precision), NaN as None."""
+    out = []
+    for row in df.to_dict(orient="records"):
+        clean = {}
+        for key, value in row.items():
+            if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+                value = value.item()
+            if isinstance(value, float) and math.isnan(value):
+                value = None
+            clean[str(key)] = value
+        out.append(clean)
+    return out
+
+
+def ranked_trials(trials: pd.DataFrame, direction: str) -> pd.DataFrame:
+    """``trials`` as ``sweeps status`` lists them: COMPLETE trials best first, then the rest by number."""
+    complete = trials[(trials["state"] == "COMPLETE") & trials["value"].notna()]
+    complete = complete.sort_values(["value", "number"], ascending=[direction != "maximize", True])
+    rest = trials.drop(index=complete.index).sort_values("number")
+    return pd.concat([complete, rest]).reset_index(drop=True)
+
+
+def best_so_far_table(trials: pd.DataFrame, direction: str) -> pd.DataFrame:
+    """One row per finished trial (by number): its value and the best COMPLETE value up to and
+    including it (NaN before the first COMPLETE trial). Monotone in the study direction."""
+    done = trials[trials["state"].isin(FINISHED_STATES)].sort_values("number")
+    complete = done["value"].where(done["state"] == "COMPLETE")
+    running = complete.cummax() if direction == "maximize" else complete.cummin()
+    return pd.DataFrame({"number": done["number"].to_numpy(), "state": done["state"].to_numpy(),
+                         "value": done["value"].to_numpy(), "best_so_far": running.ffill().to_numpy()})
+
+
+def state_counts_table(trials: pd.DataFrame) -> pd.DataFrame:
+    """One row per state present: count, total and mean duration (seconds)."""
+    rows = []
+    known = [s for s in STATE_ORDER if s in set(trials["state"])]
+    others = sorted(set(trials["state"]) - set(STATE_ORDER))
+    for state in known + others:
+        sub = trials[trials["state"] == state]
+        rows.append({"state": state, "count": len(sub), "total_duration_s": float(sub["duration_s"].sum()),
+                     "mean_duration_s": float(sub["duration_s"].mean()) if sub["duration_s"].notna().any()
+                     else math.nan})
+    return pd.DataFrame(rows, columns=["state", "count", "total_duration_s", "mean_duration_s"]).astype(
+        {"count": "int64"})
+
+
+def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -> tuple[pd.DataFrame, str]:
+    """(param, importance) by fANOVA, most important first, summing to 1; and a note saying why
+    the table is empty when it is.
+
+    The importances are computed on an in-memory Optuna study rebuilt from the COMPLETE trials
+    (with the spec's distributions), so they are the same whichever backend ran the study."""
+    import optuna
+    from optuna.importance import FanovaImportanceEvaluator, get_param_importances
+
+    from sweeps.search_space import optuna_distributions
+
+    empty = pd.DataFrame({"param": pd.Series(dtype="str"), "importance": pd.Series(dtype="float64")})
+    if not search:
+        return empty, "the study searched no parameters"
+    dists = optuna_distributions(search)
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created in memory" line
+    try:
+        rebuilt = optuna.create_study(direction=result.direction, sampler=optuna.samplers.RandomSampler(seed=seed))
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    used = 0
+    for t in result.trials:
+        if t.state != "COMPLETE" or t.value is None or not math.isfinite(t.value) or set(t.params) != set(dists):
+            continue
+        try:
+            frozen = optuna.trial.create_trial(params=t.params, distributions=dists, value=float(t.value))
+        except ValueError:  # a value outside the spec's current range (the spec changed): not comparable
+            continue
+        rebuilt.add_trial(frozen)
+        used += 1
+    if used < IMPORTANCE_MIN_TRIALS:
+        return empty, (f"parameter importances need at least {IMPORTANCE_MIN_TRIALS} completed trials; "
+                       f"this study has {used}")
+    scores = get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=seed))
+    df = pd.DataFrame({"param": list(scores), "importance": [float(v) for v in scores.values()]})
+    return df.sort_values(["importance", "param"], ascending=[False, True]).reset_index(drop=True), ""
+
+
+def top_two_params(tables: StudyTables) -> list[str]:
+    """lr and batch_size when both were searched, else the two most important parameters
+    (spec order when importances are unknown). Fewer when fewer were searched."""
+    names = tables.param_names
+    if "lr" in names and "batch_size" in names:
+        return ["lr", "batch_size"]
+    ranked = list(tables.importances["param"]) if not tables.importances.empty else []
+    ordered = [p for p in ranked if p in names] + [p for p in names if p not in ranked]
+    return ordered[:2]
+
+
+def _float(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def build_tables(result: StudyResult, search: dict | None = None, client: Any = None,
+                 epoch_metrics: tuple[str, ...] | None = None) -> StudyTables:
+    """Every table of the report. ``client`` (an ``MlflowClient``) reads the learning curves and
+    the LR-finder curve; without it the curves come from the study's intermediate values and
+    the LR-finder table is empty."""
+    from dashboards import mlflow_tables as mt
+
+    names = param_names(result, search)
+    trials = trials_table(result, search)
+    importances, note = importances_table(result, search)
+    metrics = epoch_metrics or mt.curve_metrics(result.metric)
+    curves = mt.curves_table(result, client, metrics)
+    lr_df, lr_info = mt.lr_finder_table(client, result.parent_run_id) if client is not None \
+        else (mt.empty_lr_finder(), {})
+    return StudyTables(study=result.name, backend=result.backend, metric=result.metric,
+                       direction=result.direction, param_names=names,
+                       param_kinds=param_kinds(search, names, trials), trials=trials,
+                       best_so_far=best_so_far_table(trials, result.direction),
+                       state_counts=state_counts_table(trials), importances=importances, curves=curves,
+                       lr_finder=lr_df, lr_finder_info=lr_info, importance_note=note)

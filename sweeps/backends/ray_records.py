@@ -1,0 +1,197 @@
+"""A Ray Tune experiment on disk, read as the backend-neutral :class:`StudyResult`.
+
+Where things are (relative to the working directory, like Optuna's journal):
+``runs/ray/<study>/`` the Ray experiment (``storage_path`` + ``name``), ``runs/ray/<study>.study.json``
+what sweeps keeps beside it (parent MLflow run, search space, budget), ``runs/<study>/trial-NNNN/``
+the trial folders (checkpoints, ONNX), exactly as under Optuna. ``--fresh`` starts
+``<study>-v2``, ``-v3``, ... and keeps the old ones.
+
+State mapping (each Ray trial -> one TrialRecord, ``number`` = creation order):
+  last result has ``sweeps_done``      -> its state (COMPLETE, or PRUNED for a diverged trial)
+  TERMINATED without it                -> PRUNED: the scheduler stopped it before its last epoch
+  ERROR                                -> FAIL (retried ``budget.max_failures`` times first)
+  RUNNING / PAUSED                     -> RUNNING while a driver runs the study, else WAITING
+  PENDING                              -> WAITING
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.backends.ray_trainable import (R_DONE, R_NUMBER, R_REASON, R_RUN_ID, R_STATE, R_VALUE,
+                                           TAG_RAY_TRIAL_ID, number_of)
+from sweeps.errors import StudyStateError
+from sweeps.spec import StudySpec
+from sweeps.tracking import layout
+
+RAY_DIR = Path("runs") / "ray"
+
+
+# ---- where ---------------------------------------------------------------------------------------
+def ray_root() -> Path:
+    return RAY_DIR.resolve()
+
+
+def meta_path(study_name: str) -> Path:
+    return ray_root() / f"{study_name}.study.json"
+
+
+def lock_path(study_name: str) -> Path:
+    return ray_root() / f"{study_name}.runlock"
+
+
+def versions(spec: StudySpec) -> list[tuple[int, str]]:
+    """Studies of this spec that exist: ``(1, name)``, ``(2, name-v2)``, ..."""
+    found = []
+    root = ray_root()
+    if not root.is_dir():
+        return found
+    for meta in root.glob("*.study.json"):
+        study = meta.name[: -len(".study.json")]
+        if study == spec.name:
+            found.append((1, study))
+        m = re.fullmatch(re.escape(spec.name) + r"-v(\d+)", study)
+        if m:
+            found.append((int(m.group(1)), study))
+    return sorted(found)
+
+
+def current_study_name(spec: StudySpec) -> str | None:
+    found = versions(spec)
+    return found[-1][1] if found else None
+
+
+def read_meta(study_name: str) -> dict | None:
+    path = meta_path(study_name)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_meta(study_name: str, meta: dict) -> None:
+    from core.io_utils import save_json_atomic
+
+    path = meta_path(study_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_json_atomic(meta, path)
+
+
+def driver_running(study_name: str) -> bool:
+    """Whether a ``sweeps run`` holds the study's run lock now."""
+    path = lock_path(study_name)
+    if not path.exists():
+        return False
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return False
+
+
+# ---- records -------------------------------------------------------------------------------------
+def trial_number(trial) -> int:
+    name = getattr(trial, "custom_trial_name", None) or ""
+    if name.startswith("trial-"):
+        return number_of(name)
+    result = trial.last_result or {}
+    return int(result.get(R_NUMBER, -1))
+
+
+def record_of(trial, spec: StudySpec, rows: Iterable[dict], live: bool) -> TrialRecord:
+    """One Ray trial (live or loaded from the experiment state) as a TrialRecord.
+    ``rows`` are the trial's reported results in order (for the per-epoch values)."""
+    metric, maximize = spec.objective.metric, spec.objective.direction == "maximize"
+    intermediate: dict[int, float] = {}
+    for row in rows:
+        epoch, value = row.get("epoch"), row.get(metric)
+        if epoch and _finite(value) and not row.get("__duplicate__"):
+            intermediate[int(epoch)] = float(value)
+    last = trial.last_result or {}
+    status = trial.status
+    reason = ""
+    if last.get(R_DONE):
+        state, reason = str(last.get(R_STATE)), str(last.get(R_REASON) or "")
+    elif status == "TERMINATED":
+        state = "PRUNED"
+        if intermediate:
+            reason = f"stopped early by the scheduler after epoch {max(intermediate)}"
+    elif status == "ERROR":
+        state = "FAIL"
+    elif status in ("RUNNING", "PAUSED"):
+        state = "RUNNING" if live else "WAITING"
+    else:
+        state = "WAITING"
+    value = last.get(R_VALUE) if last.get(R_DONE) else None
+    if not _finite(value):
+        value = (max if maximize else min)(intermediate.values()) if intermediate else None
+    total = last.get("time_total_s")
+    started = last.get("timestamp") - total if last.get("timestamp") and total else None
+    params = {k: trial.config[k] for k in spec.search if k in (trial.config or {})}
+    return TrialRecord(number=trial_number(trial), state=state, params=params,
+                       value=None if value is None else float(value), duration_s=total,
+                       run_id=last.get(R_RUN_ID) or None, intermediate=intermediate, reason=reason,
+                       started=started)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def study_result(spec: StudySpec, study_name: str, records: list[TrialRecord],
+                 parent_run_id: str | None) -> StudyResult:
+    return StudyResult(name=study_name, backend="ray", direction=spec.objective.direction,
+                       metric=spec.objective.metric, trials=sorted(records, key=lambda t: t.number),
+                       parent_run_id=parent_run_id)
+
+
+def load_result(spec: StudySpec, study_name: str, tracker=None, live: bool = False) -> StudyResult:
+    """The study as stored: Ray's experiment state plus sweeps' meta file; run ids and
+    failure reasons filled in from MLflow when it answers. Never writes."""
+    from ray.tune import ExperimentAnalysis
+
+    meta = read_meta(study_name) or {}
+    path = ray_root() / study_name
+    try:
+        analysis = ExperimentAnalysis(str(path))
+    except (ValueError, FileNotFoundError):
+        return study_result(spec, study_name, [], meta.get("parent_run_id"))  # created, no trial yet
+    live = live or driver_running(study_name)
+    records = []
+    for trial in analysis.trials:
+        frame = analysis.trial_dataframes.get(trial.trial_id)
+        rows = frame.to_dict("records") if frame is not None and len(frame) else []
+        records.append(record_of(trial, spec, rows, live))
+        records[-1].ray_trial_id = trial.trial_id  # type: ignore[attr-defined]
+    result = study_result(spec, study_name, records, meta.get("parent_run_id"))
+    if tracker is not None and result.parent_run_id:
+        fill_from_mlflow(tracker, result)
+    return result
+
+
+def trial_runs(tracker, parent_run_id: str) -> dict[str, Any]:
+    """The parent's trial runs by Ray trial id (newest first wins)."""
+    client = tracker.client
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{layout.PARENT_TAG}` = '{parent_run_id}'",
+                              max_results=5000, order_by=["attributes.start_time ASC"])
+    return {r.data.tags[TAG_RAY_TRIAL_ID]: r for r in runs if TAG_RAY_TRIAL_ID in r.data.tags}
+
+
+def fill_from_mlflow(tracker, result: StudyResult) -> None:
+    """Run ids of trials that never reported (failed at start) and the failure reasons."""
+    try:
+        runs = trial_runs(tracker, result.parent_run_id)
+    except Exception:  # noqa: BLE001 - the table still shows without MLflow
+        return
+    for t in result.trials:
+        run = runs.get(getattr(t, "ray_trial_id", None))
+        if run is None:
+            continue
+        t.run_id = t.run_id or run.info.run_id
+        if t.state == "FAIL" and not t.reason:
+            t.reason = run.data.tags.get(layout.TAG_ERROR, "")

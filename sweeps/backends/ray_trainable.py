@@ -1,0 +1,374 @@
+"""The Ray Tune trainable: one Ray trial = one ``sweeps.objective.run_trial`` call.
+
+Runs inside a Ray actor. The MLflow layout, params, artifacts and status mapping are
+``run_trial``'s, exactly as under Optuna; this module only adds what Ray needs:
+
+- the trial's number: Ray names each trial ``trial-<N>`` (:class:`TrialNamer`, creation order);
+- pruning: ``should_prune`` calls ``tune.report`` with the epoch's objective and a checkpoint.
+  When Ray takes the trial off its actor (a scheduler STOP or PAUSE, the end of the
+  experiment), ``tune.report`` raises ``SystemExit`` in this thread: the trial stops as
+  "pruned" and its MLflow run is closed KILLED + ``sweeps.pruned``. The driver reads the
+  final Ray states after the fit and corrects the few runs that were not really pruned
+  (paused ones resume and reopen their run; interrupted ones are marked so);
+- the last epoch is reported *after* ``run_trial`` returned (with ``sweeps_done``), so a
+  scheduler decision at ``max_t`` can never cut the end-of-run evaluation and ONNX export;
+- checkpoints: each epoch's ``last.pt`` and ``best.pt`` go to Ray (``tune.Checkpoint``); a
+  retried, restored, resumed or PBT-exploiting trial gets them back into its folder and
+  resumes with ``resume=True``;
+- one MLflow run per Ray trial: a trial that starts again (retry, pause, driver restart)
+  continues its own run (:class:`ContinuingTracker`) instead of opening a second one;
+- PBT: the exploit copies the better trial's checkpoint; the new ``lr`` (and ``momentum``)
+  are applied by rescaling the optimizer and scheduler state in ``last.pt`` before resuming,
+  so the schedule keeps its shape at the new scale (a constant schedule trains at exactly
+  the new ``lr``). MLflow keeps the params the trial started with; each exploit is recorded
+  in the tags ``sweeps.pbt_params`` and ``sweeps.pbt_from``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sweeps.spec import StudySpec
+from sweeps.tracking import layout
+from sweeps.tracking.base import RunHandle
+
+CKPT_META = "sweeps_checkpoint.json"
+TAG_RAY_TRIAL_ID = "sweeps.ray_trial_id"
+TAG_RAY_NODE = "sweeps.ray_node"
+# Result keys the trainable adds to Ray's results (the driver and `load` read them back).
+R_NUMBER, R_RUN_ID, R_DONE, R_STATE, R_VALUE, R_REASON = (
+    "sweeps_number", "sweeps_run_id", "sweeps_done", "sweeps_state", "sweeps_value", "sweeps_reason")
+R_OBJECTIVE = "sweeps_objective"  # best objective so far: what the searcher (TPE) learns from
+STOP_WAIT_S = 120.0  # how long an actor being stopped waits for its trial to close its MLflow run
+_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lrs", "_last_lr", "eta_min")
+
+
+class TrialNamer:
+    """``trial_name_creator``: ``trial-<N>``, N counting trials in creation order from 0.
+
+    Ray numbers each experiment's trials in ``experiment_tag`` (from 0 under
+    BasicVariantGenerator, from 1 under a Searcher such as OptunaSearch) and keeps the
+    counter in its experiment state, so numbers stay unique when the study is restored."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+
+    def __call__(self, trial) -> str:
+        return f"trial-{int(str(trial.experiment_tag).split('_')[0]) - self.first}"
+
+
+def trial_dirname(trial) -> str:
+    """``trial_dirname_creator``: short folder names (Ray's default embeds every param)."""
+    return f"{trial.custom_trial_name or 'trial'}-{trial.trial_id}"
+
+
+def number_of(trial_name: str) -> int:
+    return int(trial_name.rsplit("-", 1)[-1])
+
+
+@dataclass
+class TrialContext:
+    """What every trial needs from the driver; pickled into the trainable."""
+
+    spec: StudySpec  # with an absolute tracking URI (actors may run elsewhere)
+    study_name: str
+    parent: RunHandle
+    trials_dir: str  # absolute runs/<study>/: trial-NNNN folders, as under Optuna
+    cwd: str  # the driver's working directory: relative paths in the spec mean the same
+    threads: int  # torch threads per trial (the trial's CPU share)
+
+
+class WaitForTrialThread:
+    """Mixin for Ray's function-trainable actor (``__mixins__``): when Ray stops or reuses
+    the actor, wait for the trial thread to finish (it closes its MLflow run after
+    ``tune.report`` raised ``SystemExit``) instead of letting the actor exit under it."""
+
+    def cleanup(self):
+        _join_trial_thread()
+        return super().cleanup()
+
+    def reset_config(self, new_config):
+        _join_trial_thread()
+        return super().reset_config(new_config)
+
+
+def _join_trial_thread() -> None:
+    from ray.train._internal.session import get_session
+
+    session = get_session()
+    if session is not None and session.training_started and session.training_thread.is_alive():
+        session.finish(timeout=STOP_WAIT_S)
+
+
+def make_trainable(ctx: TrialContext):
+    """The function trainable given to ``tune.Tuner`` (and to ``Tuner.restore``)."""
+
+    def sweeps_trial(config: dict) -> None:
+        run_ray_trial(config, ctx)
+
+    sweeps_trial.__mixins__ = (WaitForTrialThread,)
+    return sweeps_trial
+
+
+# ---- one trial -----------------------------------------------------------------------------------
+_TRACKERS: dict[str, Any] = {}  # one tracker per actor process (actors are reused between trials)
+_TRACKERS_LOCK = threading.Lock()
+
+
+def _tracker(spec: StudySpec):
+    from sweeps.study_run import tracker_for
+
+    with _TRACKERS_LOCK:
+        uri = spec.tracking_uri()
+        if uri not in _TRACKERS:
+            _TRACKERS[uri] = tracker_for(spec)
+        return _TRACKERS[uri]
+
+
+def run_ray_trial(config: dict, ctx: TrialContext) -> None:
+    import torch
+    from ray import tune
+
+    from sweeps.objective import TrialSpec, run_trial, trial_config
+
+    spec = ctx.spec
+    if os.path.isdir(ctx.cwd):
+        os.chdir(ctx.cwd)
+    elif _is_local_store(spec.tracking_uri()):
+        raise RuntimeError(f"this node ({socket.gethostname()}) does not have the driver's folder {ctx.cwd}, so it "
+                           f"cannot write to the local MLflow store {spec.tracking_uri()!r}; on a multi-machine "
+                           "cluster set tracking.uri to an MLflow server (http://...)")
+    torch.set_num_threads(ctx.threads)
+    context = tune.get_context()
+    trial_id, number = context.get_trial_id(), number_of(context.get_trial_name())
+    params = {k: config[k] for k in spec.search if k in config}
+    out_dir = Path(ctx.trials_dir) / f"trial-{number:04d}"
+    epochs = trial_config(spec, params).epochs
+    tags: dict[str, Any] = {TAG_RAY_TRIAL_ID: trial_id, TAG_RAY_NODE: node_description()}
+
+    checkpoint = tune.get_checkpoint()
+    resume = False
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            donor = restore_checkpoint(Path(folder), out_dir, params)
+        if donor is not None and donor.get("final") and donor["trial_id"] == trial_id:
+            # Finished before the driver died (Ray had not recorded it yet): report, don't rerun.
+            tune.report(donor["final"])
+            return
+        resume = True
+        if donor is not None and (donor["trial_id"] != trial_id or donor["params"] != params):
+            tags.update({"sweeps.pbt_params": json.dumps(params), "sweeps.pbt_from": donor["number"]})
+    else:
+        _clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
+
+    base = _tracker(spec)
+    existing = base.find_run(ctx.parent.experiment_id, {layout.PARENT_TAG: ctx.parent.run_id,
+                                                        TAG_RAY_TRIAL_ID: trial_id})
+    tracker = ContinuingTracker(base, existing)
+    objective, maximize = spec.objective.metric, spec.objective.direction == "maximize"
+    state = {"stopped": False, "best": None, "run_id": existing.run_id if existing else None}
+
+    def base_metrics(epoch: int, value: float) -> dict:
+        best = state["best"]
+        if best is None or (value > best if maximize else value < best):
+            state["best"] = best = value
+        return {"epoch": epoch, objective: value, R_OBJECTIVE: best, R_NUMBER: number,
+                R_RUN_ID: state["run_id"] or ""}
+
+    def should_prune(epoch: int, value: float) -> bool:
+        metrics = base_metrics(epoch, value)
+        if epoch >= epochs:
+            return False  # reported once the trial has finished (below)
+        try:
+            report_with_checkpoint(metrics, out_dir, trial_id, number, params)
+        except SystemExit:
+            # Ray took the trial off this actor (scheduler STOP/PAUSE or the experiment ended).
+            state["stopped"] = True
+            return True
+        return False
+
+    def on_start(run: RunHandle) -> None:
+        state["run_id"] = run.run_id
+
+    trial = TrialSpec(number, params, out_dir, resume=resume, tags=tags)
+    outcome = run_trial(spec, tracker, ctx.parent, trial, "ray", should_prune, threading.Event(),
+                        on_start=on_start)
+    if state["stopped"]:
+        raise SystemExit(0)  # Ray's runner thread treats this as a clean stop
+    if outcome.state in ("FAIL", "INTERRUPTED"):
+        # Ray retries the trial from its latest checkpoint (FailureConfig), then marks it ERROR.
+        raise RuntimeError(f"trial {number} failed: {outcome.reason}")
+    history = outcome.result.history if outcome.result is not None else []
+    last = history[-1] if history else None
+    metrics = base_metrics(last["epoch"], last[objective]) if last else {
+        "epoch": 0, objective: math.nan, R_OBJECTIVE: math.nan, R_NUMBER: number, R_RUN_ID: state["run_id"] or ""}
+    metrics.update({R_DONE: 1, R_STATE: outcome.state, R_REASON: outcome.reason or "",
+                    R_VALUE: math.nan if outcome.value is None else float(outcome.value)})
+    if outcome.value is not None:
+        metrics[R_OBJECTIVE] = float(outcome.value)  # best over every epoch, also those before a resume
+    report_with_checkpoint(metrics, out_dir, trial_id, number, params, final=True)
+
+
+def _is_local_store(uri: str) -> bool:
+    return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+
+def node_description() -> str:
+    """host, node IP and Ray node id of this actor (the MLflow tag ``sweeps.ray_node``)."""
+    import ray
+
+    try:
+        ctx = ray.get_runtime_context()
+        node_id = ctx.get_node_id()
+        ip = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - only a label
+        node_id, ip = "?", "?"
+    return f"{socket.gethostname()}/{ip}/{node_id}"
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def report_with_checkpoint(metrics: dict, out_dir: Path, trial_id: str, number: int, params: dict,
+                           final: bool = False) -> None:
+    """``tune.report`` with a checkpoint of the trial folder's ``last.pt`` (+ ``best.pt``).
+    ``final``: the trial has finished; the checkpoint keeps its final report, so a trial
+    restored after a driver crash reports it again instead of running again.
+
+    Ray copies the folder into the experiment storage before ``report`` returns, so the
+    staging folder is removed right after (also when ``report`` raises ``SystemExit``)."""
+    from ray import tune
+
+    from core import checkpoint as ckpt
+
+    if not (out_dir / ckpt.LAST).exists():
+        tune.report(metrics)  # diverged in its first epoch: nothing to keep
+        return
+    staging = Path(tempfile.mkdtemp(prefix=".ray-ckpt-", dir=out_dir))
+    try:
+        for name in (ckpt.LAST, ckpt.BEST):
+            if (out_dir / name).exists():
+                _link_or_copy(out_dir / name, staging / name)
+        meta = {"trial_id": trial_id, "number": number, "params": params, "epoch": metrics.get("epoch"),
+                "final": metrics if final else None}
+        (staging / CKPT_META).write_text(json.dumps(meta))
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(staging)))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)  # the files are replaced (never rewritten in place), so a link is safe
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _clear_checkpoints(out_dir: Path) -> None:
+    from core import checkpoint as ckpt
+
+    for name in (ckpt.LAST, ckpt.PREV, ckpt.BEST):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def restore_checkpoint(folder: Path, out_dir: Path, params: dict) -> dict | None:
+    """Put a Ray checkpoint back into the trial folder; returns its metadata.
+
+    The checkpoint may come from another trial (PBT exploit) or another node. When the
+    trial's ``lr``/``momentum`` differ from those the checkpoint was trained with (PBT
+    explore), the saved optimizer and scheduler state are rescaled to the new values."""
+    from core import checkpoint as ckpt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_checkpoints(out_dir)
+    for name in (ckpt.LAST, ckpt.BEST):
+        if (folder / name).exists():
+            shutil.copy2(folder / name, out_dir / name)
+    meta_path = folder / CKPT_META
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    if meta is not None and (out_dir / ckpt.LAST).exists():
+        apply_new_hyperparams(out_dir / ckpt.LAST, meta.get("params") or {}, params)
+    return meta
+
+
+def apply_new_hyperparams(path: Path, old: dict, new: dict) -> bool:
+    """Rescale the learning rates in a ``last.pt`` by ``new lr / old lr`` and set the new
+    momentum. Returns True when the file changed."""
+    from core import checkpoint as ckpt
+
+    ratio = new["lr"] / old["lr"] if "lr" in new and "lr" in old and old["lr"] and new["lr"] != old["lr"] else None
+    momentum = new.get("momentum") if "momentum" in new and new.get("momentum") != old.get("momentum") else None
+    if ratio is None and momentum is None:
+        return False
+    state = ckpt.load_checkpoint(path)
+    for group in state["optimizer"]["param_groups"]:
+        if ratio is not None:
+            _scale_lrs(group, ratio)
+        if momentum is not None and "momentum" in group:
+            group["momentum"] = momentum
+    if ratio is not None:
+        _scale_lrs(state["scheduler"], ratio)
+    cfg = json.loads(state.get("config_json") or "{}")
+    cfg.update({k: new[k] for k in ("lr", "momentum") if k in new})
+    state["config_json"] = json.dumps(cfg)
+    ckpt.save_checkpoint(state, path)
+    return True
+
+
+def _scale_lrs(obj: Any, ratio: float) -> None:
+    """Multiply every learning-rate entry of an optimizer group or a (nested) scheduler state."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key in _LR_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                obj[key] = value * ratio
+            elif key in _LR_KEYS and isinstance(value, list):
+                obj[key] = [v * ratio if isinstance(v, (int, float)) else v for v in value]
+            elif isinstance(value, (dict, list)):
+                _scale_lrs(value, ratio)
+    elif isinstance(obj, list):
+        for item in obj:
+            _scale_lrs(item, ratio)
+
+
+# ---- one MLflow run per Ray trial ----------------------------------------------------------------
+class ContinuingTracker:
+    """The trial's tracker. A Ray trial that starts again (a retry after a crash, a pause,
+    a PBT exploit, a restored experiment) continues its own MLflow run: ``start_run``
+    reopens it (status RUNNING again, the stale end-of-run tags removed), and its params
+    and resolved config, logged at the first start, are kept. Everything else is the
+    wrapped tracker's."""
+
+    _STALE_TAGS = (layout.TAG_PRUNED, layout.TAG_ERROR, "sweeps.reason", "sweeps.traceback")
+
+    def __init__(self, inner, existing: RunHandle | None) -> None:
+        self._inner, self._existing = inner, existing
+
+    def start_run(self, experiment_id: str, name: str, parent: RunHandle | None = None, tags=None) -> RunHandle:
+        if self._existing is None:
+            return self._inner.start_run(experiment_id, name, parent=parent, tags=tags)
+        run = self._existing
+        client = self._inner.client
+        data_tags = client.get_run(run.run_id).data.tags
+        for key in self._STALE_TAGS:
+            if key in data_tags:
+                client.delete_tag(run.run_id, key)
+        client.update_run(run.run_id, status="RUNNING")
+        self._inner.set_tags(run, dict(tags or {}))
+        return run
+
+    def log_params(self, run: RunHandle, params) -> None:
+        if self._existing is None:
+            self._inner.log_params(run, params)
+
+    def log_dict(self, run: RunHandle, obj, artifact_file: str) -> None:
+        if self._existing is None or artifact_file != layout.ART_CONFIG:
+            self._inner.log_dict(run, obj, artifact_file)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)

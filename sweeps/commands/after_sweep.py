@@ -1,0 +1,112 @@
+"""What to do once a study has run: ``promote`` its best model, ``rerun`` a trial and
+compare the curves, ``compare`` two runs. Registered on import (see ``sweeps.cli``).
+
+Each command only parses its arguments here; the work lives in ``sweeps.registry``,
+``sweeps.rerun`` and ``sweeps.compare``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from sweeps.cli import args, command, console
+from sweeps.errors import SweepsError
+
+# The per-file progress bars of MLflow downloads drown the tables these commands print.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+class UsageError(SweepsError):
+    """Arguments that do not fit together; the message says which to give."""
+
+    exit_code = 2
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,1,2")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one seed, each once, e.g. 0,1,2")
+    return seeds
+
+
+# ---- promote ---------------------------------------------------------------------------------
+def _promote_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="study spec YAML file")
+    p.add_argument("--alias", default="champion", help="registry alias to move to the promoted version "
+                                                       "(default: champion)")
+    p.add_argument("--model-name", default=None, help="registered model name (default: the study name)")
+    p.add_argument("--metric", default=None, help="choose the trial by the best per-epoch value of this metric "
+                                                  "(default: the study objective)")
+    p.add_argument("--direction", choices=("maximize", "minimize"), default=None,
+                   help="how --metric is judged (default: the study direction for the objective; minimize for "
+                        "names with loss/error/time/mem/latency, else maximize)")
+    p.add_argument("--dry-run", action="store_true", help="print what would happen; write nothing")
+    p.add_argument("--force", action="store_true", help="move the alias even to a worse model than its holder")
+
+
+@command("promote", "register the study's best trial in the MLflow model registry and move an alias to it")
+@args(_promote_args)
+def cmd_promote(a: argparse.Namespace) -> int:
+    from sweeps.registry import promote
+    from sweeps.spec import load_spec
+
+    spec = load_spec(a.spec)
+    return promote(spec, alias=a.alias, model_name=a.model_name, metric=a.metric, direction=a.direction,
+                   dry_run=a.dry_run, force=a.force, console=console)
+
+
+# ---- rerun -----------------------------------------------------------------------------------
+def _rerun_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", nargs="?", default=None, help="study spec YAML file (with --trial)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--trial", type=int, help="trial number in the spec's study")
+    which.add_argument("--run-id", help="MLflow run id of the trial (any study)")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=None, help="train with this seed (default: the original's)")
+    seeds.add_argument("--seeds", type=_seed_list, default=None,
+                       help="rerun once per seed (e.g. 0,1,2) and report the objective's mean and std")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else "
+                                                        "$MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
+
+
+@command("rerun", "train a trial again from its MLflow run and compare every curve with the original")
+@args(_rerun_args)
+def cmd_rerun(a: argparse.Namespace) -> int:
+    from sweeps.compare import open_client, resolve_tracking_uri
+    from sweeps.rerun import find_trial_run, print_outcome, print_seed_summary, rerun_once, rerun_seeds
+    from sweeps.spec import load_spec
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+    spec = load_spec(a.spec) if a.spec else None
+    if a.trial is not None and spec is None:
+        raise UsageError("rerun --trial N needs the study spec: sweeps rerun SPEC --trial N "
+                         "(or address the run directly: sweeps rerun --run-id ID)")
+    uri = a.tracking_uri or (spec.tracking_uri() if spec is not None else resolve_tracking_uri())
+    open_client(uri)  # refuses a missing local store before anything is created
+    tracker = MlflowTracker(uri)
+    run_id = a.run_id or find_trial_run(tracker.client, spec, a.trial)
+    if a.seeds:
+        print_seed_summary(rerun_seeds(tracker, run_id, a.seeds, console=console), console)
+        return 0
+    outcome = rerun_once(tracker, run_id, seed=a.seed, console=console)
+    print_outcome(outcome, console)
+    return 0
+
+
+# ---- compare ---------------------------------------------------------------------------------
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_a", help="MLflow run id")
+    p.add_argument("run_b", help="MLflow run id")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
+                                                        "else sqlite:///runs/mlflow.db)")
+
+
+@command("compare", "two runs' params and final metrics side by side, the differences marked")
+@args(_compare_args)
+def cmd_compare(a: argparse.Namespace) -> int:
+    from sweeps.compare import compare_runs, open_client, resolve_tracking_uri
+
+    return compare_runs(open_client(resolve_tracking_uri(a.tracking_uri)), a.run_a, a.run_b, console)

@@ -1,0 +1,282 @@
+"""Read runs back from MLflow and compare them: params and final metrics side by side
+(``sweeps compare``), and metric curves step by step (``sweeps rerun``).
+
+Everything here only reads. Addressing is by run id through an explicit ``MlflowClient``,
+so it works on any two runs: two trials of one study, two studies, a trial and its rerun.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from rich.table import Table
+from rich.text import Text
+
+from sweeps.errors import SweepsError
+from sweeps.spec import DEFAULT_TRACKING_URI
+from sweeps.tracking import layout
+
+# Metrics that measure the machine, not the training: never part of a curve comparison.
+TIMING_METRICS = frozenset({"samples_per_s", "epoch_time_s", "peak_mem_mb", "trial_seconds"})
+IGNORED_PREFIXES = ("onnx_",)  # export checks and latencies: about the exporter, not the curves
+DIFF_STYLE = "bold yellow"
+DIFF_MARK = "*"
+
+
+class RunLookupError(SweepsError):
+    """A run id, trial or tracking store named on the command line does not exist."""
+
+    exit_code = 2
+
+
+# ---- the store -------------------------------------------------------------------------------
+def resolve_tracking_uri(explicit: str | None = None) -> str:
+    """``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///runs/mlflow.db``."""
+    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def open_client(uri: str):
+    """An ``MlflowClient`` on ``uri``. A local SQLite file must already exist: a reader must
+    never create an empty store because it was started in the wrong folder."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        if not path.is_file():
+            raise RunLookupError(
+                f"tracking store {uri!r}: {path.resolve()} does not exist. Run the command in the folder "
+                f"where the study ran (the one holding runs/), or pass --tracking-uri / set MLFLOW_TRACKING_URI.")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def get_run(client, run_id: str):
+    """The MLflow run ``run_id``; RunLookupError (exit 2) naming the store when it is missing."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        raise RunLookupError(f"MLflow run {run_id!r} not found at {client.tracking_uri}: "
+                             f"{str(exc).splitlines()[0]}. Check the id (`mlflow ui`) or the tracking URI.") from exc
+    if run.info.lifecycle_stage == "deleted":
+        raise RunLookupError(f"MLflow run {run_id!r} at {client.tracking_uri} is deleted; restore it first.")
+    return run
+
+
+# ---- curves ----------------------------------------------------------------------------------
+def metric_curve(client, run_id: str, key: str) -> dict[int, float]:
+    """step -> value of one metric. A step logged twice keeps its latest value."""
+    points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+    return {int(m.step): float(m.value) for m in points}
+
+
+def best_over_epochs(curve: dict[int, float], direction: str) -> float | None:
+    """Best value over the per-epoch points (steps >= 1), NaNs ignored; None if there are none."""
+    values = [v for s, v in curve.items() if s >= 1 and not math.isnan(v)]
+    if not values:
+        return None
+    return max(values) if direction == "maximize" else min(values)
+
+
+def compared_metric(name: str) -> bool:
+    """Whether a metric is part of a curve comparison (timings and export checks are not)."""
+    return name not in TIMING_METRICS and not name.startswith(IGNORED_PREFIXES)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))  # bitwise-equal floats; NaN matches NaN
+
+
+@dataclass
+class MetricDiff:
+    name: str
+    n_original: int
+    n_other: int
+    common: int
+    first_step: int | None = None  # first common step whose values differ
+    max_abs_diff: float = 0.0
+    max_step: int | None = None
+    missing_steps: list[int] = field(default_factory=list)  # steps of the original the other lacks
+
+    @property
+    def identical(self) -> bool:
+        return self.first_step is None and not self.missing_steps
+
+
+@dataclass
+class CurveComparison:
+    """Every compared metric of ``original`` against ``other``, step by step."""
+
+    original: str
+    other: str
+    metrics: list[MetricDiff]
+    only_in_original: list[str]
+
+    @property
+    def identical(self) -> bool:
+        return all(m.identical for m in self.metrics) and not self.only_in_original
+
+    def largest(self) -> MetricDiff | None:
+        differing = [m for m in self.metrics if m.first_step is not None]
+        return max(differing, key=lambda m: (m.max_abs_diff, m.name)) if differing else None
+
+    def first_parting(self) -> MetricDiff | None:
+        """Where the curves first part: per-step curves first (finest grain), then per-epoch ones."""
+        differing = [m for m in self.metrics if m.first_step is not None]
+        if not differing:
+            return None
+        per_step = [m for m in differing if m.name.startswith(layout.STEP_METRIC_PREFIX)]
+        pool = per_step or differing
+        return min(pool, key=lambda m: (m.first_step, m.name))
+
+    def verdict(self) -> str:
+        if self.identical:
+            n = sum(m.common for m in self.metrics)
+            extra = [m.name for m in self.metrics if m.n_other > m.common]
+            note = " (the rerun went on past the original's last step)" if extra else ""
+            return f"identical: {len(self.metrics)} metric curves, {n} points, bitwise equal{note}"
+        parts = []
+        worst, first = self.largest(), self.first_parting()
+        if worst is not None:
+            parts.append(f"largest absolute difference {worst.max_abs_diff:.6g} in {worst.name} at step "
+                         f"{worst.max_step}")
+        if first is not None:
+            parts.append(f"the curves part first at step {first.first_step} of {first.name}")
+        missing = [m.name for m in self.metrics if m.missing_steps] + self.only_in_original
+        if missing:
+            parts.append("points of the original missing from the rerun: " + ", ".join(sorted(missing)))
+        return "differs: " + "; ".join(parts)
+
+    def tags(self) -> dict[str, Any]:
+        """The verdict as run tags (``sweeps.rerun.*``)."""
+        out: dict[str, Any] = {"sweeps.rerun.verdict": "identical" if self.identical else "differs",
+                               "sweeps.rerun.summary": self.verdict(),
+                               "sweeps.rerun.metrics_compared": len(self.metrics)}
+        worst, first = self.largest(), self.first_parting()
+        if worst is not None:
+            out.update({"sweeps.rerun.max_abs_diff": repr(worst.max_abs_diff),
+                        "sweeps.rerun.max_diff_metric": worst.name, "sweeps.rerun.max_diff_step": worst.max_step})
+        if first is not None:
+            out.update({"sweeps.rerun.first_diff_metric": first.name,
+                        "sweeps.rerun.first_diff_step": first.first_step})
+        return out
+
+    def table(self) -> Table:
+        t = Table(title=f"curves: original {self.original} vs rerun {self.other}", title_justify="left")
+        for col in ("", "metric", "points", "first differing step", "max |diff|", "at step"):
+            t.add_column(col)
+        for m in sorted(self.metrics, key=lambda m: m.name):
+            bad = not m.identical
+            points = str(m.common) if m.n_original == m.n_other == m.common else f"{m.n_original}/{m.n_other}"
+            t.add_row(DIFF_MARK if bad else "", m.name, points, "-" if m.first_step is None else str(m.first_step),
+                      f"{m.max_abs_diff:.3g}" if m.first_step is not None else "0",
+                      "-" if m.max_step is None else str(m.max_step), style=DIFF_STYLE if bad else None)
+        return t
+
+
+def compare_curves(client, original: str, other: str, names: Iterable[str] | None = None) -> CurveComparison:
+    """Compare every metric curve of run ``original`` with run ``other``, step by step.
+
+    Equal means equal floats (NaN equals NaN). Steps the original has and ``other`` lacks
+    count as a difference; extra steps of ``other`` (a rerun of a pruned trial trains on)
+    do not. Timing metrics and ONNX export checks are left out (:func:`compared_metric`).
+    """
+    orig_keys = set(get_run(client, original).data.metrics)
+    other_keys = set(get_run(client, other).data.metrics)
+    wanted = sorted(k for k in (names if names is not None else orig_keys) if compared_metric(k))
+    diffs, only = [], []
+    for key in wanted:
+        if key not in other_keys:
+            only.append(key)
+            continue
+        a, b = metric_curve(client, original, key), metric_curve(client, other, key)
+        common = sorted(set(a) & set(b))
+        d = MetricDiff(key, len(a), len(b), len(common), missing_steps=sorted(set(a) - set(b)))
+        for step in common:
+            if _same(a[step], b[step]):
+                continue
+            if d.first_step is None:
+                d.first_step = step
+            gap = abs(a[step] - b[step])
+            gap = math.inf if math.isnan(gap) else gap
+            if d.max_step is None or gap > d.max_abs_diff:
+                d.max_abs_diff, d.max_step = gap, step
+        diffs.append(d)
+    return CurveComparison(original, other, diffs, only)
+
+
+# ---- side by side ----------------------------------------------------------------------------
+def fmt_value(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def side_by_side(title: str, headers: tuple[str, str], sections: list[tuple[str, list[tuple[str, Any, Any]]]],
+                 mark: bool = True) -> tuple[Table, int]:
+    """A table of ``(key, a, b)`` rows under section headings; differing rows are coloured
+    and marked (unless ``mark`` is False: nothing to compare with). Returns the table and the
+    number of differing rows."""
+    t = Table(title=title, title_justify="left", caption=f"rows marked {DIFF_MARK} differ" if mark else None,
+              caption_justify="left")
+    t.add_column("", width=1)
+    t.add_column("", overflow="fold")
+    t.add_column(headers[0], overflow="fold")
+    t.add_column(headers[1], overflow="fold")
+    n_diff = 0
+    for heading, rows in sections:
+        if not rows:
+            continue
+        t.add_row("", Text(heading, style="bold"), "", "", end_section=False)
+        for key, a, b in rows:
+            if isinstance(a, float) and isinstance(b, float):
+                differ = mark and not _same(a, b)
+            else:
+                differ = mark and fmt_value(a) != fmt_value(b)
+            n_diff += differ
+            sa, sb = fmt_value(a), fmt_value(b)
+            if differ and sa == sb:  # different floats that print alike: show them in full
+                sa, sb = repr(a), repr(b)
+            t.add_row(DIFF_MARK if differ else "", Text(key), Text(sa), Text(sb),
+                      style=DIFF_STYLE if differ else None)
+        t.add_section()
+    return t, n_diff
+
+
+def run_info(run) -> dict[str, Any]:
+    """The few facts that say what a run is (shown above its params)."""
+    tags = run.data.tags
+    return {"run name": run.info.run_name, "status": run.info.status, "experiment": run.info.experiment_id,
+            "study": tags.get(layout.TAG_STUDY), "trial": tags.get(layout.TAG_TRIAL_NUMBER),
+            "role": tags.get(layout.TAG_ROLE), "rerun of": tags.get(layout.TAG_RERUN_OF)}
+
+
+def compare_table(run_a, run_b) -> tuple[Table, int]:
+    """Params and final metrics of two runs side by side (run info on top)."""
+    ia, ib = run_info(run_a), run_info(run_b)
+    info = [(k, ia[k], ib[k]) for k in ia if ia[k] is not None or ib[k] is not None]
+    pa, pb = run_a.data.params, run_b.data.params
+    params = [(k, pa.get(k), pb.get(k)) for k in sorted(set(pa) | set(pb))]
+    ma, mb = run_a.data.metrics, run_b.data.metrics
+    metrics = [(k, ma.get(k), mb.get(k)) for k in sorted(set(ma) | set(mb))]
+    return side_by_side(f"compare {run_a.info.run_id} vs {run_b.info.run_id}",
+                        (f"A {run_a.info.run_name or run_a.info.run_id[:8]}",
+                         f"B {run_b.info.run_name or run_b.info.run_id[:8]}"),
+                        [("run", info), ("params", params), ("metrics (final value)", metrics)])
+
+
+def compare_runs(client, run_a: str, run_b: str, console) -> int:
+    """``sweeps compare``: print the table and a one-line count of the differences."""
+    a, b = get_run(client, run_a), get_run(client, run_b)
+    table, n_diff = compare_table(a, b)
+    console.print(table)
+    pa, pb = a.data.params, b.data.params
+    differing = sorted(k for k in set(pa) | set(pb) if pa.get(k) != pb.get(k))
+    console.print(Text(f"{len(differing)} of {len(set(pa) | set(pb))} params differ"
+                       + (f": {', '.join(differing)}" if differing else "")))
+    return 0

@@ -1,0 +1,328 @@
+"""``sweeps rerun``: train a trial again from what its MLflow run recorded, then compare
+every metric curve with the original, step by step.
+
+The trial is rebuilt from its ``config/resolved_config.json`` artifact (the full train
+config, the task section and the sampled params), never from the spec as it is now, so a
+rerun works for either backend and after the spec changed. The rerun is a new MLflow run in
+the same experiment (role ``rerun``, tag ``rerun_of``), nested under the study's parent run,
+trained by the same ``core.train`` with the same reporter a trial uses. On CPU, a rerun with
+the original seed on the same code reproduces the original curves bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+
+from sweeps.compare import CurveComparison, RunLookupError, best_over_epochs, compare_curves, get_run, metric_curve
+from sweeps.errors import SweepsError
+from sweeps.safe_names import safe_component
+from sweeps.tracking import layout
+from sweeps.tracking.base import RunHandle
+
+_CPU_THREADS = re.compile(r"^cpu \((\d+) threads?\)")
+
+
+class RerunError(SweepsError):
+    """A run cannot be rebuilt (no resolved config, a config this code cannot read)."""
+
+
+# ---- rebuild a trial from its run --------------------------------------------------------------
+def load_resolved_config(client, run_id: str) -> dict:
+    """The trial's ``config/resolved_config.json`` artifact (written by ``sweeps.objective``)."""
+    with tempfile.TemporaryDirectory(prefix="sweeps-config-") as tmp:
+        try:
+            path = client.download_artifacts(run_id, layout.ART_CONFIG, tmp)
+        except Exception as exc:  # MlflowException or OSError, depending on the artifact store
+            raise RerunError(f"run {run_id} has no {layout.ART_CONFIG} artifact ({str(exc).splitlines()[0]}); "
+                             "only trials run by `sweeps run` can be rebuilt exactly") from exc
+        return json.loads(Path(path).read_text())
+
+
+def task_from_resolved(resolved: dict):
+    """The trial's Task, from the resolved config's task section (name/target, model, args)."""
+    from core.tasks.base import make_task
+
+    section = resolved["task"]
+    args = dict(section.get("args") or {})
+    model = args.pop("model", section.get("model"))  # a searched model is one of the args
+    return make_task(section.get("name"), target=section.get("target"), model=model, args=args)
+
+
+def config_from_resolved(resolved: dict, run_id: str, seed: int | None = None):
+    """The trial's TrainConfig (``seed`` replaced when given)."""
+    from core.config import ConfigError, TrainConfig, apply_overrides
+
+    try:
+        cfg = TrainConfig.from_dict(resolved["train"])
+        return apply_overrides(cfg, {"seed": seed}) if seed is not None else cfg
+    except (ConfigError, KeyError, TypeError) as exc:
+        raise RerunError(f"the resolved config of run {run_id} does not fit this code version: {exc}") from exc
+
+
+def find_trial_run(client, spec, trial_number: int) -> str:
+    """Run id of trial ``trial_number`` of the spec's current study version, from MLflow alone
+    (so it is the same for either backend). The newest finished run wins over retries."""
+    exp = client.get_experiment_by_name(spec.experiment_name())
+    if exp is None:
+        raise RunLookupError(f"MLflow experiment {spec.experiment_name()!r} not found at {client.tracking_uri}; "
+                             f"has `sweeps run {spec.path or spec.name}` run here?")
+    versions = re.compile(re.escape(spec.name) + r"(-v\d+)?")
+    parents = [p for p in client.search_runs([exp.experiment_id], f"tags.`{layout.TAG_ROLE}` = '{layout.ROLE_STUDY}'",
+                                             max_results=200, order_by=["attributes.start_time DESC"])
+               if versions.fullmatch(p.data.tags.get(layout.TAG_STUDY, ""))]
+    if not parents:
+        raise RunLookupError(f"no study run of {spec.name!r} in experiment {exp.name!r} at {client.tracking_uri}")
+    parent = parents[0]
+    children = client.search_runs(
+        [exp.experiment_id], f"tags.`{layout.PARENT_TAG}` = '{parent.info.run_id}' and "
+                             f"tags.`{layout.TAG_ROLE}` = '{layout.ROLE_TRIAL}'", max_results=5000)
+    match = [r for r in children if r.data.tags.get(layout.TAG_TRIAL_NUMBER) == str(trial_number)]
+    if not match:
+        have = sorted({int(r.data.tags[layout.TAG_TRIAL_NUMBER]) for r in children
+                       if r.data.tags.get(layout.TAG_TRIAL_NUMBER, "").isdigit()})
+        raise RunLookupError(f"study {parent.data.tags.get(layout.TAG_STUDY)!r} has no MLflow run for trial "
+                             f"{trial_number}; trials with runs: {have or 'none'}")
+    match.sort(key=lambda r: (r.info.status == "FINISHED", r.info.start_time or 0), reverse=True)
+    return match[0].info.run_id
+
+
+def parent_handle(client, run) -> RunHandle | None:
+    """The study's parent run of ``run`` as a handle, if it still exists."""
+    parent_id = run.data.tags.get(layout.PARENT_TAG)
+    if not parent_id:
+        return None
+    try:
+        parent = client.get_run(parent_id)
+    except Exception:  # noqa: BLE001 - a deleted or foreign parent: the rerun is simply not nested
+        return None
+    if parent.info.lifecycle_stage == "deleted":
+        return None
+    return RunHandle(parent.info.run_id, parent.info.experiment_id, parent.info.run_name or "")
+
+
+def code_differences(client, run) -> list[str]:
+    """How the code now differs from the code that ran ``run``: the git commit (trial tag, else
+    the study's parent run) and the package versions (``version.*`` params of the parent)."""
+    from sweeps.study_run import git_commit, package_versions
+
+    parent = None
+    parent_id = run.data.tags.get(layout.PARENT_TAG)
+    if parent_id:
+        with contextlib.suppress(Exception):
+            parent = client.get_run(parent_id)
+    then_commit = run.data.tags.get(layout.TAG_GIT_COMMIT) or (parent.data.tags.get(layout.TAG_GIT_COMMIT)
+                                                               if parent is not None else None)
+    out = []
+    now_commit = git_commit()
+    if then_commit and then_commit != now_commit:
+        out.append(f"git commit {then_commit} (original) vs {now_commit} (now)")
+    if parent is not None:
+        now = package_versions()
+        for key, then in sorted(parent.data.params.items()):
+            if key.startswith("version."):
+                name = key[len("version."):]
+                if name in now and now[name] != then:
+                    out.append(f"{name} {then} (original) vs {now[name]} (now)")
+    return out
+
+
+# ---- one rerun ---------------------------------------------------------------------------------
+@dataclass
+class RerunOutcome:
+    run_id: str
+    seed: int
+    objective: float | None  # best value of the study objective over the rerun's epochs
+    comparison: CurveComparison
+    code_diffs: list[str]
+
+
+@contextlib.contextmanager
+def _same_cpu_threads(device_tag: str, cfg):
+    """Run on as many CPU threads as the original did: CPU kernels may split (and so sum)
+    differently with another thread count, which is enough to break bitwise equality."""
+    import torch
+
+    found = _CPU_THREADS.match(device_tag or "")
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if not found or not on_cpu:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(found.group(1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _pin_device(cfg, device_tag: str, console):
+    """``device: auto`` resolved to what the original ran on, so a CPU trial reruns on CPU."""
+    import torch
+
+    from core.config import apply_overrides
+
+    if cfg.device != "auto":
+        return cfg
+    if device_tag.startswith("cpu"):
+        return apply_overrides(cfg, {"device": "cpu"})
+    if device_tag.startswith("cuda") and not torch.cuda.is_available():
+        console.print(Text("warning: the original ran on CUDA, this rerun runs on CPU: expect the curves to "
+                           "differ", style="yellow"))
+    return cfg
+
+
+def rerun_once(tracker, original_id: str, seed: int | None = None, parent: RunHandle | None = None,
+               console=None, out_root: str | Path = "runs") -> RerunOutcome:
+    """Train the trial of run ``original_id`` again (``seed`` replaced when given), logged as a
+    new run; then compare its curves with the original's and tag the verdict on the new run."""
+    from core.train import train
+    from sweeps.objective import TrialOutcome, TrialReporter, finish_trial_run
+    from sweeps.study_run import git_commit
+
+    client = tracker.client
+    orig = get_run(client, original_id)
+    resolved = load_resolved_config(client, original_id)
+    tags = orig.data.tags
+    device_tag = tags.get(layout.TAG_DEVICE, "")
+    cfg = _pin_device(config_from_resolved(resolved, original_id, seed), device_tag, console)
+    if cfg.distributed.nproc > 1 and console is not None:
+        console.print(Text(f"warning: the original trained with DDP on {cfg.distributed.nproc} processes; the "
+                           "rerun trains in one process", style="yellow"))
+    code_diffs = code_differences(client, orig)
+    if code_diffs and console is not None:
+        console.print(Text("warning: the code differs from the original's (the rerun goes on; differences in the "
+                           "curves may come from this): " + "; ".join(code_diffs), style="yellow"))
+    task = task_from_resolved(resolved)
+    objective = resolved.get("objective") or {}
+    metric = objective.get("metric", "val_loss")
+    study = resolved.get("study") or tags.get(layout.TAG_STUDY) or "rerun"
+    parent = parent if parent is not None else parent_handle(client, orig)
+    run = tracker.start_run(orig.info.experiment_id, f"rerun-{orig.info.run_name or original_id[:8]}-seed{cfg.seed}",
+                            parent=parent, tags={
+                                layout.TAG_ROLE: layout.ROLE_RERUN, layout.TAG_RERUN_OF: original_id,
+                                layout.TAG_STUDY: study, layout.TAG_TRIAL_NUMBER: tags.get(layout.TAG_TRIAL_NUMBER, ""),
+                                layout.TAG_SEED: cfg.seed, layout.TAG_SPEC_HASH: resolved.get("spec_hash", ""),
+                                layout.TAG_GIT_COMMIT: git_commit(), layout.TAG_DEVICE: device_tag,
+                                "sweeps.code_differs": str(bool(code_diffs)).lower(),
+                                "sweeps.code_diff": "; ".join(code_diffs)})
+    tracker.log_params(run, {**orig.data.params, "train.seed": cfg.seed, "train.device": cfg.device})
+    tracker.log_dict(run, {**resolved, "seed": cfg.seed, "train": cfg.to_dict(), "rerun_of": original_id},
+                     layout.ART_CONFIG)
+    # A pruned original stopped early: the rerun stops after the same epoch, so both trained alike.
+    stop_after = (len([s for s in metric_curve(client, original_id, metric) if s >= 1])
+                  if tags.get(layout.TAG_PRUNED) == "true" else None)
+    reporter = TrialReporter(tracker, run, metric, lambda epoch, value: bool(stop_after) and epoch >= stop_after,
+                             threading.Event())
+    out_dir = Path(out_root) / safe_component(study, "study name") / "reruns" / run.run_id
+    if console is not None:
+        console.print(f"rerun of {original_id} (trial {tags.get(layout.TAG_TRIAL_NUMBER, '?')}, seed {cfg.seed}) "
+                      f"as run {run.run_id} ...", markup=False, highlight=False)
+        if stop_after:
+            console.print(f"the original was pruned after epoch {stop_after}; the rerun stops there too",
+                          markup=False, highlight=False)
+    started = time.monotonic()
+    try:
+        with _same_cpu_threads(device_tag, cfg):
+            result = train(task, cfg, reporter=reporter, out_dir=out_dir)
+    except BaseException as exc:
+        tracker.set_tags(run, {layout.TAG_ERROR: f"{type(exc).__name__}: {exc}"[:500]})
+        tracker.end_run(run, "FAILED")
+        raise
+    state = {"completed": "COMPLETE", "interrupted": "INTERRUPTED"}.get(result.status, "PRUNED")
+    outcome = TrialOutcome(state, result.best_metric, result.reason, run, result,  # type: ignore[arg-type]
+                           seconds=time.monotonic() - started)
+    finish_trial_run(tracker, run, outcome)  # same final metrics and tags as a trial; flushes and ends
+    comparison = compare_curves(client, original_id, run.run_id)
+    tracker.set_tags(run, comparison.tags())
+    tracker.flush(run)
+    return RerunOutcome(run.run_id, cfg.seed, result.best_metric, comparison, code_diffs)
+
+
+def print_outcome(outcome: RerunOutcome, console) -> None:
+    console.print(outcome.comparison.table())
+    style = "green" if outcome.comparison.identical else "yellow"
+    console.print(Text(f"verdict (seed {outcome.seed}, run {outcome.run_id}): {outcome.comparison.verdict()}",
+                       style=style))
+
+
+# ---- several seeds -----------------------------------------------------------------------------
+def seed_statistics(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; 0 for a single value)."""
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else 0.0)
+
+
+def rerun_seeds(tracker, original_id: str, seeds: list[int], console=None,
+                out_root: str | Path = "runs") -> dict[str, Any]:
+    """Rerun the trial once per seed, nested under a run of its own (role ``seeds``) that holds
+    the objective per seed (step = seed) and its mean and standard deviation."""
+    client = tracker.client
+    orig = get_run(client, original_id)
+    resolved = load_resolved_config(client, original_id)
+    objective = resolved.get("objective") or {}
+    metric, direction = objective.get("metric", "val_loss"), objective.get("direction", "minimize")
+    original_value = best_over_epochs(metric_curve(client, original_id, metric), direction)
+    tags = orig.data.tags
+    run = tracker.start_run(orig.info.experiment_id, f"seeds-{orig.info.run_name or original_id[:8]}",
+                            parent=parent_handle(client, orig), tags={
+                                layout.TAG_ROLE: layout.ROLE_SEEDS, layout.TAG_RERUN_OF: original_id,
+                                layout.TAG_STUDY: tags.get(layout.TAG_STUDY, ""),
+                                layout.TAG_TRIAL_NUMBER: tags.get(layout.TAG_TRIAL_NUMBER, "")})
+    tracker.log_params(run, {"seeds": ",".join(map(str, seeds)), "objective.metric": metric,
+                             "objective.direction": direction, "rerun_of": original_id})
+    outcomes: list[RerunOutcome] = []
+    try:
+        for seed in seeds:
+            outcome = rerun_once(tracker, original_id, seed=seed, parent=run, console=console, out_root=out_root)
+            outcomes.append(outcome)
+            if console is not None:
+                print_outcome(outcome, console)
+            if outcome.objective is not None:
+                tracker.log_metrics(run, {"objective": outcome.objective, metric: outcome.objective}, seed)
+    except BaseException:
+        tracker.end_run(run, "FAILED")
+        raise
+    mean, std = seed_statistics([o.objective for o in outcomes])
+    summary = {"run_id": run.run_id, "metric": metric, "direction": direction, "seeds": seeds,
+               "values": {o.seed: o.objective for o in outcomes}, "mean": mean, "std": std,
+               "original": original_value, "rerun_run_ids": {o.seed: o.run_id for o in outcomes}}
+    tracker.log_metrics(run, {"objective_mean": mean, "objective_std": std, f"{metric}_mean": mean,
+                              f"{metric}_std": std, "n_seeds": float(len(outcomes))}, 0)
+    tracker.set_tags(run, {"sweeps.seed_runs": json.dumps(summary["rerun_run_ids"]),
+                           "sweeps.seeds.summary": f"{metric} mean {mean:.6g} std {std:.6g} over seeds "
+                                                   f"{','.join(map(str, seeds))}"})
+    tracker.log_dict(run, summary, "seeds/summary.json")
+    tracker.end_run(run, "FINISHED")
+    return summary
+
+
+def print_seed_summary(summary: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{summary['metric']} (best over epochs, {summary['direction']}) per seed",
+              title_justify="left")
+    t.add_column("seed")
+    t.add_column(summary["metric"])
+    t.add_column("rerun run")
+    for seed in summary["seeds"]:
+        value = summary["values"].get(seed)
+        t.add_row(str(seed), "-" if value is None else f"{value:.6g}", summary["rerun_run_ids"].get(seed, "-"))
+    console.print(t)
+    original = summary["original"]
+    console.print(Text(f"{summary['metric']}: mean {summary['mean']:.6g}, std {summary['std']:.6g} (sample, n-1) "
+                       f"over {len(summary['seeds'])} seeds; original "
+                       f"{'-' if original is None else format(original, '.6g')}; logged on run {summary['run_id']} "
+                       f"(role seeds)"))

@@ -1,0 +1,170 @@
+"""The report's tables on hand-made studies (no training, no MLflow): fast checks of the rules."""
+from __future__ import annotations
+
+import io
+import math
+
+import pandas as pd
+import pytest
+
+from dashboards.figures import all_figures
+from dashboards.page import PageHeader, question_of, render_page, write_page
+from dashboards.tables import (best_so_far_table, build_tables, importances_table, ranked_trials, table_records,
+                               state_counts_table, top_two_params, trials_table)
+from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.search_space import CategoricalParam, FloatParam
+
+SEARCH = {"lr": FloatParam(type="float", low=1e-4, high=1.0, log=True),
+          "batch_size": CategoricalParam(type="categorical", choices=[16, 32, 64])}
+
+
+def _result(direction: str = "maximize") -> StudyResult:
+    t = TrialRecord
+    trials = [
+        t(2, "PRUNED", {"lr": 1e-4, "batch_size": 64}, 0.30, 1.0, "r2", {1: 0.2, 2: 0.3}, "pruned after epoch 2"),
+        t(0, "COMPLETE", {"lr": 0.01, "batch_size": 16}, 0.80, 5.0, "r0", {1: 0.5, 2: 0.7, 3: 0.8}),
+        t(1, "COMPLETE", {"lr": 0.1, "batch_size": 32}, 0.90, 6.0, "r1", {1: 0.6, 2: 0.85, 3: 0.9}),
+        t(3, "FAIL", {"lr": 0.5, "batch_size": 16}, None, 0.5, "r3", {}, "CUDA out of memory"),
+        t(4, "COMPLETE", {"lr": 0.05, "batch_size": 64}, 0.85, 5.5, "r4", {1: 0.55, 2: 0.8, 3: 0.85}),
+        t(5, "RUNNING", {"lr": 0.2, "batch_size": 32}, None, None, "r5", {1: 0.6}),
+    ]
+    return StudyResult("toy", "optuna", direction, "val_acc", trials, parent_run_id=None)
+
+
+def test_trials_table_has_one_row_per_trial_with_params_and_the_best_marked():
+    df = trials_table(_result(), SEARCH)
+    assert list(df["number"]) == [0, 1, 2, 3, 4, 5]
+    assert list(df.columns) == ["number", "state", "value", "lr", "batch_size", "duration_s", "run_id", "is_best",
+                                "reason"]
+    assert df["is_best"].sum() == 1 and int(df.loc[df["is_best"], "number"].iloc[0]) == 1
+    assert math.isnan(df.loc[df["number"] == 3, "value"].iloc[0])
+    assert df.loc[df["number"] == 2, "reason"].iloc[0] == "pruned after epoch 2"
+
+
+def test_ranked_trials_orders_like_sweeps_status():
+    df = ranked_trials(trials_table(_result(), SEARCH), "maximize")
+    assert list(df["number"]) == [1, 4, 0, 2, 3, 5]
+    df = ranked_trials(trials_table(_result("minimize"), SEARCH), "minimize")
+    assert list(df["number"])[:3] == [0, 4, 1]
+
+
+@pytest.mark.parametrize("direction", ["maximize", "minimize"])
+def test_best_so_far_is_monotone_and_counts_only_complete_trials(direction):
+    df = best_so_far_table(trials_table(_result(direction), SEARCH), direction)
+    assert list(df["number"]) == [0, 1, 2, 3, 4]  # finished trials only (5 is running)
+    best = df["best_so_far"].dropna()
+    assert best.is_monotonic_increasing if direction == "maximize" else best.is_monotonic_decreasing
+    if direction == "maximize":
+        assert list(df["best_so_far"]) == [0.8, 0.9, 0.9, 0.9, 0.9]
+    else:  # the pruned trial's 0.3 is lower but not a completed result
+        assert list(df["best_so_far"]) == [0.8, 0.8, 0.8, 0.8, 0.8]
+
+
+def test_state_counts_match_the_study():
+    result = _result()
+    df = state_counts_table(trials_table(result, SEARCH))
+    assert dict(zip(df["state"], df["count"])) == result.counts()
+    assert list(df["state"]) == ["COMPLETE", "PRUNED", "FAIL", "RUNNING"]
+    assert df.loc[df["state"] == "COMPLETE", "total_duration_s"].iloc[0] == pytest.approx(16.5)
+
+
+def test_importances_sum_to_one_and_need_two_completed_trials():
+    df, note = importances_table(_result(), SEARCH)
+    assert note == "" and set(df["param"]) == {"lr", "batch_size"}
+    assert df["importance"].sum() == pytest.approx(1.0)
+    assert (df["importance"] >= 0).all() and df["importance"].is_monotonic_decreasing
+    one = _result()
+    one.trials = [t for t in one.trials if t.number != 1 and t.number != 4]
+    df, note = importances_table(one, SEARCH)
+    assert df.empty and "at least 2 completed trials" in note
+
+
+def test_tables_without_mlflow_fall_back_to_the_intermediate_values():
+    t = build_tables(_result(), SEARCH, client=None)
+    curves = t.curves
+    assert sorted(curves["number"].unique()) == [0, 1, 2, 4, 5]  # the failed trial has no point
+    assert list(curves.loc[curves["number"] == 2, "val_acc"]) == [0.2, 0.3]
+    assert curves.loc[curves["number"] == 1, "epoch"].tolist() == [1, 2, 3]
+    assert t.lr_finder.empty and t.lr_finder_info == {}
+    assert top_two_params(t) == ["lr", "batch_size"]
+
+
+def test_every_figure_is_drawn_even_from_empty_tables(tmp_path):
+    empty = StudyResult("empty", "optuna", "maximize", "val_acc", [])
+    t = build_tables(empty, SEARCH, client=None)
+    figs = all_figures(t)
+    assert figs["fig-lr-finder"] is None and all(f is not None for k, f in figs.items() if k != "fig-lr-finder")
+    page = render_page(t, PageHeader(spec_path="studies/x.yaml"))
+    assert "No completed trial yet" in page and "lr_finder: {enabled: true}" in page
+    path = write_page(page, tmp_path / "sub" / "report.html")
+    assert path.read_text() == page and [p.name for p in path.parent.iterdir()] == ["report.html"]
+
+
+def test_page_escapes_what_the_user_wrote():
+    t = build_tables(_result(), SEARCH, client=None)
+    page = render_page(t, PageHeader(spec_path="s.yaml", description="<script>alert(1)</script>",
+                                     question="a < b?"))
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "a &lt; b?" in page
+    assert "sweeps promote s.yaml" in page and "sweeps rerun s.yaml --trial 1" in page
+
+
+def test_question_is_the_first_question_comment_line(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("# Run: sweeps run s.yaml\n#  Question:  which lr?  \n# Question: second\nname: s\n")
+    assert question_of(spec) == "which lr?"
+    spec.write_text("name: s\n")
+    assert question_of(spec) == "" and question_of(tmp_path / "missing.yaml") == ""
+
+
+def test_trials_table_keeps_types_for_csv_round_trip(tmp_path):
+    df = trials_table(_result(), SEARCH)
+    back = pd.read_csv(io.StringIO(df.to_csv(index=False)))
+    assert back["number"].tolist() == df["number"].tolist()
+    assert back["is_best"].tolist() == df["is_best"].tolist()
+
+
+def test_lr_finder_figure_marks_the_suggestion_and_clips_the_explosion():
+    import dataclasses
+
+    from dashboards.figures import lr_finder_curve
+
+    t = build_tables(_result(), SEARCH, client=None)
+    lrs = [1e-5 * 10 ** (i / 4) for i in range(21)]  # 1e-5 .. 1
+    losses = [2.3 - 1.8 * min(i, 14) / 14 for i in range(20)] + [1e4]  # falls to 0.5, then explodes
+    lr = pd.DataFrame({"lr": lrs, "loss": losses, "smoothed": losses, "suggestion": [1e-3] * 21})
+    fig = lr_finder_curve(dataclasses.replace(t, lr_finder=lr, lr_finder_info={"suggestion": 1e-3, "rule": "valley"}))
+    lo, hi = fig.layout.yaxis.range
+    assert lo < 0.5 and 2.3 < hi < 10  # the whole descent in view, the explosion cut off
+    marks = [tr for tr in fig.data if tr.name.startswith("suggestion")]
+    assert len(marks) == 1 and list(marks[0].x) == [1e-3, 1e-3] and "valley" in marks[0].name
+    assert fig.layout.xaxis.type == "log"
+
+
+def test_table_records_are_plain_json_values():
+    import json
+
+    records = table_records(trials_table(_result(), SEARCH))
+    assert records[3]["value"] is None and records[0]["is_best"] is False and records[1]["is_best"] is True
+    assert type(records[0]["number"]) is int and records[0]["lr"] == 0.01
+    json.dumps(records)  # no numpy scalars, no NaN
+
+
+def test_a_run_missing_from_mlflow_falls_back_to_the_study_values():
+    from dashboards.mlflow_tables import curves_table, lr_finder_table
+
+    class Missing(Exception):
+        error_code = "RESOURCE_DOES_NOT_EXIST"
+
+    class Client:
+        def get_metric_history(self, run_id, key):
+            raise Missing(run_id)
+
+        def list_artifacts(self, run_id, path=None):
+            raise Missing(run_id)
+
+    curves = curves_table(_result(), Client())
+    assert list(curves.loc[curves["number"] == 0, "val_acc"]) == [0.5, 0.7, 0.8]
+    assert curves["val_loss"].isna().all()
+    df, info = lr_finder_table(Client(), "gone")
+    assert df.empty and info == {}

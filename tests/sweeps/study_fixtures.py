@@ -1,0 +1,114 @@
+"""One small finished digits study (real training, real MLflow sqlite store), shared by the
+promote, rerun and compare tests.
+
+Import the fixtures into a test module (``from tests.sweeps.study_fixtures import ...``).
+Each importing module gets its own copy of the session fixture, so the study itself is
+cached here: it is trained once per test session whichever modules use it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+STUDY = "digits_sweep"
+WEAK = "digits_weak"
+
+BASE_SPEC = {
+    "description": "promote/rerun/compare tests",
+    "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
+    "train": {"epochs": 3, "batch_size": 64, "optimizer": "sgd", "momentum": 0.9, "scheduler": "constant",
+              "num_workers": 0, "export_onnx": True, "seed": 0},
+    "search": {"lr": {"type": "float", "low": 0.003, "high": 0.3, "log": True}},
+    "objective": {"metric": "val_acc", "direction": "maximize"},
+    "sampler": {"name": "random", "seed": 0},
+    "pruner": {"name": "none"},
+    "budget": {"n_trials": 3, "max_failures": 1},
+    "resources": {"devices": "cpu", "workers": 1},
+    "tracking": {"uri": "sqlite:///runs/mlflow.db"},
+}
+
+
+@dataclass
+class Study:
+    root: Path  # the working directory the study ran in (runs/ is under it)
+    name: str
+    spec: Path
+
+    @property
+    def uri(self) -> str:
+        return f"sqlite:///{self.root / 'runs' / 'mlflow.db'}"
+
+    def client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri)
+
+    def trial_runs(self) -> dict[int, object]:
+        """trial number -> MLflow run of each trial."""
+        client = self.client()
+        exp = client.get_experiment_by_name(self.name)
+        runs = client.search_runs([exp.experiment_id], "tags.`sweeps.role` = 'trial'", max_results=100)
+        return {int(r.data.tags["sweeps.trial_number"]): r for r in runs}
+
+    def checkpoint(self, number: int) -> Path:
+        return self.root / "runs" / self.name / f"trial-{number:04d}" / "best.pt"
+
+
+_CACHE: dict[str, Study] = {}
+
+
+def _run_study(root: Path, name: str, **changes) -> Study:
+    from sweeps import cli
+
+    spec = {"name": name, **BASE_SPEC}
+    for key, value in changes.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and key in spec else value
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    before = os.getcwd()
+    os.chdir(root)  # the spec's runs/ paths are relative to the working directory
+    try:
+        code = cli.main(["run", str(path), "--quiet"])
+    finally:
+        os.chdir(before)
+    assert code == 0, f"study {name} did not finish (exit {code})"
+    return Study(root, name, path)
+
+
+def _root(tmp_path_factory) -> Path:
+    if "root" not in _CACHE:
+        _CACHE["root"] = tmp_path_factory.mktemp("finished-study")  # type: ignore[assignment]
+    return _CACHE["root"]  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def finished_study(tmp_path_factory) -> Study:
+    """3 trials x 3 epochs of a digits MLP (random sampler, no pruner, ONNX exported)."""
+    if STUDY not in _CACHE:
+        _CACHE[STUDY] = _run_study(_root(tmp_path_factory), STUDY)
+    return _CACHE[STUDY]
+
+
+@pytest.fixture(scope="session")
+def weak_study(tmp_path_factory, finished_study) -> Study:
+    """One trial of one epoch at a tiny learning rate, in the same store: clearly worse, no ONNX."""
+    if WEAK not in _CACHE:
+        _CACHE[WEAK] = _run_study(_root(tmp_path_factory), WEAK, train={"epochs": 1, "export_onnx": False},
+                                  search={"lr": {"type": "float", "low": 1.0e-4, "high": 1.1e-4, "log": True}},
+                                  budget={"n_trials": 1})
+    return _CACHE[WEAK]
+
+
+@pytest.fixture
+def in_study(finished_study, monkeypatch) -> Study:
+    """The test runs in the study's folder (commands find runs/mlflow.db there)."""
+    from sweeps import cli
+
+    monkeypatch.chdir(finished_study.root)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(cli.console, "width", 200)  # long run ids on one line
+    return finished_study

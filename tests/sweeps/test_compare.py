@@ -1,0 +1,84 @@
+"""`sweeps compare` and the curve comparison behind `sweeps rerun`."""
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+
+from sweeps import cli
+from sweeps.compare import compare_curves, compare_table
+from tests.sweeps.study_fixtures import finished_study, in_study  # noqa: F401
+
+
+def _row(out: str, key: str) -> str:
+    return next(line for line in out.splitlines() if f" {key} " in line)
+
+
+def test_compare_prints_both_runs_params_with_the_differences_marked(in_study, capsys):
+    runs = in_study.trial_runs()
+    a, b = runs[0], runs[1]
+
+    assert cli.main(["compare", a.info.run_id, b.info.run_id, "--tracking-uri", in_study.uri]) == 0
+    out = capsys.readouterr().out
+    lr_row = _row(out, "search.lr")
+    assert lr_row.lstrip("│┃ ").startswith("*")  # marked
+    assert a.data.params["search.lr"] in lr_row and b.data.params["search.lr"] in lr_row
+    epochs_row = _row(out, "train.epochs")
+    assert "*" not in epochs_row and epochs_row.count("3") >= 2  # equal: both shown, not marked
+    assert "val_acc" in out and "rows marked * differ" in out
+    assert "params differ: search.lr, train.lr" in out
+
+    table, n_diff = compare_table(a, b)
+    assert n_diff >= 3  # lr twice, trial number, run name, metrics
+
+
+def test_compare_uses_mlflow_tracking_uri_and_names_a_missing_run(in_study, monkeypatch, capsys):
+    runs = in_study.trial_runs()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", in_study.uri)
+    assert cli.main(["compare", runs[0].info.run_id, runs[0].info.run_id]) == 0
+    assert "0 of" in capsys.readouterr().out
+    assert cli.main(["compare", runs[0].info.run_id, "f" * 32]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_compare_refuses_a_missing_local_store_instead_of_creating_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert cli.main(["compare", "a" * 32, "b" * 32]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_curve_comparison_finds_the_first_parting_step_and_the_largest_difference(in_study):
+    client = in_study.client()
+    exp = client.create_experiment(f"curves-{uuid.uuid4().hex[:8]}")
+    a, b = client.create_run(exp).info.run_id, client.create_run(exp).info.run_id
+    for step in range(1, 6):
+        client.log_metric(a, "step/train_loss", 1.0 / step, step=step)
+        client.log_metric(b, "step/train_loss", 1.0 / step + (0.5 if step >= 3 else 0.0), step=step)
+        client.log_metric(a, "val_loss", float("nan") if step == 2 else 2.0, step=step)
+        client.log_metric(b, "val_loss", float("nan") if step == 2 else 2.0, step=step)  # NaN matches NaN
+        client.log_metric(a, "epoch_time_s", step, step=step)  # timing: never compared
+        client.log_metric(b, "epoch_time_s", 2 * step, step=step)
+    client.log_metric(a, "val_acc", 0.5, step=1)
+    client.log_metric(a, "val_acc", 0.6, step=2)
+    client.log_metric(b, "val_acc", 0.5, step=1)  # b lacks a point of a
+
+    result = compare_curves(client, a, a)
+    assert result.identical and result.verdict().startswith("identical")
+
+    result = compare_curves(client, a, b)
+    assert not result.identical
+    assert {m.name for m in result.metrics} == {"step/train_loss", "val_loss", "val_acc"}
+    first, worst = result.first_parting(), result.largest()
+    assert (first.name, first.first_step) == ("step/train_loss", 3)
+    assert worst.name == "step/train_loss" and math.isclose(worst.max_abs_diff, 0.5)
+    assert next(m for m in result.metrics if m.name == "val_loss").identical
+    assert next(m for m in result.metrics if m.name == "val_acc").missing_steps == [2]
+    tags = result.tags()
+    assert tags["sweeps.rerun.verdict"] == "differs" and tags["sweeps.rerun.first_diff_step"] == 3
+    assert "val_acc" in result.verdict()
+    # extra points in the rerun (it trained on past a pruned original) are not a difference
+    assert compare_curves(client, b, a).metrics[0].name == "step/train_loss"
+    assert next(m for m in compare_curves(client, b, a).metrics if m.name == "val_acc").identical

@@ -1,0 +1,91 @@
+"""`sweeps rerun` on a real finished study: rebuilt from the run's resolved config, trained
+again, every curve compared with the original's."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from sweeps import cli
+from tests.sweeps.study_fixtures import finished_study, in_study  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def _reruns_of(client, experiment_id: str, run_id: str, role: str = "rerun") -> list:
+    return client.search_runs([experiment_id], f"tags.`rerun_of` = '{run_id}' and tags.`sweeps.role` = '{role}'",
+                              order_by=["attributes.start_time DESC"])
+
+
+def test_rerun_with_the_original_seed_is_bitwise_identical(in_study, capsys):
+    client = in_study.client()
+    original = in_study.trial_runs()[0]
+
+    assert cli.main(["rerun", str(in_study.spec), "--trial", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict (seed 0" in out and "identical" in out and "bitwise equal" in out
+
+    [rerun] = _reruns_of(client, original.info.experiment_id, original.info.run_id)
+    tags = rerun.data.tags
+    assert tags["sweeps.rerun.verdict"] == "identical"
+    assert tags["mlflow.parentRunId"] == original.data.tags["mlflow.parentRunId"]  # nested under the study
+    assert tags["sweeps.trial_number"] == "0" and tags["sweeps.seed"] == "0"
+    assert rerun.info.status == "FINISHED"
+    assert rerun.data.params["search.lr"] == original.data.params["search.lr"]
+    # the comparison really covered the per-step and per-epoch curves
+    steps = client.get_metric_history(rerun.info.run_id, "step/train_loss")
+    assert len(steps) > 10
+    assert [m.value for m in steps] == [m.value for m in client.get_metric_history(original.info.run_id,
+                                                                                   "step/train_loss")]
+    assert int(tags["sweeps.rerun.metrics_compared"]) >= 9
+
+
+def test_rerun_with_another_seed_says_where_the_curves_part(in_study, monkeypatch, capsys):
+    client = in_study.client()
+    original = in_study.trial_runs()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", in_study.uri)  # no spec: the run id and the store are enough
+
+    assert cli.main(["rerun", "--run-id", original.info.run_id, "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "differs: largest absolute difference" in out and "the curves part first at step 1" in out
+
+    [rerun] = _reruns_of(client, original.info.experiment_id, original.info.run_id)
+    tags = rerun.data.tags
+    assert tags["sweeps.rerun.verdict"] == "differs" and tags["sweeps.seed"] == "1"
+    assert tags["sweeps.rerun.first_diff_step"] == "1"  # a new seed changes the init: the first step differs
+    assert tags["sweeps.rerun.first_diff_metric"].startswith("step/")
+    assert float(tags["sweeps.rerun.max_abs_diff"]) > 0
+    assert tags["sweeps.rerun.max_diff_metric"] in rerun.data.metrics
+
+
+def test_rerun_over_seeds_logs_mean_and_std(in_study, capsys):
+    client = in_study.client()
+    original = in_study.trial_runs()[2]
+
+    assert cli.main(["rerun", str(in_study.spec), "--trial", "2", "--seeds", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert "val_acc: mean" in out and "std" in out
+
+    [seeds_run] = _reruns_of(client, original.info.experiment_id, original.info.run_id, role="seeds")
+    reruns = {r.data.tags["sweeps.seed"]: r for r in _reruns_of(client, original.info.experiment_id,
+                                                                original.info.run_id)}
+    assert set(reruns) == {"0", "1"}
+    assert all(r.data.tags["mlflow.parentRunId"] == seeds_run.info.run_id for r in reruns.values())
+    assert reruns["0"].data.tags["sweeps.rerun.verdict"] == "identical"
+    values = [reruns[s].data.metrics["objective"] for s in ("0", "1")]
+    assert values[0] == original.data.metrics["objective"]
+    metrics = seeds_run.data.metrics
+    assert metrics["objective_mean"] == pytest.approx(statistics.fmean(values))
+    assert metrics["objective_std"] == pytest.approx(statistics.stdev(values))
+    assert seeds_run.data.params["seeds"] == "0,1"
+    per_seed = client.get_metric_history(seeds_run.info.run_id, "objective")
+    assert sorted((m.step, m.value) for m in per_seed) == [(0, values[0]), (1, values[1])]
+
+
+def test_rerun_needs_a_spec_for_a_trial_number_and_an_existing_run(in_study, capsys):
+    assert cli.main(["rerun", "--trial", "0"]) == 2
+    assert "needs the study spec" in capsys.readouterr().err
+    assert cli.main(["rerun", str(in_study.spec), "--trial", "99"]) == 2
+    assert "no MLflow run for trial 99" in capsys.readouterr().err
+    assert cli.main(["rerun", "--run-id", "0" * 32, "--tracking-uri", in_study.uri]) == 2
+    assert "not found" in capsys.readouterr().err
