@@ -82,6 +82,9 @@ def cmd_run(a: argparse.Namespace) -> int:
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="study spec YAML file whose storage is a shared RDB URL (postgresql://...)")
     p.add_argument("--slot", type=int, default=None, help="seed offset for the sampler (default: from the pid)")
+    p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                   help="how long to wait for `sweeps run SPEC` to create the study and its MLflow parent run "
+                        "when the worker starts first (default: 600; 0: fail at once)")
 
 
 @command("worker", "join a study on shared RDB storage and run its trials until the total budget is met")
@@ -98,7 +101,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
         raise StudyStateError(f"{a.spec}: storage: {spec.storage_url()!r} is a local journal file; workers on "
                               "several machines need a shared RDB URL such as postgresql://user@host/db")
     slot = a.slot if a.slot is not None else os.getpid() % 10_000
-    return run_worker(spec, worker_index=slot)
+    return run_worker(spec, worker_index=slot, wait_s=a.wait)
 
 
 # ---- status ----------------------------------------------------------------------------------

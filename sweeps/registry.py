@@ -11,7 +11,7 @@ The order of the writes is what makes it safe to run again after a crash:
 Selection rule: the study objective by default, or ``--metric M`` read from the trial runs'
 metric history: the best per-epoch value of M, maximised or minimised (``--direction``; by
 default the study direction when M is the objective, minimise for names with loss, error,
-time, mem or latency, else maximise). The weights are always the trial's best checkpoint
+time, mem, latency or diff, else maximise). The weights are always the trial's best checkpoint
 (``checkpoints/best.pt``, best epoch of the study objective). Trials whose ONNX parity check
 failed (tag ``sweeps.onnx_parity_passed=false``) are skipped. On a tie the current holder
 stays; otherwise the lower trial number wins.
@@ -49,6 +49,12 @@ _LOWER_IS_BETTER = re.compile(r"loss|error|err$|time|mem|latency|diff", re.IGNOR
 
 class PromoteError(SweepsError):
     """Nothing can be promoted (no usable trial, a model that fails its checks)."""
+
+
+class BadNameError(SweepsError):
+    """A model name or alias the registry would refuse."""
+
+    exit_code = 2
 
 
 class PromoteRefused(SweepsError):
@@ -89,10 +95,19 @@ def worse(a: float | None, b: float | None, direction: str) -> bool:
     return a < b if direction == "maximize" else a > b
 
 
+def check_alias(alias: str) -> str:
+    """Refuse an alias MLflow would refuse, before anything is written (the alias moves last)."""
+    reserved = alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias or "")
+    if not re.fullmatch(r"[\w-]{1,255}", alias or "") or reserved:
+        raise BadNameError(f"alias {alias!r} is refused: use letters, digits, '_' and '-' (not 'latest' and not a "
+                           "version name like 'v3'), e.g. champion")
+    return alias
+
+
 def check_model_name(name: str) -> str:
     safe_component(name, "model name")
     if any(c in name for c in "'\"`"):
-        raise PromoteError(f"model name {name!r} is refused: quotes cannot be used in MLflow registry searches")
+        raise BadNameError(f"model name {name!r} is refused: quotes cannot be used in MLflow registry searches")
     return name
 
 
@@ -103,7 +118,11 @@ def rank_trials(client, result, metric: str, direction: str, objective: str) -> 
     for t in result.trials:
         if t.state != "COMPLETE" or not t.run_id:
             continue
-        run = client.get_run(t.run_id)
+        try:
+            run = client.get_run(t.run_id)
+        except Exception:  # noqa: BLE001 - a run deleted from MLflow: nothing to register from
+            notes.append(f"trial {t.number} skipped: its MLflow run {t.run_id} cannot be read")
+            continue
         if run.data.tags.get(layout.TAG_ONNX_PASSED) == "false":
             notes.append(f"trial {t.number} skipped: its ONNX model failed the parity check")
             continue
@@ -281,8 +300,9 @@ def log_model(client, uri: str, spec, cand: Candidate, console) -> tuple[str, st
             verified = Path(tmp) / "onnx_parity.json"
             verified.write_text(json.dumps(report, indent=2))
             extra = [str(onnx), str(verified)]
-            onnx_tags = {"sweeps.onnx": "extra_files/model.onnx", "sweeps.onnx_max_abs_diff": repr(report["max_abs_diff"]),
-                         "sweeps.onnx_tolerance": repr(tolerance), "sweeps.onnx_sha256": report["onnx_sha256"]}
+            onnx_tags = {"sweeps.onnx": "extra_files/model.onnx", "sweeps.onnx_tolerance": repr(tolerance),
+                         "sweeps.onnx_max_abs_diff": repr(report["max_abs_diff"]),
+                         "sweeps.onnx_sha256": report["onnx_sha256"]}
             console.print(f"ONNX re-verified: max |onnxruntime - torch| = {report['max_abs_diff']:.3g} <= "
                           f"{tolerance:.3g} over {report['n_inputs_checked']} inputs", markup=False, highlight=False)
         with _fluent_uri(uri):  # log_model reads the fluent URI; the run is addressed by id
@@ -328,10 +348,13 @@ def ensure_registered_model(client, name: str, study: str) -> None:
 # ---- the command -------------------------------------------------------------------------------
 def promote(spec, *, alias: str = "champion", model_name: str | None = None, metric: str | None = None,
             direction: str | None = None, dry_run: bool = False, force: bool = False, console=None) -> int:
+    from rich.console import Console
+
     from sweeps.backends import get_backend
 
+    console = console or Console()
     name = check_model_name(model_name or spec.name)
-    safe_component(alias, "alias")
+    check_alias(alias)
     uri = spec.tracking_uri()
     client = open_client(uri)
     result = get_backend(spec.backend).load(spec)

@@ -196,9 +196,6 @@ def rerun_once(tracker, original_id: str, seed: int | None = None, parent: RunHa
     tags = orig.data.tags
     device_tag = tags.get(layout.TAG_DEVICE, "")
     cfg = _pin_device(config_from_resolved(resolved, original_id, seed), device_tag, console)
-    if cfg.distributed.nproc > 1 and console is not None:
-        console.print(Text(f"warning: the original trained with DDP on {cfg.distributed.nproc} processes; the "
-                           "rerun trains in one process", style="yellow"))
     code_diffs = code_differences(client, orig)
     if code_diffs and console is not None:
         console.print(Text("warning: the code differs from the original's (the rerun goes on; differences in the "
@@ -234,7 +231,16 @@ def rerun_once(tracker, original_id: str, seed: int | None = None, parent: RunHa
     started = time.monotonic()
     try:
         with _same_cpu_threads(device_tag, cfg):
-            result = train(task, cfg, reporter=reporter, out_dir=out_dir)
+            if cfg.distributed.nproc > 1:  # DDP inside the trial, like sweeps.objective runs it
+                from core.ddp_launch import TaskSpec, train_distributed
+
+                section = resolved["task"]
+                args = dict(section.get("args") or {})
+                model = args.pop("model", section.get("model"))
+                recipe = TaskSpec(name=section.get("name"), target=section.get("target"), model=model, args=args)
+                result = train_distributed(recipe, cfg, reporter=reporter, out_dir=out_dir)
+            else:
+                result = train(task, cfg, reporter=reporter, out_dir=out_dir)
     except BaseException as exc:
         tracker.set_tags(run, {layout.TAG_ERROR: f"{type(exc).__name__}: {exc}"[:500]})
         tracker.end_run(run, "FAILED")

@@ -7,7 +7,9 @@ stale-trial retry are on, so a worker machine that dies has its trial failed and
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
+import importlib.util
 import logging
 import os
 import re
@@ -25,8 +27,9 @@ from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.errors import BackendError, StudyStateError
 from sweeps.spec import StudySpec
 
-HEARTBEAT_S = 10  # a RUNNING trial whose worker has been silent this long...
-GRACE_S = 40  # ...plus this grace period is failed and requeued by any other worker
+HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
+GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
+ENV_HEARTBEAT, ENV_GRACE = "SWEEPS_HEARTBEAT_S", "SWEEPS_GRACE_S"  # override both (whole seconds)
 MAX_RETRIES = 3  # times one set of parameters is requeued after a crash
 ATTR_PARENT_RUN = "mlflow_parent_run_id"
 ATTR_SEARCH = "search_space"
@@ -41,6 +44,8 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 # The retry callback and its helpers are marked experimental since Optuna 2.8 but are stable
 # in practice; the warning would otherwise print once per worker and per trial.
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+# Workers ask/tell instead of Study.optimize and record the heartbeat themselves (optuna_worker).
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 log = logging.getLogger("sweeps")
 
 
@@ -50,10 +55,11 @@ def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseSt
     journal file or database tables that are not there yet."""
     url = spec.storage_url()
     if spec.is_rdb_storage():
+        heartbeat_s, grace_s = heartbeat_settings()
         try:
             return RDBStorage(
-                url, engine_kwargs={"pool_pre_ping": True}, skip_table_creation=not create,
-                heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True}, skip_table_creation=not create,
+                heartbeat_interval=heartbeat_s, grace_period=grace_s,
                 heartbeat_stale_trial_callback=StaleTrialCallback(spec.tracking_uri()),
             )
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
@@ -65,6 +71,36 @@ def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseSt
                               f"start it with: sweeps run {spec.path or '<spec>'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(str(path)))
+
+
+def heartbeat_settings() -> tuple[int, int]:
+    """(heartbeat interval, grace period) in seconds for RDB storage: HEARTBEAT_S / GRACE_S,
+    or the SWEEPS_HEARTBEAT_S / SWEEPS_GRACE_S environment variables (whole seconds >= 1).
+    Every process of one study should use the same values."""
+    values = []
+    for name, default in ((ENV_HEARTBEAT, HEARTBEAT_S), (ENV_GRACE, GRACE_S)):
+        text = os.environ.get(name, "").strip()
+        if not text:
+            values.append(default)
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise BackendError(f"{name}={text!r} is not a whole number of seconds >= 1; unset it to use "
+                               f"the default {default}, or set e.g. {name}={default}")
+        values.append(value)
+    return values[0], values[1]
+
+
+def sqlalchemy_url(url: str) -> str:
+    """``postgresql://`` with an installed driver: SQLAlchemy 2.1 maps the bare scheme to
+    psycopg 3, while the project installs psycopg2; an explicit ``+driver`` is kept as given."""
+    if (url.startswith("postgresql://") and importlib.util.find_spec("psycopg") is None
+            and importlib.util.find_spec("psycopg2") is not None):
+        return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
 
 
 @contextlib.contextmanager
@@ -87,7 +123,7 @@ def ask_lock(spec: StudySpec) -> Iterator[None]:
     if url.startswith("postgresql"):
         import sqlalchemy
 
-        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+        engine = sqlalchemy.create_engine(sqlalchemy_url(url), poolclass=sqlalchemy.pool.NullPool)
         key = int.from_bytes(spec.name.encode()[:8].ljust(8, b"\0"), "big") & 0x7FFFFFFFFFFFFFFF
         with engine.connect() as conn:
             conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
@@ -221,6 +257,40 @@ def is_rdb_heartbeat(study: optuna.Study) -> bool:
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
     return is_heartbeat_enabled(study._storage)
+
+
+def grace_seconds(study: optuna.Study) -> int:
+    """Silence after which a RUNNING trial of this RDB study counts as stale."""
+    rdb = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
+    return rdb.grace_period or 2 * rdb.heartbeat_interval
+
+
+def fail_stale_trials(study: optuna.Study) -> list[int]:
+    """``optuna.storages.fail_stale_trials``, with the reason recorded on each trial first:
+    RUNNING trials whose worker has been silent for longer than the grace period are failed
+    (once, whichever worker gets there first), then StaleTrialCallback closes their MLflow
+    runs and requeues them. Returns the numbers of the trials this call failed."""
+    if not is_rdb_heartbeat(study):
+        return []
+    storage = study._storage
+    grace = grace_seconds(study)
+    failed = []
+    for trial_id in storage._get_stale_trial_ids(study._study_id):
+        worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
+        reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or cut "
+                  f"off), so the trial was failed as stale and requeued to resume from its last checkpoint")
+        try:
+            storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
+            storage.set_trial_user_attr(trial_id, "interrupted", True)  # not the trial's fault: not a failure in a row
+            if storage.set_trial_state_values(trial_id, TrialState.FAIL):
+                failed.append(trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker failed it first
+    callback = storage.get_heartbeat_stale_trial_callback()
+    for trial_id in failed:
+        if callback is not None:
+            callback(study, copy.deepcopy(storage.get_trial(trial_id)))
+    return [storage.get_trial(t).number for t in failed]
 
 
 ATTR_LR_RANGE = "lr_finder_range"

@@ -20,8 +20,9 @@ from optuna.trial import TrialState
 
 from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
+from sweeps.errors import BackendError, StudyStateError
 from sweeps.objective import TrialSpec, run_trial, worker_name
-from sweeps.spec import StudySpec
+from sweeps.spec import StudySpec, redact_url
 from sweeps.study_run import tracker_for, update_parent_best
 from sweeps.tracking.base import RunHandle
 
@@ -68,23 +69,27 @@ def _failures_in_a_row(study: optuna.Study, since: datetime) -> int:
 
 def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None = None,
                deadline: float | None = None, since: float | None = None,
-               beat_file: Path | None = None) -> int:
-    """The worker loop. Returns the process exit code."""
+               beat_file: Path | None = None, wait_s: float = 0.0) -> int:
+    """The worker loop. Returns the process exit code.
+
+    Without ``parent_run_id`` (``sweeps worker``) it joins the study ``sweeps run`` created,
+    waiting up to ``wait_s`` seconds for it to appear."""
     threads = os.environ.get("SWEEPS_WORKER_THREADS")
     if threads:
         import torch
 
         torch.set_num_threads(int(threads))
     signals = _Signals()
-    study = os_.open_study(spec, worker_index=worker_index)
+    if parent_run_id is None:
+        study = join_study(spec, worker_index, wait_s, signals.event)
+        if study is None:
+            return signals.exit_code()
+    else:
+        study = os_.open_study(spec, worker_index=worker_index)
     since_dt = datetime.fromtimestamp(since or time.time())
     tracker = tracker_for(spec)
     experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
-    parent_id = parent_run_id or study.user_attrs.get(os_.ATTR_PARENT_RUN)
-    if parent_id is None:
-        log.error("study %s has no MLflow parent run yet; start the study once with: sweeps run %s",
-                  study.study_name, spec.path)
-        return 2
+    parent_id = parent_run_id or study.user_attrs[os_.ATTR_PARENT_RUN]
     parent = RunHandle(parent_id, experiment_id, spec.name)
     n_trials = spec.budget.n_trials
 
@@ -95,21 +100,88 @@ def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None
             log.error("stopping: %d trials failed in a row (budget.max_failures=%d); see the reasons with "
                       "sweeps status %s", spec.budget.max_failures, spec.budget.max_failures, spec.path)
             return EXIT_MAX_FAILURES
-        if os_.is_rdb_heartbeat(study):
-            optuna.storages.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
+        rdb = os_.is_rdb_heartbeat(study)
+        if rdb:
+            os_.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
         with os_.ask_lock(spec):
-            if os_.budget_left(study, n_trials) <= 0:
-                break
-            trial = study.ask()
+            trial = study.ask() if os_.budget_left(study, n_trials) > 0 else None
+        if trial is None:
+            # The budget is taken. On RDB storage another machine's trial may still die and be
+            # requeued: stay until no trial runs, so someone is there to retry it (and so
+            # `sweeps run` summarises the study only once every trial has ended).
+            if rdb and study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                signals.event.wait(_poll_seconds(study))
+                continue
+            break
         code = _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_file)
         if code is not None:
             return code
     return signals.exit_code()
 
 
+def join_study(spec: StudySpec, worker_index: int, wait_s: float,
+               stop: threading.Event | None = None) -> optuna.Study | None:
+    """The study of ``spec`` once ``sweeps run`` has created it with its MLflow parent run.
+
+    A worker started first waits (saying so once) up to ``wait_s`` seconds, then fails with
+    the command to run. A worker never creates the study: ``sweeps run`` owns its parent run,
+    the LR finder and the end-of-study summary. None if ``stop`` is set while waiting."""
+    stop = stop or threading.Event()
+    give_up = time.monotonic() + max(0.0, wait_s)
+    where = redact_url(spec.storage_url())
+    said = False
+    while True:
+        study, missing = _find_study(spec, worker_index)
+        if study is not None and study.user_attrs.get(os_.ATTR_PARENT_RUN):
+            if said:
+                log.warning("study %r found; joining it", study.study_name)
+            return study
+        what = missing or f"study {study.study_name!r} has no MLflow parent run yet"
+        if time.monotonic() >= give_up:
+            waited = f" after waiting {wait_s:.0f} s" if wait_s > 0 else ""
+            raise StudyStateError(f"{what} in {where}{waited}. Workers join a study that `sweeps run` "
+                                  f"created: run `sweeps run {spec.path}` (on any machine that reaches the "
+                                  f"storage), or start the worker with a longer --wait")
+        if not said:
+            log.warning("%s in %s; waiting up to %.0f s for `sweeps run %s` to create it", what, where,
+                        wait_s, spec.path)
+            said = True
+        if stop.wait(min(2.0, max(0.1, give_up - time.monotonic()))):
+            return None
+
+
+def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None, str]:
+    """(study, "") when it exists; (None, what is missing) while the storage has no tables
+    or no study of that name yet. Any other problem (credentials, a changed search space) raises."""
+    try:
+        storage = os_.open_storage(spec, create=False)
+    except BackendError as exc:
+        if not _tables_missing(exc):
+            raise
+        return None, "the storage has no Optuna tables yet (no study was ever run on it)"
+    if os_.current_study_name(storage, spec.name) is None:
+        return None, f"study {spec.name!r} does not exist yet"
+    return os_.open_study(spec, worker_index=worker_index, create=False), ""
+
+
+def _tables_missing(exc: BaseException) -> bool:
+    text = f"{exc} {exc.__cause__}".lower()
+    return any(m in text for m in ("does not exist", "no such table", "undefinedtable", "version_info"))
+
+
+def _poll_seconds(study: optuna.Study) -> float:
+    """How often a worker that is out of trials to start checks for dead workers' trials."""
+    return min(5.0, max(0.5, os_.grace_seconds(study) / 4))
+
+
 def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_file) -> int | None:
     params = ss.suggest(trial, os_.effective_search(spec, study))
     retry_of = study._storage.get_trial(trial._trial_id).system_attrs.get("failed_trial")
+    if retry_of is not None:
+        # A retry inherits the failed attempt's user attributes (its folder, to resume from);
+        # the attempt's own outcome is not this trial's.
+        trial.set_user_attr(os_.ATTR_REASON, "")
+        trial.set_user_attr("interrupted", False)
     out_dir = Path(trial.user_attrs.get(os_.ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
     overrides = dict(trial.user_attrs.get(os_.ATTR_BATCH_OVERRIDES) or {})
     trial.set_user_attr(os_.ATTR_OUT_DIR, str(out_dir))
@@ -126,28 +198,25 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     # A retry (crash, SIGTERM) reuses the original's folder and resumes from its last checkpoint.
     resume = (out_dir / "last.pt").exists() or (out_dir / "last.prev.pt").exists()
     spec_trial = TrialSpec(trial.number, params, out_dir, resume=resume, tags=tags, overrides=overrides)
-    outcome = run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,
-                        on_start=lambda run: trial.set_user_attr(os_.ATTR_RUN_ID, run.run_id))
-    if outcome.value is not None:
-        trial.set_user_attr("best_value", outcome.value)
-    if outcome.reason:
-        trial.set_user_attr(os_.ATTR_REASON, outcome.reason)
 
-    exhausted = False
-    if outcome.state == "COMPLETE":
-        exhausted = _tell(study, trial, values=outcome.value)
-    elif outcome.state == "PRUNED":
-        exhausted = _tell(study, trial, state=TrialState.PRUNED)
-    else:
-        if outcome.state == "INTERRUPTED":
-            trial.set_user_attr("interrupted", True)
-        exhausted = _tell(study, trial, state=TrialState.FAIL)
-        frozen = study._storage.get_trial(trial._trial_id)
-        if outcome.state == "INTERRUPTED":
-            # Requeue the same parameters; the retry resumes from the checkpoint just saved.
-            RetryHeartbeatStaleTrialCallback(max_retry=os_.MAX_RETRIES)(study, frozen)
-        elif outcome.oom and spec.budget.oom_retry_smaller_batch and not overrides:
-            os_.enqueue_smaller_batch(spec, study, frozen)
+    def on_start(run) -> None:
+        trial.set_user_attr(os_.ATTR_RUN_ID, run.run_id)
+        beat()  # creating the MLflow run can take a while; the trial is alive
+
+    outcome = run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,
+                        on_start=on_start)
+    beat()
+    try:
+        exhausted = _record(spec, study, trial, outcome, overrides)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+        if not study._storage.get_trial(trial._trial_id).state.is_finished():
+            raise
+        # This worker was silent past the grace period and another one failed the trial as
+        # stale and requeued it: this attempt's result is dropped, the retry counts instead.
+        log.warning("trial %d was failed as stale by another worker (no heartbeat for longer than %s=%d s); "
+                    "this attempt's result is dropped and its retry counts instead", trial.number,
+                    os_.ENV_GRACE, os_.heartbeat_settings()[1])
+        exhausted = False
     update_parent_best(tracker, parent, os_.study_result(spec, study))
     if outcome.state == "INTERRUPTED":
         return signals.exit_code()
@@ -155,6 +224,29 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
         log.warning("the grid of search values is exhausted; this worker stops")
         return EXIT_OK
     return None
+
+
+def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, overrides: dict) -> bool:
+    """Store the outcome in the study (and requeue what should be retried). Returns whether
+    the grid of search values is exhausted."""
+    if outcome.value is not None:
+        trial.set_user_attr("best_value", outcome.value)
+    if outcome.reason:
+        trial.set_user_attr(os_.ATTR_REASON, outcome.reason)
+    if outcome.state == "COMPLETE":
+        return _tell(study, trial, values=outcome.value)
+    if outcome.state == "PRUNED":
+        return _tell(study, trial, state=TrialState.PRUNED)
+    if outcome.state == "INTERRUPTED":
+        trial.set_user_attr("interrupted", True)
+    exhausted = _tell(study, trial, state=TrialState.FAIL)
+    frozen = study._storage.get_trial(trial._trial_id)
+    if outcome.state == "INTERRUPTED":
+        # Requeue the same parameters; the retry resumes from the checkpoint just saved.
+        RetryHeartbeatStaleTrialCallback(max_retry=os_.MAX_RETRIES)(study, frozen)
+    elif outcome.oom and spec.budget.oom_retry_smaller_batch and not overrides:
+        os_.enqueue_smaller_batch(spec, study, frozen)
+    return exhausted
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, **kwargs) -> bool:

@@ -120,6 +120,10 @@ class RayBackend:
         os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
         os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
         os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+        # The live view prints each trial's end (with the failure reason) and each retry;
+        # Ray's own tables and tracebacks stay in its files (error.txt per trial).
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+        os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
         started_ray = init_ray(spec)
         try:
             res = plan_resources(spec, ray.cluster_resources())
@@ -329,6 +333,13 @@ class _DriverCallback(_Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self._finished(trials, trial, "ERROR")
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        if _LIVE:
+            number = rr.trial_number(trial)
+            _LIVE["view"].console.print(f"trial {number} failed ({rr.error_reason(trial) or 'see its error.txt'}); "
+                                        f"retry {trial.num_failures} of {_LIVE['spec'].budget.max_failures} "
+                                        "from its last checkpoint", markup=False, highlight=False)
 
     def _finished(self, trials, trial, status) -> None:
         if not _LIVE:

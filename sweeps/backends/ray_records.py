@@ -121,7 +121,7 @@ def record_of(trial, spec: StudySpec, rows: Iterable[dict], live: bool) -> Trial
         if intermediate:
             reason = f"stopped early by the scheduler after epoch {max(intermediate)}"
     elif status == "ERROR":
-        state = "FAIL"
+        state, reason = "FAIL", error_reason(trial)
     elif status in ("RUNNING", "PAUSED"):
         state = "RUNNING" if live else "WAITING"
     else:
@@ -136,6 +136,25 @@ def record_of(trial, spec: StudySpec, rows: Iterable[dict], live: bool) -> Trial
                        value=None if value is None else float(value), duration_s=total,
                        run_id=last.get(R_RUN_ID) or None, intermediate=intermediate, reason=reason,
                        started=started)
+
+
+def error_reason(trial) -> str:
+    """The failure message of an errored trial, from Ray's error file (while it is there)."""
+    lines: list[str] = []
+    for where in ("path", "local_path"):  # the experiment storage, then the driver's staging folder
+        try:
+            name = trial.run_metadata.error_filename
+            folder = getattr(trial, where)
+            if name and folder and Path(folder, name).exists():
+                lines = [ln.strip() for ln in Path(folder, name).read_text().splitlines() if ln.strip()]
+                break
+        except Exception:  # noqa: BLE001 - some paths need a running Ray; the reason is optional
+            continue
+    for line in reversed(lines):
+        m = re.search(r"RuntimeError: trial \d+ failed: (.*)$", line)
+        if m:
+            return m.group(1)
+    return lines[-1][:500] if lines else ""
 
 
 def _finite(value: Any) -> bool:

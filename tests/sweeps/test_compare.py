@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import uuid
 
-import pytest
 
 from sweeps import cli
 from sweeps.compare import compare_curves, compare_table

@@ -1,0 +1,58 @@
+"""User tasks (loaded through `task.target`) that misbehave on purpose."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from core.tasks.digits import DigitsTask
+
+
+class _OomWhenBatchOver(nn.Module):
+    """Raises CUDA's out-of-memory error when a batch is larger than ``limit``, as a GPU would."""
+
+    def __init__(self, inner: nn.Module, limit: int) -> None:
+        super().__init__()
+        self.inner, self.limit = inner, limit
+
+    def forward(self, x):
+        if self.training and x.shape[0] > self.limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} samples")
+        return self.inner(x)
+
+
+class OomTask(DigitsTask):
+    def build_model(self):
+        return _OomWhenBatchOver(super().build_model(), limit=int(os.environ.get("OOM_LIMIT", "32")))
+
+
+def make_oom_task(model: str = "mlp") -> OomTask:
+    return OomTask(model)
+
+
+class _HangAfter(nn.Module):
+    """Hangs forever (a deadlocked data pipeline, a stuck collective) after ``calls`` forwards,
+    the first time only: the marker file records that it hung."""
+
+    def __init__(self, inner: nn.Module, calls: int, marker: str) -> None:
+        super().__init__()
+        self.inner, self.calls, self.seen, self.marker = inner, calls, 0, marker
+
+    def forward(self, x):
+        self.seen += 1
+        if self.training and self.seen > self.calls and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            while True:
+                time.sleep(1)
+        return self.inner(x)
+
+
+class HangTask(DigitsTask):
+    def build_model(self):
+        return _HangAfter(super().build_model(), calls=15, marker=os.environ["HANG_MARKER"])
+
+
+def make_hang_task(model: str = "mlp") -> HangTask:
+    return HangTask(model)
