@@ -108,11 +108,13 @@ def write_summary(tracker: Tracker, parent: RunHandle, result: StudyResult) -> d
 
 
 def running_children(tracker, parent_run_id: str) -> list[str]:
-    """Run ids of the parent's child runs whose MLflow status is still RUNNING."""
+    """Run ids of the parent's trial runs whose MLflow status is still RUNNING (reruns, which
+    a user may be running right now, are not trials and are left alone)."""
     client = tracker.client
     experiment_id = client.get_run(parent_run_id).info.experiment_id
     runs = client.search_runs([experiment_id], filter_string=(
-        f"tags.`{layout.PARENT_TAG}` = '{parent_run_id}' and attributes.status = 'RUNNING'"), max_results=1000)
+        f"tags.`{layout.PARENT_TAG}` = '{parent_run_id}' and tags.`{layout.TAG_ROLE}` = '{layout.ROLE_TRIAL}' "
+        "and attributes.status = 'RUNNING'"), max_results=1000)
     return [r.info.run_id for r in runs]
 
 

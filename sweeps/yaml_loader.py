@@ -179,7 +179,10 @@ def _check_size(data: Any, path: str) -> None:
 
 def parse_yaml_text(text: str, path: str = "<string>") -> tuple[Any, Lines]:
     """Parse one YAML document with the spec rules; returns (data, line map). Raises SpecError."""
-    loader = _SpecLoader(text)
+    try:
+        loader = _SpecLoader(text)  # the reader checks the characters here already
+    except yaml.YAMLError as exc:
+        raise SpecError(path, [_yaml_problem(exc)]) from None
     try:
         node = loader.get_single_node()
         lines = _line_map(node)  # before construction: merges (`<<`) rewrite the node tree

@@ -1,0 +1,451 @@
+"""What every benchmark shares: statistics, ABAB alternation, machine facts, load monitoring,
+the result schema, and helpers to run the real ``sweeps`` CLI on a spec in a scratch folder.
+
+Result schema (one JSON file per benchmark, ``benchmarks/results/<name>.json``)::
+
+    {"schema": 1, "name": str, "title": str, "mode": "full" | "quick",
+     "status": "ok" | "error" | "skipped", "error": str | None,
+     "started_at": ISO-8601 UTC, "wall_s": float,
+     "machine": {...},                      # machine_info()
+     "load": {...},                         # CpuMonitor.result(): other processes' CPU use
+     "target": str, "summary": str,         # one line each
+     "rows": [row, ...], "notes": [str], "details": {...}}
+
+    row = {"case": str, "status": "ok" | "error", "error": str | None,
+           "metric": str,                   # what baseline and candidate measure (e.g. "samples/s")
+           "baseline": {"label": str, **stats} | None, "candidate": {"label": str, **stats} | None,
+           "ratio": {**stats, "definition": str} | None,   # paired: one ratio per ABAB pair
+           "headline": str,                 # the figure to read, in words
+           "target": str | None, "meets_target": bool | None, "details": {...}}
+
+    stats = {"median", "min", "max", "q1", "q3", "n"}   (see :func:`stats`)
+
+A benchmark never fails on speed: a target that is missed is ``meets_target: false``; an
+exception inside a benchmark becomes ``status: "error"`` with the traceback, and the suite goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
+SCHEMA_VERSION = 1
+VERSION_PACKAGES = ("torch", "torchvision", "optuna", "mlflow", "ray", "onnxruntime", "onnx", "numpy")
+
+if str(ROOT) not in sys.path:  # `python benchmarks/bench_x.py` works like `python -m benchmarks.bench_x`
+    sys.path.insert(0, str(ROOT))
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass
+class Context:
+    """What a benchmark's ``run(ctx)`` gets: the mode, an optional repeat override, a scratch folder."""
+
+    quick: bool = False
+    repeats: int | None = None  # overrides the benchmark's own default (full: several; quick: 1)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="sweeps-bench-")))
+    options: dict = field(default_factory=dict)  # benchmark-specific knobs (tests use them to shrink cases)
+
+    def pick(self, quick: Any, full: Any) -> Any:
+        return quick if self.quick else full
+
+    def n_repeats(self, full: int) -> int:
+        if self.repeats is not None:
+            return max(1, self.repeats)
+        return 1 if self.quick else full
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def stats(values: Iterable[float]) -> dict:
+    """Median, min, max and quartiles (inclusive method) of ``values``; NaN-free input expected."""
+    vals = sorted(float(v) for v in values)
+    if not vals:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "q1": math.nan, "q3": math.nan, "n": 0}
+    if len(vals) == 1:
+        q1 = q3 = vals[0]
+    else:
+        q1, _, q3 = statistics.quantiles(vals, n=4, method="inclusive")
+    return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1], "q1": q1, "q3": q3,
+            "n": len(vals)}
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float], definition: str) -> dict:
+    """Stats of the per-pair ratios ``numerators[i] / denominators[i]`` (pairs from one ABAB round,
+    so slow drift of the machine cancels inside each ratio)."""
+    ratios = [n / d for n, d in zip(numerators, denominators) if d]
+    return {**stats(ratios), "definition": definition}
+
+
+def alternate(arms: Mapping[str, Callable[[], float]], repeats: int, warmup: int = 1,
+              log: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Run the arms round-robin (A B A B ... or A B C A B C ...) ``warmup + repeats`` times and
+    return each arm's measured values (the first ``warmup`` rounds are discarded)."""
+    values: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(warmup + repeats):
+        for name, fn in arms.items():
+            v = float(fn())
+            if r >= warmup:
+                values[name].append(v)
+            if log:
+                log(f"  {'warm-up' if r < warmup else f'round {r - warmup + 1}/{repeats}'} {name}: {v:.6g}")
+    return values
+
+
+def arm(label: str, values: Sequence[float]) -> dict:
+    return {"label": label, **stats(values)}
+
+
+def fmt_stats(s: Mapping[str, Any] | None, digits: int = 3) -> str:
+    """``median [min, max]`` in a short form for tables."""
+    if not s or not s.get("n"):
+        return "-"
+    if s["n"] == 1:
+        return f"{s['median']:.{digits}g}"
+    return f"{s['median']:.{digits}g} [{s['min']:.{digits}g}, {s['max']:.{digits}g}]"
+
+
+def make_row(case: str, *, metric: str = "", baseline: dict | None = None, candidate: dict | None = None,
+             ratio: dict | None = None, headline: str = "", target: str | None = None,
+             meets_target: bool | None = None, details: dict | None = None, status: str = "ok",
+             error: str | None = None) -> dict:
+    return {"case": case, "status": status, "error": error, "metric": metric, "baseline": baseline,
+            "candidate": candidate, "ratio": ratio, "headline": headline, "target": target,
+            "meets_target": None if meets_target is None else bool(meets_target), "details": details or {}}
+
+
+def error_row(case: str, exc: BaseException | str, **kw) -> dict:
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return make_row(case, status="error", error=text[-2000:], headline=f"failed: {text.splitlines()[0][:200]}", **kw)
+
+
+# --------------------------------------------------------------------------- machine and load
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def package_versions(names: Iterable[str] = VERSION_PACKAGES) -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (head or "unknown") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_info() -> dict:
+    """CPU model, cores, RAM, versions, date: what a reader needs to weigh the numbers."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    try:
+        import torch
+
+        threads = torch.get_num_threads()
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        threads, cuda = None, False
+    return {
+        "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "cpus_usable": affinity,
+        "ram_gib": _ram_gib(), "platform": platform.platform(), "hostname": platform.node(),
+        "torch_threads": threads, "cuda_available": cuda, "versions": package_versions(),
+        "git_commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _proc_stat_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine since boot (all processes), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class CpuMonitor:
+    """How busy *other* processes kept the machine while we measured: machine busy CPU time
+    (/proc/stat) minus this process tree's (getrusage of self + reaped children), per wall second.
+    Processes we started but did not reap (e.g. daemons a Ray driver leaves to init) count as others."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.busy0 = _proc_stat_busy_s()
+        self.own0 = _own_cpu_s()
+        self.load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+
+    def result(self) -> dict:
+        wall = time.monotonic() - self.t0
+        busy1, own1 = _proc_stat_busy_s(), _own_cpu_s()
+        out: dict[str, Any] = {"wall_s": round(wall, 2), "own_cpu_s": round(own1 - self.own0, 2),
+                               "loadavg_start": self.load0,
+                               "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
+        if busy1 is not None and self.busy0 is not None and wall > 0:
+            busy = busy1 - self.busy0
+            other = max(0.0, busy - (own1 - self.own0))
+            out.update(machine_busy_cpu_s=round(busy, 2), other_cpu_s=round(other, 2),
+                       other_cores_avg=round(other / wall, 3), cores=os.cpu_count())
+        return out
+
+
+SHARED_THRESHOLD_CORES = 0.2  # other processes using more than this many cores on average = a shared machine
+
+
+# --------------------------------------------------------------------------- sweeps CLI helpers
+
+
+def sweeps_env(**extra: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no prompts nor phoning home from the Ray backend
+    return env
+
+
+def tiny_spec(name: str, **overrides: Any) -> dict:
+    """A digits-MLP study of short trials (well under a second of training each on 2 cores)."""
+    spec: dict[str, Any] = {
+        "name": name,
+        "description": "benchmark study",
+        "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
+        "train": {"epochs": 1, "batch_size": 128, "optimizer": "sgd", "scheduler": "constant",
+                  "num_workers": 0, "export_onnx": False, "save_checkpoints": False, "seed": 0},
+        "search": {"lr": {"type": "float", "low": 0.01, "high": 0.5, "log": True}},
+        "objective": {"metric": "val_acc", "direction": "maximize"},
+        "sampler": {"name": "random", "seed": 0},
+        "pruner": {"name": "none"},
+        "budget": {"n_trials": 4, "max_failures": 3},
+        "resources": {"devices": "cpu", "workers": 1},
+        "tracking": {"uri": "sqlite:///runs/mlflow.db"},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+def write_spec(folder: Path, spec: dict) -> Path:
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def run_sweeps(cwd: Path, spec_path: Path, timeout_s: float, cpus: Sequence[int] | None = None) -> dict:
+    """``sweeps run SPEC --quiet`` in ``cwd`` (its runs/ lands there); wall time and exit code.
+    ``cpus`` pins the whole process tree to those CPUs (sched_setaffinity before exec)."""
+    return wait_sweeps(start_sweeps(cwd, spec_path, cpus), timeout_s)
+
+
+def start_sweeps(cwd: Path, spec_path: Path, cpus: Sequence[int] | None = None) -> dict:
+    cwd.mkdir(parents=True, exist_ok=True)
+    log_path = cwd / f"{spec_path.stem}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed in wait_sweeps
+    preexec = (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None
+    t_wall = time.time()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "sweeps.cli", "run", str(spec_path), "--quiet"], cwd=cwd,
+                            env=sweeps_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=preexec)
+    return {"proc": proc, "log": log, "log_path": log_path, "t_start": t_wall, "t0": t0}
+
+
+def wait_sweeps(handle: dict, timeout_s: float) -> dict:
+    proc: subprocess.Popen = handle["proc"]
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _stop_group(proc)
+        rc = proc.returncode
+    wall = time.perf_counter() - handle["t0"]
+    handle["log"].close()
+    text = handle["log_path"].read_text(errors="replace")
+    return {"rc": rc, "timed_out": timed_out, "wall_s": wall, "t_start": handle["t_start"],
+            "t_end": handle["t_start"] + wall, "log_tail": text[-3000:], "log_path": str(handle["log_path"])}
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the CLI's process group (workers checkpoint and stop), then SIGKILL after 30 s."""
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def mlflow_trials(cwd: Path, experiment: str) -> list[dict]:
+    """The trial runs of ``experiment`` in ``cwd/runs/mlflow.db``: state, times, trial_seconds."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{cwd}/runs/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`sweeps.role` = 'trial'",
+                              max_results=5000)
+    out = []
+    for r in runs:
+        out.append({"number": int(r.data.tags.get("sweeps.trial_number", -1)),
+                    "state": r.data.tags.get("sweeps.state"), "status": r.info.status,
+                    "start_s": r.info.start_time / 1000.0,
+                    "end_s": (r.info.end_time or r.info.start_time) / 1000.0,
+                    "trial_seconds": r.data.metrics.get("trial_seconds"),
+                    "run_id": r.info.run_id})
+    return sorted(out, key=lambda t: t["start_s"])
+
+
+def optuna_study(cwd: Path, spec_name: str):
+    """The (single) Optuna study of a spec run in ``cwd`` with the default journal storage."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = JournalStorage(JournalFileBackend(str(cwd / "runs" / f"{spec_name}.journal")))
+    names = optuna.study.get_all_study_names(storage)
+    name = spec_name if spec_name in names else names[-1]
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def python_start_s(code: str, repeats: int = 1) -> float:
+    """Median wall time of ``python -c code`` in a fresh interpreter (process start + imports)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], env=sweeps_env(), check=True, capture_output=True, timeout=300)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- running one benchmark
+
+
+def new_result(name: str, title: str, ctx: Context) -> dict:
+    return {"schema": SCHEMA_VERSION, "name": name, "title": title, "mode": "quick" if ctx.quick else "full",
+            "status": "ok", "error": None, "started_at": None, "wall_s": None, "machine": None, "load": None,
+            "target": "", "summary": "", "rows": [], "notes": [], "details": {}}
+
+
+def execute(name: str, title: str, run: Callable[[Context], dict], ctx: Context) -> dict:
+    """Run one benchmark and return its result; never raises (an exception becomes status "error")."""
+    result = new_result(name, title, ctx)
+    result["started_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    result["machine"] = machine_info()
+    monitor = CpuMonitor()
+    t0 = time.perf_counter()
+    try:
+        produced = run(ctx)
+        result.update({k: v for k, v in produced.items() if k not in ("name", "schema", "mode")})
+        if any(r.get("status") == "error" for r in result["rows"]) and result["status"] == "ok":
+            result["status"] = "partial"
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports, it never takes the suite down
+        result.update(status="error", error=traceback.format_exc()[-4000:],
+                      summary=f"{title}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    result["load"] = monitor.result()
+    return result
+
+
+def write_result(result: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=_json_default, allow_nan=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def bench_main(name: str, title: str, run: Callable[[Context], dict], argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.bench_<name> [--quick] [--repeats N] [--out PATH]``: always exit 0
+    once a result file is written (a benchmark reports, it never fails)."""
+    p = argparse.ArgumentParser(prog=f"benchmarks.bench_{name}", description=title)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (checks the code path)")
+    p.add_argument("--repeats", type=int, default=None, help="override the number of measured repeats")
+    p.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}.json)")
+    p.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a new temp folder)")
+    a = p.parse_args(argv)
+    out = a.out or (RESULTS_DIR / f"{name}.json")
+    with tempfile.TemporaryDirectory(prefix=f"sweeps-bench-{name}-", dir=a.workdir) as tmp:
+        ctx = Context(quick=a.quick, repeats=a.repeats, workdir=Path(tmp))
+        result = execute(name, title, run, ctx)
+    write_result(result, out)
+    print(f"{name}: {result['status']}: {result.get('summary', '')}\nwrote {out}", flush=True)
+    return 0
