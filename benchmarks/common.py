@@ -388,6 +388,48 @@ def python_start_s(code: str, repeats: int = 1) -> float:
     return statistics.median(times)
 
 
+# --------------------------------------------------------------------------- in-process tracking
+
+
+class TrackingStore:
+    """A real :class:`sweeps.tracking.mlflow_tracker.MlflowTracker` on a SQLite store in ``folder``,
+    with a study parent run, handing out :class:`sweeps.objective.TrialReporter` objects wired the
+    way an Optuna worker wires them (never prunes, never interrupted, heartbeat touches a file)."""
+
+    def __init__(self, folder: Path, experiment: str = "bench") -> None:
+        from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.uri = f"sqlite:///{folder / 'mlflow.db'}"
+        self.tracker = MlflowTracker(self.uri, spool_dir=folder / "spool", artifact_root=folder / "artifacts")
+        self.tracker.check_connection()
+        self.experiment_id = self.tracker.get_or_create_experiment(experiment)
+        self.parent = self.tracker.start_run(self.experiment_id, "bench-study", tags={"sweeps.role": "study"})
+        self.beat_file = folder / "worker.beat"
+        self.beat_file.touch()
+
+    @property
+    def client(self):
+        return self.tracker.client
+
+    def trial_reporter(self, name: str, objective: str = "val_acc"):
+        """A new child run and its TrialReporter: ``(reporter, run)``."""
+        import threading
+
+        from sweeps.objective import TrialReporter
+
+        run = self.tracker.start_run(self.experiment_id, name, parent=self.parent,
+                                     tags={"sweeps.role": "trial"})
+        reporter = TrialReporter(self.tracker, run, objective, should_prune=lambda epoch, value: False,
+                                 interrupt=threading.Event(), heartbeat=self.beat_file.touch)
+        return reporter, run
+
+    def count_points(self, run_id: str) -> dict[str, int]:
+        """Points stored per metric key (every point, not just the latest)."""
+        keys = self.client.get_run(run_id).data.metrics.keys()
+        return {k: len(self.client.get_metric_history(run_id, k)) for k in sorted(keys)}
+
+
 # --------------------------------------------------------------------------- running one benchmark
 
 

@@ -16,8 +16,8 @@ from rich.console import Console
 
 from sweeps.errors import SweepsError
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)  # long paths and messages stay on one line (grep-able, copy-able)
+err_console = Console(stderr=True, soft_wrap=True)
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None], str]] = {}
 
 

@@ -124,6 +124,7 @@ class RayBackend:
         # Ray's own tables and tracebacks stay in its files (error.txt per trial).
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
         os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
+        _quiet_stale_checkpoint_errors()
         started_ray = init_ray(spec)
         try:
             res = plan_resources(spec, ray.cluster_resources())
@@ -191,6 +192,22 @@ def init_ray(spec: StudySpec) -> bool:
         raise BackendError(f"cannot start or join {where}: {exc}. Check resources.ray_address "
                            "(auto, or host:port of a running head node: `ray start --head`)") from exc
     return True
+
+
+class _StaleCheckpointFilter(logging.Filter):
+    """After a driver crash, Ray's last experiment snapshot may still list a checkpoint it
+    had already deleted (``CheckpointConfig(num_to_keep)``); deleting it again on restore
+    fails with FileNotFoundError, after the new checkpoint was registered. Harmless: hide it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, FileNotFoundError) and "Error handling checkpoint" in str(record.msg))
+
+
+def _quiet_stale_checkpoint_errors() -> None:
+    logger = logging.getLogger("ray.tune.execution.tune_controller")
+    if not any(isinstance(f, _StaleCheckpointFilter) for f in logger.filters):
+        logger.addFilter(_StaleCheckpointFilter())
 
 
 @contextlib.contextmanager

@@ -1,0 +1,100 @@
+"""Parallel efficiency: trials per minute with 2 CPU workers against 1 worker (Optuna backend).
+
+The same study (digits CNN trials of a fixed size; only the learning rate is searched, so every
+trial costs the same) run by ``sweeps run`` with ``resources.workers: 1`` and ``workers: 2``.
+The pool gives 1 worker all the CPU threads and 2 workers half each, as ``sweeps`` does.
+Rounds alternate 1 worker, 2 workers (ABAB); the ratio is taken inside each round.
+
+Trials per minute, two ways:
+* steady state (judged): finished trials / (last trial end - first trial start);
+* end to end: finished trials / wall time of ``sweeps run`` (start-up included, which does not
+  parallelise).
+"""
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.common import (Context, arm, bench_main, error_row, make_row, mlflow_trials, paired_ratio,
+                               run_sweeps, stats, tiny_spec, write_spec)
+
+NAME = "parallel"
+TITLE = "Parallel efficiency: trials/min with 2 CPU workers vs 1 (sweeps run, Optuna)"
+TARGET = 1.7
+
+
+def one_study(ctx: Context, workers: int, n_trials: int, index: int, timeout_s: float) -> dict:
+    name = f"par_w{workers}"
+    folder = ctx.workdir / f"{name}-{index}"
+    spec = tiny_spec(name, task={"name": "digits", "model": "cnn", "args": {}},
+                     train={"epochs": ctx.pick(1, 3), "batch_size": 32},
+                     budget={"n_trials": n_trials, "max_failures": 3},
+                     resources={"devices": "cpu", "workers": workers})
+    res = run_sweeps(folder, write_spec(folder, spec), timeout_s)
+    trials = mlflow_trials(folder, name)
+    done = [t for t in trials if t["state"] in ("COMPLETE", "PRUNED")]
+    out = {"workers": workers, "rc": res["rc"], "wall_s": res["wall_s"], "n_trials": len(done)}
+    if res["rc"] != 0 or len(done) < n_trials:
+        out["error"] = (f"sweeps run (workers {workers}) exited {res['rc']} with {len(done)}/{n_trials} finished "
+                        f"trials; log tail:\n{res['log_tail'][-1200:]}")
+        return out
+    window = max(t["end_s"] for t in done) - min(t["start_s"] for t in done)
+    out.update(steady_tpm=60 * len(done) / window, e2e_tpm=60 * len(done) / res["wall_s"], window_s=window,
+               trial_seconds=stats(t["trial_seconds"] for t in done if t["trial_seconds"] is not None),
+               workers_seen=len({t.get("worker") for t in done}))
+    return out
+
+
+def run(ctx: Context) -> dict:
+    n_trials = int(ctx.options.get("n_trials", ctx.pick(2, 12)))
+    repeats = ctx.n_repeats(2)
+    timeout_s = ctx.pick(240, 360)
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for r in range(repeats):
+        for workers in (1, 2):
+            ctx.log(f"{NAME}: {n_trials} trials with {workers} worker(s) (round {r + 1}/{repeats})")
+            try:
+                out = one_study(ctx, workers, n_trials, r, timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                out = {"workers": workers, "error": f"{type(exc).__name__}: {exc}"}
+            runs[workers].append(out)
+            ctx.log("  " + (out["error"].splitlines()[0] if "error" in out else
+                            f"steady {out['steady_tpm']:.1f} trials/min, end to end {out['e2e_tpm']:.1f}, "
+                            f"wall {out['wall_s']:.1f} s"))
+    pairs = [(a, b) for a, b in zip(runs[1], runs[2]) if "error" not in a and "error" not in b]
+    if not pairs:
+        err = next((r["error"] for w in (1, 2) for r in runs[w] if "error" in r), "no run finished")
+        rows = [error_row("2 workers vs 1", err, target=f">= {TARGET}x", details={"runs": runs})]
+        summary = f"Parallel efficiency: failed ({err.splitlines()[0][:120]})"
+    else:
+        one, two = [p[0] for p in pairs], [p[1] for p in pairs]
+        steady = paired_ratio([b["steady_tpm"] for b in two], [a["steady_tpm"] for a in one],
+                              "trials/min with 2 workers / with 1 (steady state, per round)")
+        e2e = paired_ratio([b["e2e_tpm"] for b in two], [a["e2e_tpm"] for a in one],
+                           "trials/min with 2 workers / with 1 (end to end, per round)")
+        rows = [make_row(
+            "2 workers vs 1", metric="trials per minute (steady state)",
+            baseline=arm("1 worker (2 threads)", [a["steady_tpm"] for a in one]),
+            candidate=arm("2 workers (1 thread each)", [b["steady_tpm"] for b in two]),
+            ratio=steady, target=f">= {TARGET}x", meets_target=steady["median"] >= TARGET,
+            headline=f"{steady['median']:.2f}x trials/min (end to end, start-up included: {e2e['median']:.2f}x)",
+            details={"end_to_end_ratio": e2e, "runs": runs,
+                     "trial_seconds_median": {"1 worker": statistics.median(a["trial_seconds"]["median"] for a in one),
+                                              "2 workers": statistics.median(b["trial_seconds"]["median"] for b in two)}})]
+        summary = (f"Parallel efficiency (trials/min, 2 CPU workers vs 1, {n_trials} digits-CNN trials): "
+                   f"{steady['median']:.2f}x steady state, {e2e['median']:.2f}x end to end (target >= {TARGET}x)")
+    return {
+        "target": f">= {TARGET}x trials per minute with 2 workers on this machine",
+        "summary": summary, "rows": rows,
+        "notes": [f"Trials: digits CNN, batch 32, {ctx.pick(1, 3)} epoch(s), checkpoints and ONNX off, random "
+                  "sampler over lr only (equal cost per trial), no pruner.",
+                  "Each worker gets cpu_threads // workers torch threads (sweeps.pool.plan_workers)."],
+        "details": {"runs": runs},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(NAME, TITLE, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Fixtures for the scale-out tests: a fresh PostgreSQL database per use, an MLflow server.
+
+Tests that need PostgreSQL skip (with the reason) when no server answers on 127.0.0.1:5432
+(trust authentication, as user postgres or root). Every database made here is dropped at
+teardown, so tests never see each other's studies.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.scaleout.scaleout_helpers import stop_group, wait_http
+
+PG_HOST, PG_PORT = "127.0.0.1", 5432
+PG_USERS = ("postgres", "root")
+
+
+def _admin_connection():
+    """An autocommit connection to the server, or the reason there is none."""
+    try:
+        import psycopg2
+    except ImportError as exc:
+        return None, f"psycopg2 is not installed ({exc})"
+    problems = []
+    for user in PG_USERS:
+        try:
+            conn = psycopg2.connect(host=PG_HOST, port=PG_PORT, user=user, dbname="postgres", connect_timeout=3)
+        except psycopg2.OperationalError as exc:
+            problems.append(f"{user}: {str(exc).strip().splitlines()[0]}")
+            continue
+        conn.autocommit = True
+        return conn, user
+    return None, "; ".join(problems)
+
+
+@pytest.fixture(scope="session")
+def pg_admin():
+    conn, user_or_reason = _admin_connection()
+    if conn is None:
+        pytest.skip(f"needs PostgreSQL on {PG_HOST}:{PG_PORT} with trust authentication for user postgres or "
+                    f"root: {user_or_reason}")
+    yield conn, user_or_reason
+    conn.close()
+
+
+@pytest.fixture
+def fresh_db(pg_admin):
+    """``fresh_db()`` -> the URL of a new, empty database (dropped at teardown)."""
+    conn, user = pg_admin
+    made = []
+
+    def make() -> str:
+        name = f"sweeps_test_{uuid.uuid4().hex[:12]}"
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+        made.append(name)
+        return f"postgresql://{user}@{PG_HOST}:{PG_PORT}/{name}"
+
+    yield make
+    with conn.cursor() as cur:
+        for name in made:
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# ---- MLflow tracking server -------------------------------------------------------------------
+@pytest.fixture
+def mlflow_server(tmp_path, fresh_db, free_port):
+    """An ``mlflow server`` on a fresh PostgreSQL backend store and a free local port, artifacts
+    proxied into ``tmp_path/mlartifacts``. Yields (base URL, artifacts folder). Killed at teardown."""
+    # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3; the project installs psycopg2.
+    store = fresh_db().replace("postgresql://", "postgresql+psycopg2://", 1)
+    artifacts = tmp_path / "mlartifacts"
+    log = tmp_path / "mlflow_server.log"
+    mlflow = Path(sys.executable).with_name("mlflow")
+    cmd = [str(mlflow), "server", "--backend-store-uri", store, "--serve-artifacts",
+           "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(free_port),
+           "--workers", "1"]
+    with open(log, "w") as out:
+        # Its own session: teardown stops the server and the uvicorn / job-runner children it starts.
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"})
+    base = f"http://127.0.0.1:{free_port}"
+    try:
+        wait_http(base + "/health", timeout=120, proc=proc, log=log)
+        yield base, artifacts
+    finally:
+        stop_group(proc)
+
+
+@pytest.fixture
+def spawned():
+    """A list to put started processes in; any still running at teardown is killed (by its pid)."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

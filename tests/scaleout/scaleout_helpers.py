@@ -1,0 +1,114 @@
+"""Helpers of the scale-out tests: processes, the MLflow REST API, the study in PostgreSQL."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{proc.args[:3]} exited with {proc.returncode}:\n"
+                                 f"{log.read_text()[-3000:] if log else ''}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer within {timeout} s:\n{log.read_text()[-3000:] if log else ''}")
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 15) -> None:
+    """SIGTERM the process group this test started (the process is its leader), then SIGKILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # children left in the group
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def rest(base: str, path: str, body: dict | None = None) -> dict:
+    """GET (no body) or POST JSON to the MLflow REST API."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.load(resp)
+
+
+def wait_for(predicate, timeout: float = 180, every: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+class Output:
+    """Collects a process's merged stdout/stderr in a thread (so its pipe never fills up)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.lines = proc, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        """Wait for the process to exit; (exit code, all its output)."""
+        self.proc.wait(timeout=timeout)
+        self._thread.join(timeout=10)
+        return self.proc.returncode, self.text()
+
+
+def pg_study(url: str, name: str):
+    """The study as Optuna stores it (a plain read-only view: no heartbeat, no callbacks)."""
+    import optuna
+    from optuna.storages import RDBStorage
+
+    from sweeps.backends.optuna_study import sqlalchemy_url
+
+    return optuna.load_study(study_name=name, storage=RDBStorage(sqlalchemy_url(url), skip_table_creation=True))
+
+
+def running_trials(url: str) -> list[dict]:
+    """RUNNING trials straight from the Optuna tables: [{number, worker, out_dir}] (empty before
+    the tables exist)."""
+    import psycopg2
+
+    conn = psycopg2.connect(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT t.number, a.key, a.value_json FROM trials t JOIN trial_user_attributes a "
+                        "ON a.trial_id = t.trial_id WHERE t.state = 'RUNNING' AND a.key IN ('worker', 'out_dir')")
+            rows = cur.fetchall()
+    except psycopg2.errors.UndefinedTable:
+        return []
+    finally:
+        conn.close()
+    found: dict[int, dict] = {}
+    for number, key, value in rows:
+        found.setdefault(number, {"number": number})[key] = json.loads(value)
+    return list(found.values())
