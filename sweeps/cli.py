@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    # MLflow's INFO lines (database table creation) are noise here; its workers inherit this.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     parser = build_parser()
     a = parser.parse_args(argv)
     try:

@@ -12,7 +12,7 @@ BAD = ["../escape", "/abs/path", "%2e%2e/x", "%252e%252e", "a\\b", "a\x00b", "ru
 def test_bad_study_names_and_storage_paths_are_refused_before_anything_is_written(tmp_path, bad):
     work = tmp_path / "work"
     work.mkdir()
-    spec = write_spec(work, name="ok", storage=f"runs/{bad}.journal")
+    spec = write_spec(work, name="ok", seed_store=False, storage=f"runs/{bad}.journal")
     text = spec.read_text().replace("name: ok", f"name: {bad!r}" if "\x00" not in bad else 'name: "a\\0b"')
     spec.write_text(text)
     proc = run_cli(work, "run", str(spec))
@@ -30,7 +30,7 @@ def test_bad_study_names_and_storage_paths_are_refused_before_anything_is_writte
 def test_bad_model_names_are_refused_by_promote(tmp_path, bad):
     work = tmp_path / "work"
     work.mkdir()
-    spec = write_spec(work, name="ok")
+    spec = write_spec(work, name="ok", seed_store=False)
     proc = run_cli(work, "promote", str(spec), "--model-name", bad)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "model" in proc.stderr.lower()

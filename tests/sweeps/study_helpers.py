@@ -11,8 +11,28 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_spec(folder: Path, name: str = "tiny", **overrides) -> Path:
-    """A digits-MLP study that trains in about a second per trial."""
+_TEMPLATE_DB: Path | None = None
+
+
+def empty_mlflow_db() -> Path:
+    """An MLflow SQLite store with its tables already created, made once per test session.
+    Creating the tables (alembic migrations) costs seconds on every fresh store."""
+    global _TEMPLATE_DB
+    if _TEMPLATE_DB is None or not _TEMPLATE_DB.exists():
+        import tempfile
+
+        from mlflow.tracking import MlflowClient
+
+        folder = Path(tempfile.mkdtemp(prefix="sweeps-mlflow-template-"))
+        MlflowClient(f"sqlite:///{folder}/mlflow.db").search_experiments()
+        _TEMPLATE_DB = folder / "mlflow.db"
+    return _TEMPLATE_DB
+
+
+def write_spec(folder: Path, name: str = "tiny", seed_store: bool = True, **overrides) -> Path:
+    """A digits-MLP study that trains in about a second per trial. ``seed_store`` copies an
+    empty, already-migrated MLflow store to ``runs/mlflow.db`` (only saves time; tests that
+    check that nothing is created pass False)."""
     spec = {
         "name": name,
         "description": "tiny test study",
@@ -34,6 +54,12 @@ def write_spec(folder: Path, name: str = "tiny", **overrides) -> Path:
             spec[key] = value
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    db = folder / "runs" / "mlflow.db"
+    if seed_store and spec.get("tracking", {}).get("uri") == "sqlite:///runs/mlflow.db" and not db.exists():
+        import shutil
+
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(empty_mlflow_db(), db)
     return path
 
 
