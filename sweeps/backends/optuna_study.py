@@ -25,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sweeps import search_space as ss
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.errors import BackendError, StudyStateError
-from sweeps.spec import StudySpec
+from sweeps.spec import StudySpec, redact_url
 
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
 GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
@@ -63,8 +63,12 @@ def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseSt
                 heartbeat_stale_trial_callback=StaleTrialCallback(spec.tracking_uri()),
             )
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
-            raise BackendError(f"storage: cannot open {url!r} ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0]}); check the URL, the server and the credentials") from exc
+            root = exc
+            while root.__cause__ is not None:  # Optuna wraps the database's own message
+                root = root.__cause__
+            detail = (str(root).strip() or type(root).__name__).splitlines()[0]
+            raise BackendError(f"storage: cannot open {redact_url(url)!r} ({type(root).__name__}: {detail}); "
+                               "check the URL, the server and the credentials") from exc
     path = Path(url)
     if not create and not path.exists():
         raise StudyStateError(f"storage: {path} does not exist, so study {spec.name!r} has not run yet; "
@@ -79,18 +83,11 @@ def heartbeat_settings() -> tuple[int, int]:
     Every process of one study should use the same values."""
     values = []
     for name, default in ((ENV_HEARTBEAT, HEARTBEAT_S), (ENV_GRACE, GRACE_S)):
-        text = os.environ.get(name, "").strip()
-        if not text:
-            values.append(default)
-            continue
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
+        text = os.environ.get(name, "").strip() or str(default)
+        if not text.isdigit() or int(text) < 1:
             raise BackendError(f"{name}={text!r} is not a whole number of seconds >= 1; unset it to use "
                                f"the default {default}, or set e.g. {name}={default}")
-        values.append(value)
+        values.append(int(text))
     return values[0], values[1]
 
 
@@ -278,7 +275,8 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
     for trial_id in storage._get_stale_trial_ids(study._study_id):
         worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
         reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or cut "
-                  f"off), so the trial was failed as stale and requeued to resume from its last checkpoint")
+                  f"off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its last "
+                  "checkpoint")
         try:
             storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
             storage.set_trial_user_attr(trial_id, "interrupted", True)  # not the trial's fault: not a failure in a row

@@ -159,14 +159,22 @@ def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None
         if not _tables_missing(exc):
             raise
         return None, "the storage has no Optuna tables yet (no study was ever run on it)"
-    if os_.current_study_name(storage, spec.name) is None:
-        return None, f"study {spec.name!r} does not exist yet"
+    try:
+        if os_.current_study_name(storage, spec.name) is None:
+            return None, f"study {spec.name!r} does not exist yet"
+    finally:
+        storage.engine.dispose()  # polled every 2 s: do not pile up connection pools
     return os_.open_study(spec, worker_index=worker_index, create=False), ""
 
 
-def _tables_missing(exc: BaseException) -> bool:
-    text = f"{exc} {exc.__cause__}".lower()
-    return any(m in text for m in ("does not exist", "no such table", "undefinedtable", "version_info"))
+def _tables_missing(exc: BaseException | None) -> bool:
+    while exc is not None:  # the database error is a few causes down
+        text = f"{type(exc).__name__} {exc}".lower()
+        if ("undefinedtable" in text or "no such table" in text or ("relation" in text and "does not exist" in text)
+                or ("table" in text and "doesn't exist" in text)):  # PostgreSQL, SQLite, MySQL
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _poll_seconds(study: optuna.Study) -> float:

@@ -51,14 +51,16 @@ def rest(base: str, path: str, body: dict | None = None) -> dict:
         return json.load(resp)
 
 
-def wait_for(predicate, timeout: float = 180, every: float = 0.1, what: str = "condition"):
+def wait_for(predicate, timeout: float = 180, every: float = 0.1, what="condition"):
+    """Poll ``predicate`` until it returns something truthy; ``what`` (text, or a callable giving
+    it, e.g. the processes' output so far) goes into the error."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"{what} not reached within {timeout} s")
+    raise AssertionError(f"{what() if callable(what) else what} not reached within {timeout} s")
 
 
 class Output:

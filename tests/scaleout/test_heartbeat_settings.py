@@ -1,0 +1,67 @@
+"""RDB-storage heartbeat settings and stale-trial handling, without a server (SQLite is an RDB URL too)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sweeps.backends import optuna_study as os_
+from sweeps.errors import BackendError
+from sweeps.spec import spec_from_dict
+
+
+def _spec(storage: str):
+    return spec_from_dict({"name": "hb", "task": {"name": "digits", "model": "mlp"},
+                           "search": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+                           "tracking": {"uri": "sqlite:///unused.db"}, "storage": storage})
+
+
+def test_defaults_and_environment_overrides(monkeypatch):
+    monkeypatch.delenv("SWEEPS_HEARTBEAT_S", raising=False)
+    monkeypatch.delenv("SWEEPS_GRACE_S", raising=False)
+    assert os_.heartbeat_settings() == (os_.HEARTBEAT_S, os_.GRACE_S) == (10, 40)
+    monkeypatch.setenv("SWEEPS_HEARTBEAT_S", "2")
+    monkeypatch.setenv("SWEEPS_GRACE_S", " 4 ")
+    assert os_.heartbeat_settings() == (2, 4)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "ten"])
+def test_a_bad_value_names_the_variable_and_the_fix(monkeypatch, value):
+    monkeypatch.setenv("SWEEPS_GRACE_S", value)
+    with pytest.raises(BackendError, match=rf"SWEEPS_GRACE_S='{value}'.*whole number of seconds.*SWEEPS_GRACE_S=40"):
+        os_.heartbeat_settings()
+
+
+def test_open_storage_uses_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWEEPS_HEARTBEAT_S", "3")
+    monkeypatch.setenv("SWEEPS_GRACE_S", "7")
+    storage = os_.open_storage(_spec(f"sqlite:///{tmp_path}/optuna.db"))
+    assert (storage.heartbeat_interval, storage.grace_period) == (3, 7)
+
+
+def test_postgresql_urls_get_an_installed_driver():
+    import importlib.util
+
+    url = "postgresql://u@h:5432/db"
+    expected = url if importlib.util.find_spec("psycopg") else "postgresql+psycopg2://u@h:5432/db"
+    assert os_.sqlalchemy_url(url) == expected
+    assert os_.sqlalchemy_url("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert os_.sqlalchemy_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_a_silent_trial_is_failed_with_the_reason_and_requeued(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWEEPS_HEARTBEAT_S", "1")
+    monkeypatch.setenv("SWEEPS_GRACE_S", "1")
+    study = os_.open_study(_spec(f"sqlite:///{tmp_path}/optuna.db"))
+    trial = study.ask({"lr": __import__("optuna").distributions.FloatDistribution(0.01, 0.1)})
+    trial.set_user_attr(os_.ATTR_WORKER, "box:123")
+    study._storage.record_heartbeat(trial._trial_id)
+    assert os_.fail_stale_trials(study) == []  # still within the grace period
+    time.sleep(2.2)  # SQLite's now() has whole seconds
+    assert os_.fail_stale_trials(study) == [trial.number]
+    assert os_.fail_stale_trials(study) == []  # failed once
+    dead = study.trials[trial.number]
+    assert dead.state.name == "FAIL" and dead.user_attrs["interrupted"] is True
+    assert "heartbeat lost: worker box:123" in dead.user_attrs[os_.ATTR_REASON]
+    [retry] = [t for t in study.trials if t.state.name == "WAITING"]
+    assert retry.system_attrs["failed_trial"] == trial.number and retry.params == dead.params
