@@ -20,6 +20,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study as os_
 from sweeps.backends.base import StudyResult
 from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
@@ -137,7 +138,7 @@ class OptunaBackend:
         if stale_lock.is_symlink():
             stale_lock.unlink()  # Optuna's journal lock, left by a process killed mid-append
         recovered = []
-        callback = os_.StaleTrialCallback(spec.tracking_uri(), tracker)
+        callback = recovery.StaleTrialCallback(spec.tracking_uri(), tracker)
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             reason = (f"orphaned: worker {t.user_attrs.get(os_.ATTR_WORKER, '?')} died while running it "
                       f"(killed or crashed); requeued to resume from its last checkpoint")
@@ -145,7 +146,7 @@ class OptunaBackend:
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             callback(study, study._storage.get_trial(t._trial_id))
             recovered.append(t.number)
-        os_.close_orphan_runs(tracker, study)
+        recovery.close_orphan_runs(tracker, study)
         return recovered
 
     def _supervise(self, spec, study, slots, parent_id, started, deadline, view) -> tuple[str, int]:
@@ -216,5 +217,5 @@ class OptunaBackend:
             for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if t.user_attrs.get(os_.ATTR_WORKER) == worker_id:
                     reason = f"hung: no progress for {idle:.0f} s (budget.trial_timeout={spec.budget.trial_timeout})"
-                    os_.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_uri())
+                    recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_uri())
             workers[i] = self._spawn(spec, w.slot, parent_id, started, deadline, beat_dir)

@@ -1,0 +1,71 @@
+"""Recovery of trials whose process died: close their MLflow runs, fail and requeue them.
+
+Used by the orchestrator for orphans on journal storage (``sweeps run`` holds the run lock,
+so every RUNNING trial is an orphan) and by Optuna's heartbeat on RDB storage.
+"""
+from __future__ import annotations
+
+import optuna
+from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.trial import FrozenTrial, TrialState
+
+from sweeps.backends.optuna_study import ATTR_PARENT_RUN, ATTR_REASON, ATTR_RUN_ID, MAX_RETRIES
+
+
+class StaleTrialCallback:
+    """Called for a trial whose worker died: closes its MLflow run as FAILED with the
+    reason, then requeues its parameters (Optuna's retry callback, which keeps the user
+    attributes, so the retry finds the original's checkpoint folder and resumes)."""
+
+    def __init__(self, tracking_uri: str, tracker=None) -> None:
+        self.tracking_uri, self._tracker = tracking_uri, tracker
+        self._retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        run_id = trial.user_attrs.get(ATTR_RUN_ID)
+        reason = trial.user_attrs.get(ATTR_REASON) or "worker heartbeat lost (the worker died); requeued"
+        if run_id:
+            _close_run(self._get_tracker(), run_id, reason)
+        self._retry(study, trial)
+
+    def _get_tracker(self):
+        if self._tracker is None:
+            from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+            self._tracker = MlflowTracker(self.tracking_uri)
+        return self._tracker
+
+
+def _close_run(tracker, run_id: str, reason: str) -> None:
+    from sweeps.tracking import layout
+    from sweeps.tracking.base import RunHandle
+
+    run = RunHandle(run_id, "", "")
+    tracker.set_tags(run, {layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason})
+    tracker.end_run(run, "FAILED")
+
+
+def close_orphan_runs(tracker, study: optuna.Study) -> None:
+    """Trial runs still RUNNING in MLflow whose trial is not running (killed between the
+    MLflow write and the study write): closed as FAILED, so no run stays RUNNING forever."""
+    parent = study.user_attrs.get(ATTR_PARENT_RUN)
+    if not parent:
+        return
+    running_ids = {t.user_attrs.get(ATTR_RUN_ID) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    from sweeps.study_run import running_children
+
+    for run_id in running_children(tracker, parent):
+        if run_id not in running_ids:
+            _close_run(tracker, run_id, "orphaned: the process running this trial died")
+
+
+def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, tracker=None,
+               tracking_uri: str | None = None) -> None:
+    """Fail another process's RUNNING trial with a reason; optionally requeue its parameters."""
+    study._storage.set_trial_user_attr(t._trial_id, ATTR_REASON, reason)
+    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    frozen = study._storage.get_trial(t._trial_id)
+    if requeue:
+        StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
+    elif frozen.user_attrs.get(ATTR_RUN_ID) and (tracker is not None or tracking_uri):
+        _close_run(tracker or StaleTrialCallback(tracking_uri)._get_tracker(), frozen.user_attrs[ATTR_RUN_ID], reason)
