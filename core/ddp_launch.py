@@ -381,6 +381,7 @@ def _rank_main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     conn.close()
-    if code:
-        os._exit(code)  # skip interpreter teardown: a broken process group can block it
-    sys.exit(0)
+    # Skip interpreter teardown either way: a broken process group can block it, and even a
+    # clean one can abort ("terminate called without an active exception") when gloo's C++
+    # threads are destroyed while a peer is already gone.
+    os._exit(code)

@@ -83,6 +83,11 @@ def init_from_env(backend_setting: str = "auto", device_setting: str = "auto") -
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, backend=backend)
 
 
-def shutdown(ctx: DistContext) -> None:
+def shutdown(ctx: DistContext, completed: bool = False) -> None:
+    """Leave the process group. After a normal end every rank first meets at a barrier, so no
+    rank tears its connections down while another still uses them; after an error there is no
+    barrier (a dead peer would never arrive; the launcher ends the other ranks)."""
     if ctx.enabled and dist.is_initialized():
+        if completed:
+            dist.barrier()
         dist.destroy_process_group()

@@ -56,9 +56,12 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     if out is not None and ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
     try:
-        return _train(task, cfg, reporter, out, resume, ctx)
-    finally:
+        result = _train(task, cfg, reporter, out, resume, ctx)
+    except BaseException:
         shutdown(ctx)
+        raise
+    shutdown(ctx, completed=True)
+    return result
 
 
 def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, resume: bool,
