@@ -21,21 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib.util
 import logging
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 from sweeps import search_space as ss
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
-from sweeps.backends.ray_trainable import TAG_RAY_TRIAL_ID, TrialContext, TrialNamer, make_trainable, trial_dirname
-from sweeps.errors import BackendError, StudyStateError
+from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise
+from sweeps.backends.ray_trainable import (TAG_RAY_TRIAL_ID, TrialContext, TrialNamer, ended_for_good, make_trainable,
+                                           trial_dirname)
+from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec
-from sweeps.study_run import find_or_create_parent, tracker_for, update_parent_best, write_summary
+from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 
@@ -67,9 +67,11 @@ class RayBackend:
             rr.write_meta(study_name, {**meta, "parent_run_id": parent.run_id})
             view = LiveView(spec, study_name, quiet=quiet)
             try:
-                stopped, code = self._fit(spec, study_name, parent, tracker, view)
+                stopped, code = "", 0
+                if not _is_complete(spec, rr.load_result(spec, study_name, live=False)):
+                    stopped, code = self._fit(spec, study_name, parent, tracker, view)
             finally:
-                if view._live is not None:
+                if view._live is not None:  # a failed fit must not leave the rich display running
                     view._live.stop()
                     view._live = None
             result = rr.load_result(spec, study_name, tracker, live=False)
@@ -78,9 +80,9 @@ class RayBackend:
                 stopped, code = "stopped (interrupted); run the command again to resume the unfinished trials", 130
             result.stopped_reason = stopped
             write_summary(tracker, parent, result)
-            tracker.flush()
+            tracker.end_run(parent, parent_status(result, code))  # reopened by the next invocation
             view.finish(result)
-        result.exit_code = code  # type: ignore[attr-defined]
+        result.exit_code = code
         return result
 
     def _study_name(self, spec: StudySpec, fresh: bool) -> str:
@@ -124,12 +126,13 @@ class RayBackend:
         # Ray's own tables and tracebacks stay in its files (error.txt per trial).
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
         os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
-        _quiet_stale_checkpoint_errors()
+        quiet_ray_noise()
         started_ray = init_ray(spec)
         try:
             res = plan_resources(spec, ray.cluster_resources())
             ctx = TrialContext(spec=spec, study_name=study_name, parent=parent,
-                               trials_dir=str(trials_dir(study_name)), cwd=os.getcwd(), threads=res.threads)
+                               trials_dir=str(trials_dir(study_name)), cwd=os.getcwd(), threads=res.threads,
+                               gpus=res.gpus)
             trainable = tune.with_resources(make_trainable(ctx), {"cpu": res.cpus, "gpu": res.gpus})
             path = rr.ray_root() / study_name
             if tune.Tuner.can_restore(str(path)):
@@ -145,10 +148,14 @@ class RayBackend:
                     run_config=tune.RunConfig(
                         name=study_name, storage_path=str(rr.ray_root()), verbose=0,
                         failure_config=tune.FailureConfig(max_failures=spec.budget.max_failures),
-                        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+                        # PBT exploits other trials' checkpoints of any age: keep them all;
+                        # otherwise the latest two are enough to resume or retry a trial.
+                        checkpoint_config=tune.CheckpointConfig(
+                            num_to_keep=None if spec.pruner.name == "pbt" else 2),
                         callbacks=[_DriverCallback(), JsonLoggerCallback()]))
-            _LIVE.update(spec=spec, tracker=tracker, parent=parent, view=view, history={}, drawn=0.0)
-            with _Interrupts(spec.timeout_seconds()) as interrupts:
+            _LIVE.update(spec=spec, study=study_name, tracker=tracker, parent=parent, view=view, history={},
+                         drawn=0.0)
+            with Interrupts(spec.timeout_seconds()) as interrupts:
                 tuner.fit()
         finally:
             _LIVE.clear()
@@ -163,89 +170,14 @@ class RayBackend:
         return "", 0
 
 
-# ---- Ray itself ----------------------------------------------------------------------------------
-def init_ray(spec: StudySpec) -> bool:
-    """Start Ray locally (this machine's CPUs and GPUs, no dashboard) or join
-    ``resources.ray_address``. Returns whether this call connected (and must shut down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False  # the caller (a notebook, a test) owns the connection
-    from sweeps.pool import cpu_threads_available
-
-    kwargs = {"logging_level": logging.WARNING, "log_to_driver": False}
-    env_vars = _worker_pythonpath(spec)
-    if env_vars:
-        kwargs["runtime_env"] = {"env_vars": env_vars}
-    address = spec.resources.ray_address
-    try:
-        if address:
-            ray.init(address=address, **kwargs)
-            return True
-        devices = spec.resources.devices
-        num_gpus = 0 if devices == "cpu" else (len(devices) if isinstance(devices, list) else None)
-        with _visible_devices(devices):
-            ray.init(num_cpus=cpu_threads_available(), num_gpus=num_gpus, include_dashboard=False,
-                     object_store_memory=256 * 2**20, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
-        raise BackendError(f"cannot start or join {where}: {exc}. Check resources.ray_address "
-                           "(auto, or host:port of a running head node: `ray start --head`)") from exc
-    return True
+def _is_complete(spec: StudySpec, result: StudyResult) -> bool:
+    """Every trial of the budget finished (COMPLETE or PRUNED): nothing for Ray to do.
+    Failed trials are retried by the next run (``resume_errored``)."""
+    total = ss.grid_size(spec.search) if spec.sampler.name == "grid" else spec.budget.n_trials
+    return len(result.trials) >= total and all(t.state in ("COMPLETE", "PRUNED") for t in result.trials)
 
 
-class _StaleCheckpointFilter(logging.Filter):
-    """After a driver crash, Ray's last experiment snapshot may still list a checkpoint it
-    had already deleted (``CheckpointConfig(num_to_keep)``); deleting it again on restore
-    fails with FileNotFoundError, after the new checkpoint was registered. Harmless: hide it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, FileNotFoundError) and "Error handling checkpoint" in str(record.msg))
-
-
-def _quiet_stale_checkpoint_errors() -> None:
-    logger = logging.getLogger("ray.tune.execution.tune_controller")
-    if not any(isinstance(f, _StaleCheckpointFilter) for f in logger.filters):
-        logger.addFilter(_StaleCheckpointFilter())
-
-
-@contextlib.contextmanager
-def _visible_devices(devices):
-    """A device list limits the GPUs the local Ray instance sees (Ray then assigns them)."""
-    if not isinstance(devices, list):
-        yield
-        return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
-
-
-def _worker_pythonpath(spec: StudySpec) -> dict[str, str]:
-    """A user task (``task.target``) must import in the trial actors as it does here: its
-    package's folder goes onto their PYTHONPATH (Ray adds only the working directory)."""
-    if not spec.task.target:
-        return {}
-    top = spec.task.target.partition(":")[0].split(".")[0]
-    found = importlib.util.find_spec(top)
-    if found is None:
-        return {}
-    if found.submodule_search_locations:
-        root = Path(list(found.submodule_search_locations)[0]).parent
-    elif found.origin:
-        root = Path(found.origin).parent
-    else:
-        return {}
-    paths = [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-
-
+# ---- where ---------------------------------------------------------------------------------------
 def trials_dir(study_name: str) -> Path:
     return (Path("runs") / study_name).resolve()
 
@@ -272,58 +204,6 @@ def _run_lock(study_name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-class _Interrupts:
-    """SIGTERM and ``budget.timeout`` stop the fit the way Ctrl-C does: Ray's handler for
-    SIGUSR1 (installed while ``fit`` runs) saves the experiment with the running trials,
-    which resume on the next run. The signal is repeated until ``fit`` has seen it, since
-    the handler is only there once the fit has started."""
-
-    def __init__(self, timeout_s: float | None) -> None:
-        self.timeout_s, self.signum, self.timed_out = timeout_s, None, False
-        self._done = threading.Event()
-        self._poking = threading.Event()
-        self._old: dict = {}
-        self._threads: list[threading.Thread] = []
-
-    def __enter__(self) -> "_Interrupts":
-        if threading.current_thread() is not threading.main_thread():
-            return self  # signals need the main thread; a timeout is then not enforced
-        self._old = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda *_: None),
-                     signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_term)}
-        if self.timeout_s:
-            self._start(self._deadline)
-        return self
-
-    def _on_term(self, signum, _frame) -> None:
-        self.signum = signum
-        self._start(self._poke)
-
-    def _deadline(self) -> None:
-        if not self._done.wait(self.timeout_s):
-            self.timed_out = True
-            self._poke()
-
-    def _poke(self) -> None:
-        if self._poking.is_set():
-            return
-        self._poking.set()
-        while not self._done.is_set():
-            os.kill(os.getpid(), signal.SIGUSR1)
-            self._done.wait(1.0)
-
-    def _start(self, target) -> None:
-        thread = threading.Thread(target=target, daemon=True, name="sweeps-interrupt")
-        self._threads.append(thread)
-        thread.start()
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        for signum, handler in self._old.items():
-            signal.signal(signum, handler)
-
-
 # ---- while the fit runs ---------------------------------------------------------------------------
 try:
     from ray.tune import Callback as _Callback
@@ -338,9 +218,8 @@ class _DriverCallback(_Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if not _LIVE:
             return
-        metric = _LIVE["spec"].objective.metric
-        if result.get("epoch") and metric in result:
-            _LIVE["history"].setdefault(trial.trial_id, {})[int(result["epoch"])] = result[metric]
+        if result.get("epoch"):
+            _LIVE["history"].setdefault(trial.trial_id, []).append(result)
         if time.monotonic() - _LIVE["drawn"] > 0.5:
             _LIVE["drawn"] = time.monotonic()
             _LIVE["view"].update_result(self._result(trials))
@@ -370,12 +249,12 @@ class _DriverCallback(_Callback):
 
     @staticmethod
     def _result(trials, status: dict | None = None) -> StudyResult:
-        spec, metric = _LIVE["spec"], _LIVE["spec"].objective.metric
+        spec = _LIVE["spec"]
         records = []
         for t in trials:
-            rows = [{"epoch": e, metric: v} for e, v in sorted(_LIVE["history"].get(t.trial_id, {}).items())]
+            rows = _LIVE["history"].get(t.trial_id, [])
             records.append(rr.record_of(_StatusView(t, (status or {}).get(t.trial_id)), spec, rows, live=True))
-        return rr.study_result(spec, _LIVE["parent"].name, records, _LIVE["parent"].run_id)
+        return rr.study_result(spec, _LIVE["study"], records, _LIVE["parent"].run_id)
 
 
 class _StatusView:
@@ -406,6 +285,8 @@ def settle_runs(tracker, result: StudyResult) -> None:
         run = runs.get(getattr(t, "ray_trial_id", None))
         if run is None:
             continue
+        if ended_for_good(run):
+            continue  # finished in MLflow even if Ray had not recorded it yet (a driver crash)
         tags, status = run.data.tags, run.info.status
         handle = RunHandle(run.info.run_id, run.info.experiment_id, run.info.run_name or "")
         if t.state == "PRUNED":
@@ -432,4 +313,4 @@ def settle_runs(tracker, result: StudyResult) -> None:
         tracker.end_run(handle, want)
 
 
-__all__ = ["RayBackend", "TAG_RAY_TRIAL_ID", "init_ray", "settle_runs"]
+__all__ = ["RayBackend", "TAG_RAY_TRIAL_ID", "settle_runs"]

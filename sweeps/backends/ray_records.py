@@ -25,7 +25,6 @@ from typing import Any, Iterable
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.ray_trainable import (R_DONE, R_NUMBER, R_REASON, R_RUN_ID, R_STATE, R_VALUE,
                                            TAG_RAY_TRIAL_ID, number_of)
-from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 
@@ -129,8 +128,12 @@ def record_of(trial, spec: StudySpec, rows: Iterable[dict], live: bool) -> Trial
     value = last.get(R_VALUE) if last.get(R_DONE) else None
     if not _finite(value):
         value = (max if maximize else min)(intermediate.values()) if intermediate else None
-    total = last.get("time_total_s")
-    started = last.get("timestamp") - total if last.get("timestamp") and total else None
+    # Training time over every segment of the trial (a restore or a PBT exploit restarts
+    # Ray's own time_total_s); started = when its first epoch began.
+    times = [(row.get("timestamp"), row.get("time_this_iter_s")) for row in rows]
+    times = [(ts, dt) for ts, dt in times if _finite(ts) and _finite(dt)]
+    total = sum(dt for _, dt in times) if times else last.get("time_total_s")
+    started = min(ts - dt for ts, dt in times) if times else None
     params = {k: trial.config[k] for k in spec.search if k in (trial.config or {})}
     return TrialRecord(number=trial_number(trial), state=state, params=params,
                        value=None if value is None else float(value), duration_s=total,
@@ -168,9 +171,10 @@ def study_result(spec: StudySpec, study_name: str, records: list[TrialRecord],
                        parent_run_id=parent_run_id)
 
 
-def load_result(spec: StudySpec, study_name: str, tracker=None, live: bool = False) -> StudyResult:
+def load_result(spec: StudySpec, study_name: str, tracker=None, live: bool | None = None) -> StudyResult:
     """The study as stored: Ray's experiment state plus sweeps' meta file; run ids and
-    failure reasons filled in from MLflow when it answers. Never writes."""
+    failure reasons filled in from MLflow when it answers. Never writes.
+    ``live``: whether a driver is running the study now (None: ask its run lock)."""
     from ray.tune import ExperimentAnalysis
 
     meta = read_meta(study_name) or {}
@@ -179,7 +183,7 @@ def load_result(spec: StudySpec, study_name: str, tracker=None, live: bool = Fal
         analysis = ExperimentAnalysis(str(path))
     except (ValueError, FileNotFoundError):
         return study_result(spec, study_name, [], meta.get("parent_run_id"))  # created, no trial yet
-    live = live or driver_running(study_name)
+    live = driver_running(study_name) if live is None else live
     records = []
     for trial in analysis.trials:
         frame = analysis.trial_dataframes.get(trial.trial_id)
@@ -202,7 +206,10 @@ def trial_runs(tracker, parent_run_id: str) -> dict[str, Any]:
 
 
 def fill_from_mlflow(tracker, result: StudyResult) -> None:
-    """Run ids of trials that never reported (failed at start) and the failure reasons."""
+    """Run ids of trials that never reported (failed at start), failure reasons, and the
+    outcome of trials that finished after Ray's last snapshot (the driver died first)."""
+    from sweeps.backends.ray_trainable import ended_for_good
+
     try:
         runs = trial_runs(tracker, result.parent_run_id)
     except Exception:  # noqa: BLE001 - the table still shows without MLflow
@@ -214,3 +221,7 @@ def fill_from_mlflow(tracker, result: StudyResult) -> None:
         t.run_id = t.run_id or run.info.run_id
         if t.state == "FAIL" and not t.reason:
             t.reason = run.data.tags.get(layout.TAG_ERROR, "")
+        if t.state in ("RUNNING", "WAITING") and ended_for_good(run):
+            t.state = run.data.tags[layout.TAG_STATE]
+            t.reason = run.data.tags.get("sweeps.reason", "")
+            t.value = run.data.metrics.get("objective", t.value)

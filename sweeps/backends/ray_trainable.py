@@ -12,9 +12,10 @@ Runs inside a Ray actor. The MLflow layout, params, artifacts and status mapping
   (paused ones resume and reopen their run; interrupted ones are marked so);
 - the last epoch is reported *after* ``run_trial`` returned (with ``sweeps_done``), so a
   scheduler decision at ``max_t`` can never cut the end-of-run evaluation and ONNX export;
-- checkpoints: each epoch's ``last.pt`` and ``best.pt`` go to Ray (``tune.Checkpoint``); a
-  retried, restored, resumed or PBT-exploiting trial gets them back into its folder and
-  resumes with ``resume=True``;
+- checkpoints (:mod:`sweeps.backends.ray_checkpoints`): each epoch's ``last.pt`` and
+  ``best.pt`` go to Ray (``tune.Checkpoint``); a retried, restored, resumed or PBT-exploiting
+  trial gets them back into its folder and resumes with ``resume=True``; a trial that
+  MLflow shows as finished (the driver died before Ray recorded it) is never run again;
 - one MLflow run per Ray trial: a trial that starts again (retry, pause, driver restart)
   continues its own run (:class:`ContinuingTracker`) instead of opening a second one;
 - PBT: the exploit copies the better trial's checkpoint; the new ``lr`` (and ``momentum``)
@@ -28,19 +29,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import socket
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 
-CKPT_META = "sweeps_checkpoint.json"
 TAG_RAY_TRIAL_ID = "sweeps.ray_trial_id"
 TAG_RAY_NODE = "sweeps.ray_node"
 # Result keys the trainable adds to Ray's results (the driver and `load` read them back).
@@ -48,7 +47,6 @@ R_NUMBER, R_RUN_ID, R_DONE, R_STATE, R_VALUE, R_REASON = (
     "sweeps_number", "sweeps_run_id", "sweeps_done", "sweeps_state", "sweeps_value", "sweeps_reason")
 R_OBJECTIVE = "sweeps_objective"  # best objective so far: what the searcher (TPE) learns from
 STOP_WAIT_S = 120.0  # how long an actor being stopped waits for its trial to close its MLflow run
-_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lrs", "_last_lr", "eta_min")
 
 
 class TrialNamer:
@@ -84,12 +82,23 @@ class TrialContext:
     trials_dir: str  # absolute runs/<study>/: trial-NNNN folders, as under Optuna
     cwd: str  # the driver's working directory: relative paths in the spec mean the same
     threads: int  # torch threads per trial (the trial's CPU share)
+    gpus: float = 0.0  # GPUs per trial; Ray sets CUDA_VISIBLE_DEVICES for trials that have some
 
 
-class WaitForTrialThread:
-    """Mixin for Ray's function-trainable actor (``__mixins__``): when Ray stops or reuses
-    the actor, wait for the trial thread to finish (it closes its MLflow run after
-    ``tune.report`` raised ``SystemExit``) instead of letting the actor exit under it."""
+class TrialActorMixin:
+    """Mixin for Ray's function-trainable actor (``__mixins__``).
+
+    - When Ray stops or reuses the actor, wait for the trial thread to finish (it closes
+      its MLflow run after ``tune.report`` raised ``SystemExit``) instead of letting the
+      actor exit under it.
+    - Restoring from a checkpoint Ray has already deleted (its last experiment snapshot,
+      written before a driver crash, may lag behind ``num_to_keep`` deletions) falls back to
+      the trial's newest checkpoint that still exists instead of failing the trial."""
+
+    def restore(self, checkpoint_path, *args, **kwargs):
+        from sweeps.backends.ray_checkpoints import existing_checkpoint
+
+        return super().restore(existing_checkpoint(checkpoint_path), *args, **kwargs)
 
     def cleanup(self):
         _join_trial_thread()
@@ -114,7 +123,7 @@ def make_trainable(ctx: TrialContext):
     def sweeps_trial(config: dict) -> None:
         run_ray_trial(config, ctx)
 
-    sweeps_trial.__mixins__ = (WaitForTrialThread,)
+    sweeps_trial.__mixins__ = (TrialActorMixin,)
     return sweeps_trial
 
 
@@ -147,12 +156,26 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
                            f"cannot write to the local MLflow store {spec.tracking_uri()!r}; on a multi-machine "
                            "cluster set tracking.uri to an MLflow server (http://...)")
     torch.set_num_threads(ctx.threads)
+    if not ctx.gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU trial must not pick a GPU (device: auto)
     context = tune.get_context()
     trial_id, number = context.get_trial_id(), number_of(context.get_trial_name())
     params = {k: config[k] for k in spec.search if k in config}
     out_dir = Path(ctx.trials_dir) / f"trial-{number:04d}"
     epochs = trial_config(spec, params).epochs
     tags: dict[str, Any] = {TAG_RAY_TRIAL_ID: trial_id, TAG_RAY_NODE: node_description()}
+
+    base = _tracker(spec)
+    existing = base.find_run(ctx.parent.experiment_id, {layout.PARENT_TAG: ctx.parent.run_id,
+                                                        TAG_RAY_TRIAL_ID: trial_id})
+    objective, maximize = spec.objective.metric, spec.objective.direction == "maximize"
+    if existing is not None:
+        final = finished_report(base.client, existing.run_id, objective, number)
+        if final is not None:
+            # MLflow says the trial finished (the driver died before Ray recorded it): report
+            # its result again instead of training (and reopening its run) a second time.
+            tune.report(final)
+            return
 
     checkpoint = tune.get_checkpoint()
     resume = False
@@ -167,13 +190,9 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
         if donor is not None and (donor["trial_id"] != trial_id or donor["params"] != params):
             tags.update({"sweeps.pbt_params": json.dumps(params), "sweeps.pbt_from": donor["number"]})
     else:
-        _clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
+        clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
 
-    base = _tracker(spec)
-    existing = base.find_run(ctx.parent.experiment_id, {layout.PARENT_TAG: ctx.parent.run_id,
-                                                        TAG_RAY_TRIAL_ID: trial_id})
     tracker = ContinuingTracker(base, existing)
-    objective, maximize = spec.objective.metric, spec.objective.direction == "maximize"
     state = {"stopped": False, "best": None, "run_id": existing.run_id if existing else None}
 
     def base_metrics(epoch: int, value: float) -> dict:
@@ -217,6 +236,30 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     report_with_checkpoint(metrics, out_dir, trial_id, number, params, final=True)
 
 
+def ended_for_good(run) -> bool:
+    """Whether ``run_trial`` itself ended this MLflow run with a final outcome: COMPLETE, or
+    PRUNED because it diverged. (A scheduler stop also closes the run as PRUNED, but Ray may
+    have paused the trial, so that one can still be continued.)"""
+    state, reason = run.data.tags.get(layout.TAG_STATE), run.data.tags.get("sweeps.reason", "")
+    return (run.info.status == "FINISHED" and state == "COMPLETE") or \
+        (run.info.status == "KILLED" and state == "PRUNED" and reason.startswith("diverged"))
+
+
+def finished_report(client, run_id: str, objective: str, number: int) -> dict | None:
+    """The final Ray report of a trial whose MLflow run already ended for good (COMPLETE,
+    or PRUNED because it diverged); None when the run is to be continued."""
+    run = client.get_run(run_id)
+    if not ended_for_good(run):
+        return None
+    tags = run.data.tags
+    state, reason = tags.get(layout.TAG_STATE), tags.get("sweeps.reason", "")
+    history = client.get_metric_history(run_id, objective)
+    value = run.data.metrics.get("objective", math.nan)
+    last = max(history, key=lambda m: m.step) if history else None
+    return {"epoch": last.step if last else 0, objective: last.value if last else math.nan, R_OBJECTIVE: value,
+            R_NUMBER: number, R_RUN_ID: run_id, R_DONE: 1, R_STATE: state, R_REASON: reason, R_VALUE: value}
+
+
 def _is_local_store(uri: str) -> bool:
     return uri.startswith(("sqlite:", "file:")) or "://" not in uri
 
@@ -232,108 +275,6 @@ def node_description() -> str:
     except Exception:  # noqa: BLE001 - only a label
         node_id, ip = "?", "?"
     return f"{socket.gethostname()}/{ip}/{node_id}"
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------
-def report_with_checkpoint(metrics: dict, out_dir: Path, trial_id: str, number: int, params: dict,
-                           final: bool = False) -> None:
-    """``tune.report`` with a checkpoint of the trial folder's ``last.pt`` (+ ``best.pt``).
-    ``final``: the trial has finished; the checkpoint keeps its final report, so a trial
-    restored after a driver crash reports it again instead of running again.
-
-    Ray copies the folder into the experiment storage before ``report`` returns, so the
-    staging folder is removed right after (also when ``report`` raises ``SystemExit``)."""
-    from ray import tune
-
-    from core import checkpoint as ckpt
-
-    if not (out_dir / ckpt.LAST).exists():
-        tune.report(metrics)  # diverged in its first epoch: nothing to keep
-        return
-    staging = Path(tempfile.mkdtemp(prefix=".ray-ckpt-", dir=out_dir))
-    try:
-        for name in (ckpt.LAST, ckpt.BEST):
-            if (out_dir / name).exists():
-                _link_or_copy(out_dir / name, staging / name)
-        meta = {"trial_id": trial_id, "number": number, "params": params, "epoch": metrics.get("epoch"),
-                "final": metrics if final else None}
-        (staging / CKPT_META).write_text(json.dumps(meta))
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(staging)))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)  # the files are replaced (never rewritten in place), so a link is safe
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _clear_checkpoints(out_dir: Path) -> None:
-    from core import checkpoint as ckpt
-
-    for name in (ckpt.LAST, ckpt.PREV, ckpt.BEST):
-        (out_dir / name).unlink(missing_ok=True)
-
-
-def restore_checkpoint(folder: Path, out_dir: Path, params: dict) -> dict | None:
-    """Put a Ray checkpoint back into the trial folder; returns its metadata.
-
-    The checkpoint may come from another trial (PBT exploit) or another node. When the
-    trial's ``lr``/``momentum`` differ from those the checkpoint was trained with (PBT
-    explore), the saved optimizer and scheduler state are rescaled to the new values."""
-    from core import checkpoint as ckpt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _clear_checkpoints(out_dir)
-    for name in (ckpt.LAST, ckpt.BEST):
-        if (folder / name).exists():
-            shutil.copy2(folder / name, out_dir / name)
-    meta_path = folder / CKPT_META
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
-    if meta is not None and (out_dir / ckpt.LAST).exists():
-        apply_new_hyperparams(out_dir / ckpt.LAST, meta.get("params") or {}, params)
-    return meta
-
-
-def apply_new_hyperparams(path: Path, old: dict, new: dict) -> bool:
-    """Rescale the learning rates in a ``last.pt`` by ``new lr / old lr`` and set the new
-    momentum. Returns True when the file changed."""
-    from core import checkpoint as ckpt
-
-    ratio = new["lr"] / old["lr"] if "lr" in new and "lr" in old and old["lr"] and new["lr"] != old["lr"] else None
-    momentum = new.get("momentum") if "momentum" in new and new.get("momentum") != old.get("momentum") else None
-    if ratio is None and momentum is None:
-        return False
-    state = ckpt.load_checkpoint(path)
-    for group in state["optimizer"]["param_groups"]:
-        if ratio is not None:
-            _scale_lrs(group, ratio)
-        if momentum is not None and "momentum" in group:
-            group["momentum"] = momentum
-    if ratio is not None:
-        _scale_lrs(state["scheduler"], ratio)
-    cfg = json.loads(state.get("config_json") or "{}")
-    cfg.update({k: new[k] for k in ("lr", "momentum") if k in new})
-    state["config_json"] = json.dumps(cfg)
-    ckpt.save_checkpoint(state, path)
-    return True
-
-
-def _scale_lrs(obj: Any, ratio: float) -> None:
-    """Multiply every learning-rate entry of an optimizer group or a (nested) scheduler state."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if key in _LR_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
-                obj[key] = value * ratio
-            elif key in _LR_KEYS and isinstance(value, list):
-                obj[key] = [v * ratio if isinstance(v, (int, float)) else v for v in value]
-            elif isinstance(value, (dict, list)):
-                _scale_lrs(value, ratio)
-    elif isinstance(obj, list):
-        for item in obj:
-            _scale_lrs(item, ratio)
 
 
 # ---- one MLflow run per Ray trial ----------------------------------------------------------------

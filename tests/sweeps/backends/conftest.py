@@ -42,7 +42,26 @@ def write_spec(folder: Path, name: str = "tiny", backend: str = "optuna", **over
             spec[key] = value
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    db = folder / "runs" / "mlflow.db"
+    if _TEMPLATE_DB and not db.exists():
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_TEMPLATE_DB[0], db)  # the empty schema: saves each run the migrations
     return path
+
+
+_TEMPLATE_DB: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mlflow_db_template(tmp_path_factory):
+    """An empty MLflow SQLite store, created (schema migrations: seconds) once per session."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments(max_results=1)
+    _TEMPLATE_DB[:] = [db]
+    yield db
+    _TEMPLATE_DB.clear()
 
 
 def sweeps_env(**extra) -> dict:
@@ -95,29 +114,41 @@ def artifact_paths(client, run_id: str) -> set[str]:
 
 # ---- Ray hygiene ----------------------------------------------------------------------------------
 def _pids_using(marker: str) -> list[int]:
+    """Live (not zombie) processes whose command line or environment names ``marker``."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                continue  # exited, waiting for its parent to reap it
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             environ = (entry / "environ").read_bytes().decode(errors="replace")
-        except OSError:
+        except (OSError, IndexError):
             continue
         if marker in cmdline or f"RAY_TMPDIR={marker}" in environ:
             pids.append(int(entry.name))
     return pids
 
 
-def kill_ray_processes(temp_dir: str) -> list[int]:
-    """SIGKILL the processes of the Ray instances that used ``temp_dir`` (and only those)."""
-    pids = _pids_using(temp_dir)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
+def kill_ray_processes(temp_dir: str, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL the processes of the Ray instances that used ``temp_dir`` (and only those),
+    until none is left; returns the pids it had to kill."""
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = _pids_using(temp_dir)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if pid not in killed:
+                killed.append(pid)
+        time.sleep(0.2)
+    return killed
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ def test_same_mlflow_layout_status_mapping_and_load(finished_study, tmp_path):
     assert len(parents) == 1 and len(children) == len(LRS)
     parent = parents[0]
     assert parent.data.tags["sweeps.backend"] == backend
+    assert parent.info.status == "FINISHED"  # closed at the end of the invocation
     client = mlflow_client(tmp_path)
     assert "summary/summary.json" in artifact_paths(client, parent.info.run_id)
 

@@ -113,7 +113,7 @@ def test_pbt_exploit_rescales_the_checkpoint_to_the_new_lr(tmp_path):
     from core.config import TrainConfig
     from core.tasks.base import make_task
     from core.train import train
-    from sweeps.backends.ray_trainable import apply_new_hyperparams, restore_checkpoint
+    from sweeps.backends.ray_checkpoints import apply_new_hyperparams, restore_checkpoint
 
     for scheduler in ("constant", "onecycle", "cosine"):
         donor = tmp_path / f"donor-{scheduler}"
@@ -133,6 +133,27 @@ def test_pbt_exploit_rescales_the_checkpoint_to_the_new_lr(tmp_path):
             pytest.approx(after["scheduler"].get("base_lrs", [2]))
         assert json.loads(after["config_json"])["lr"] == 0.2
         assert not apply_new_hyperparams(me / "last.pt", {"lr": 0.2}, {"lr": 0.2})  # same values: untouched
+
+
+def test_restore_falls_back_to_the_newest_checkpoint_that_still_exists(tmp_path):
+    """Ray's snapshot written before a driver crash may name a checkpoint that num_to_keep
+    has deleted since; the trial restores from its newest remaining one instead of failing."""
+    from ray.train._internal.session import _TrainingResult
+    from ray.tune import Checkpoint
+
+    from sweeps.backends.ray_checkpoints import CKPT_META, existing_checkpoint
+
+    trial = tmp_path / "trial-0-abc_00000"
+    for index, epoch in ((1, 2), (2, 3)):
+        folder = trial / f"checkpoint_{index:06d}"
+        folder.mkdir(parents=True)
+        (folder / CKPT_META).write_text(json.dumps({"epoch": epoch}))
+    stale = _TrainingResult(checkpoint=Checkpoint.from_directory(str(trial / "checkpoint_000000")),
+                            metrics={"training_iteration": 1})
+    chosen = existing_checkpoint(stale)
+    assert Path(chosen.checkpoint.path).name == "checkpoint_000002" and chosen.metrics["training_iteration"] == 3
+    present = _TrainingResult(checkpoint=Checkpoint.from_directory(str(trial / "checkpoint_000001")), metrics={})
+    assert existing_checkpoint(present) is present
 
 
 # ---- real studies on a local Ray --------------------------------------------------------------------
@@ -219,9 +240,14 @@ def _finished_trial_runs(db: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_driver_killed_with_sigkill_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
-    n_trials = 4
-    spec_path = write_spec(tmp_path, name="killed", backend="ray", train={"epochs": 3},
+def test_killed_or_timed_out_driver_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
+    """SIGKILL after a trial finished, then a run stopped by budget.timeout, then a run to
+    the end: every trial has one MLflow run, FINISHED, and those finished before the kill
+    were not run again."""
+    import yaml
+
+    n_trials, epochs = 4, 3
+    spec_path = write_spec(tmp_path, name="killed", backend="ray", train={"epochs": epochs, "batch_size": 16},
                            budget={"n_trials": n_trials}, resources={"devices": "cpu", "workers": 1})
     driver = start_cli(tmp_path, "run", str(spec_path), "--quiet", log=tmp_path / "first.log")
     deadline = time.monotonic() + 180
@@ -230,7 +256,7 @@ def test_driver_killed_with_sigkill_resumes_without_rerunning_finished_trials(tm
         finished = _finished_trial_runs(tmp_path / "runs" / "mlflow.db")
         if finished:
             break
-        time.sleep(0.5)
+        time.sleep(0.3)
     assert finished, (tmp_path / "first.log").read_text()[-3000:]
     assert driver.poll() is None, "the study ended before the driver could be killed"
     os.kill(driver.pid, signal.SIGKILL)
@@ -240,33 +266,60 @@ def test_driver_killed_with_sigkill_resumes_without_rerunning_finished_trials(tm
     time.sleep(2)
     kill_ray_processes(ray_tmp)
 
+    # budget.timeout stops this invocation the resumable way (exit 0, says how to go on)
+    data = yaml.safe_load(spec_path.read_text())
+    data["budget"]["timeout"] = "3s"
+    spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    timed = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    assert timed.returncode == 0 and "budget.timeout (3s) reached" in timed.stdout, timed.stdout + timed.stderr
+
+    del data["budget"]["timeout"]
+    spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
     proc = run_cli(tmp_path, "run", str(spec_path), "--quiet")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = f"timed out run:\n{timed.stdout[-2500:]}\nlast run:\n{proc.stdout[-2500:]}{proc.stderr[-2500:]}"
+    assert proc.returncode == 0, logs
     _, children = study_runs(tmp_path, "killed")
     numbers = [int(c.data.tags["sweeps.trial_number"]) for c in children]
-    assert sorted(numbers) == list(range(n_trials))  # one MLflow run per trial, none doubled
-    assert all(c.info.status == "FINISHED" for c in children), [(c.info.status, c.data.tags) for c in children]
+    assert sorted(numbers) == list(range(n_trials)), logs  # one MLflow run per trial, none doubled
+    bad = [(c.info.status, c.data.tags) for c in children
+           if not (c.info.status == "FINISHED" and c.data.tags["sweeps.state"] == "COMPLETE")]
+    assert not bad, f"{bad}\n{logs}"
     for c in children:
+        assert [m.step for m in mlflow_client(tmp_path).get_metric_history(c.info.run_id, "val_acc")][-1] == epochs
         if c.info.run_id in finished:  # finished before the kill: not run again
             assert c.info.end_time == finished[c.info.run_id]
 
 
 @pytest.mark.slow
-def test_study_scales_out_to_a_two_node_cluster(tmp_path, ray_tmp):
+def test_pbt_study_scales_out_to_a_two_node_cluster(tmp_path, ray_tmp):
+    """A study joins a running two-node cluster by address and its trials run on both
+    nodes. It runs PBT, whose exploits move checkpoints between trials (and nodes): each
+    trial still has one MLflow run, and an exploited trial trains on at its new lr."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        spec_path = write_spec(tmp_path, name="scaleout", backend="ray", budget={"n_trials": 4},
-                               resources={"devices": "cpu", "workers": 2, "cpus_per_trial": 1,
-                                          "ray_address": cluster.address})
+        spec_path = write_spec(
+            tmp_path, name="scaleout", backend="ray", train={"epochs": 4},
+            search={"lr": {"type": "float", "low": 1.0e-4, "high": 0.5, "log": True},
+                    "momentum": {"type": "float", "low": 0.5, "high": 0.95}},
+            pruner={"name": "pbt", "perturbation_interval": 1}, budget={"n_trials": 4},
+            resources={"devices": "cpu", "workers": 2, "cpus_per_trial": 1, "ray_address": cluster.address})
         proc = run_cli(tmp_path, "run", str(spec_path), "--quiet")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finally:
         cluster.shutdown()
     runs = _children_by_number(tmp_path, "scaleout")
-    assert sorted(runs) == [0, 1, 2, 3] and all(r.info.status == "FINISHED" for r in runs.values())
+    assert sorted(runs) == [0, 1, 2, 3], proc.stdout
+    assert all(r.info.status == "FINISHED" and r.data.tags["sweeps.state"] == "COMPLETE" for r in runs.values())
     nodes = {r.data.tags["sweeps.ray_node"].rsplit("/", 1)[-1] for r in runs.values()}
     assert len(nodes) == 2, nodes  # trials ran on both nodes
+    client = mlflow_client(tmp_path)
+    for run in runs.values():
+        if "sweeps.pbt_params" in run.data.tags:  # exploited another trial's checkpoint
+            new_lr = json.loads(run.data.tags["sweeps.pbt_params"])["lr"]
+            assert 1.0e-4 <= new_lr <= 0.5  # explore stays inside the search bounds
+            lrs = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "lr"), key=lambda m: m.step)]
+            assert lrs[-1] == pytest.approx(new_lr) or new_lr in [pytest.approx(x) for x in lrs]
