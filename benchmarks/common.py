@@ -65,6 +65,34 @@ class Context:
     repeats: int | None = None  # overrides the benchmark's own default (full: several; quick: 1)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="sweeps-bench-")))
     options: dict = field(default_factory=dict)  # benchmark-specific knobs (tests use them to shrink cases)
+    budget_s: float | None = None  # soft time budget: optional repeats are dropped to stay within it
+    t_start: float = field(default_factory=time.monotonic)
+    cut: list = field(default_factory=list)  # what was dropped for the budget (reported in the notes)
+
+    def time_left(self) -> float:
+        if self.budget_s is None:
+            return math.inf
+        return self.budget_s - (time.monotonic() - self.t_start)
+
+    def can_afford(self, seconds: float, what: str) -> bool:
+        """False (and noted) when ``seconds`` more would overrun the budget."""
+        if seconds <= self.time_left():
+            return True
+        self.cut.append(f"{what} (about {seconds:.0f} s) left out: {max(0.0, self.time_left()):.0f} s of the "
+                        f"{self.budget_s:.0f} s time budget left")
+        return False
+
+    def torch_threads(self, default: int = 1) -> int:
+        """Set torch's intra-op threads for an in-process timing benchmark (``--opt threads=N``).
+
+        Default 1: on a 2-core machine that other processes also use, two threads per process
+        wait on each other at every op whenever another process holds a core, and timings swing
+        tenfold; one thread is only time-sliced, which the paired ABAB ratios absorb."""
+        import torch
+
+        n = int(self.options.get("threads", default))
+        torch.set_num_threads(n)
+        return n
 
     def pick(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -102,17 +130,34 @@ def paired_ratio(numerators: Sequence[float], denominators: Sequence[float], def
 
 
 def alternate(arms: Mapping[str, Callable[[], float]], repeats: int, warmup: int = 1,
-              log: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+              log: Callable[[str], None] | None = None, ctx: "Context | None" = None,
+              what: str = "rounds", budget_s: float | None = None) -> dict[str, list[float]]:
     """Run the arms round-robin (A B A B ... or A B C A B C ...) ``warmup + repeats`` times and
-    return each arm's measured values (the first ``warmup`` rounds are discarded)."""
+    return each arm's measured values (the first ``warmup`` rounds are discarded). With a ``ctx``
+    that has a time budget, rounds after the second measured one are dropped when the budget
+    cannot pay for another (the drop is noted in ``ctx.cut``); ``budget_s`` caps this call alone.
+    The first measured round always runs."""
     values: dict[str, list[float]] = {name: [] for name in arms}
+    last = 0.0
+    t0 = time.monotonic()
     for r in range(warmup + repeats):
+        measured = r - warmup
+        if ctx is not None and measured >= 1:
+            need = 1.1 * last
+            if budget_s is not None and time.monotonic() - t0 + need > budget_s:
+                ctx.cut.append(f"{what}: rounds {measured + 1}-{repeats} left out (its share of the time budget, "
+                               f"{budget_s:.0f} s, was spent)")
+                break
+            if not ctx.can_afford(need, f"{what}: rounds {measured + 1}-{repeats}"):
+                break
+        t_round = time.monotonic()
         for name, fn in arms.items():
             v = float(fn())
             if r >= warmup:
                 values[name].append(v)
             if log:
                 log(f"  {'warm-up' if r < warmup else f'round {r - warmup + 1}/{repeats}'} {name}: {v:.6g}")
+        last = time.monotonic() - t_round
     return values
 
 
@@ -362,7 +407,7 @@ def mlflow_trials(cwd: Path, experiment: str) -> list[dict]:
                     "start_s": r.info.start_time / 1000.0,
                     "end_s": (r.info.end_time or r.info.start_time) / 1000.0,
                     "trial_seconds": r.data.metrics.get("trial_seconds"),
-                    "run_id": r.info.run_id})
+                    "worker": r.data.tags.get("sweeps.worker"), "run_id": r.info.run_id})
     return sorted(out, key=lambda t: t["start_s"])
 
 
@@ -449,6 +494,8 @@ def execute(name: str, title: str, run: Callable[[Context], dict], ctx: Context)
     try:
         produced = run(ctx)
         result.update({k: v for k, v in produced.items() if k not in ("name", "schema", "mode")})
+        if ctx.cut:
+            result["notes"] = list(result.get("notes", [])) + [f"Time budget: {c}." for c in ctx.cut]
         if any(r.get("status") == "error" for r in result["rows"]) and result["status"] == "ok":
             result["status"] = "partial"
     except Exception as exc:  # noqa: BLE001 - a benchmark reports, it never takes the suite down
@@ -483,10 +530,21 @@ def bench_main(name: str, title: str, run: Callable[[Context], dict], argv: list
     p.add_argument("--repeats", type=int, default=None, help="override the number of measured repeats")
     p.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}.json)")
     p.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a new temp folder)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="soft time budget in seconds: optional repeats are dropped to stay within it")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=JSON",
+                   help="benchmark option, e.g. --opt 'cases=[\"digits_cnn\"]' (repeatable)")
     a = p.parse_args(argv)
+    options = {}
+    for item in a.opt:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
     out = a.out or (RESULTS_DIR / f"{name}.json")
     with tempfile.TemporaryDirectory(prefix=f"sweeps-bench-{name}-", dir=a.workdir) as tmp:
-        ctx = Context(quick=a.quick, repeats=a.repeats, workdir=Path(tmp))
+        ctx = Context(quick=a.quick, repeats=a.repeats, workdir=Path(tmp), options=options, budget_s=a.budget_s)
         result = execute(name, title, run, ctx)
     write_result(result, out)
     print(f"{name}: {result['status']}: {result.get('summary', '')}\nwrote {out}", flush=True)

@@ -355,7 +355,7 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
     console = console or Console()
     name = check_model_name(model_name or spec.name)
     check_alias(alias)
-    uri = spec.tracking_uri()
+    uri = spec.tracking_store_uri()
     client = open_client(uri)
     result = get_backend(spec.backend).load(spec)
     metric = metric or spec.objective.metric

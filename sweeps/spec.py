@@ -231,7 +231,17 @@ class StudySpec(_Section):
         return None if self.is_rdb_storage() else Path(self.storage_url())
 
     def tracking_uri(self) -> str:
+        """The tracking URI as written (``tracking.uri``, else $MLFLOW_TRACKING_URI, else the default)."""
         return self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+    def tracking_store_uri(self) -> str:
+        """The URI to open: a relative ``sqlite:///`` path made absolute against the current
+        directory. MLflow caches one store per URI string in a process, so a relative URI
+        would keep pointing at the first folder it was opened from."""
+        uri = self.tracking_uri()
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+        return uri
 
     def experiment_name(self) -> str:
         return self.tracking.experiment or self.name

@@ -123,7 +123,7 @@ def tracker_for(spec: StudySpec):
     beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
-    uri = spec.tracking_uri()
+    uri = spec.tracking_store_uri()
     root = None
     if uri.startswith("sqlite:///"):
         root = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"

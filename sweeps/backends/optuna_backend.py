@@ -138,7 +138,7 @@ class OptunaBackend:
         if stale_lock.is_symlink():
             stale_lock.unlink()  # Optuna's journal lock, left by a process killed mid-append
         recovered = []
-        callback = recovery.StaleTrialCallback(spec.tracking_uri(), tracker)
+        callback = recovery.StaleTrialCallback(spec.tracking_store_uri(), tracker)
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             reason = (f"orphaned: worker {t.user_attrs.get(os_.ATTR_WORKER, '?')} died while running it "
                       f"(killed or crashed); requeued to resume from its last checkpoint")
@@ -217,5 +217,5 @@ class OptunaBackend:
             for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if t.user_attrs.get(os_.ATTR_WORKER) == worker_id:
                     reason = f"hung: no progress for {idle:.0f} s (budget.trial_timeout={spec.budget.trial_timeout})"
-                    recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_uri())
+                    recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_store_uri())
             workers[i] = self._spawn(spec, w.slot, parent_id, started, deadline, beat_dir)

@@ -60,7 +60,7 @@ def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseSt
             return RDBStorage(
                 sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True}, skip_table_creation=not create,
                 heartbeat_interval=heartbeat_s, grace_period=grace_s,
-                heartbeat_stale_trial_callback=_stale_trial_callback(spec.tracking_uri()),
+                heartbeat_stale_trial_callback=_stale_trial_callback(spec.tracking_store_uri()),
             )
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
             root = exc

@@ -136,7 +136,7 @@ def _tracker(spec: StudySpec):
     from sweeps.study_run import tracker_for
 
     with _TRACKERS_LOCK:
-        uri = spec.tracking_uri()
+        uri = spec.tracking_store_uri()
         if uri not in _TRACKERS:
             _TRACKERS[uri] = tracker_for(spec)
         return _TRACKERS[uri]

@@ -84,7 +84,7 @@ def cmd_rerun(a: argparse.Namespace) -> int:
     if a.trial is not None and spec is None:
         raise UsageError("rerun --trial N needs the study spec: sweeps rerun SPEC --trial N "
                          "(or address the run directly: sweeps rerun --run-id ID)")
-    uri = a.tracking_uri or (spec.tracking_uri() if spec is not None else resolve_tracking_uri())
+    uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
     open_client(uri)  # refuses a missing local store before anything is created
     tracker = MlflowTracker(uri)
     run_id = a.run_id or find_trial_run(tracker.client, spec, a.trial)

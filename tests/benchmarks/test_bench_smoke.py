@@ -1,0 +1,89 @@
+"""The benchmark code paths at tiny sizes, so they cannot rot: two cheap benchmarks through their
+command line (quick mode), the result schema, the RESULTS.md table, and run_all end to end on the
+GPU section (skipped at once without CUDA). Speed is never asserted."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import bench_onnx_latency, bench_tracking_overhead
+from benchmarks.common import ROOT, stats
+from benchmarks.run_all import BENCHMARKS, collect, render
+
+pytestmark = pytest.mark.slow
+
+RESULT_KEYS = {"schema", "name", "title", "mode", "status", "error", "started_at", "wall_s", "machine", "load",
+               "target", "summary", "rows", "notes", "details"}
+ROW_KEYS = {"case", "status", "error", "metric", "baseline", "candidate", "ratio", "headline", "target",
+            "meets_target", "details"}
+STATS_KEYS = {"median", "min", "max", "q1", "q3", "n"}
+
+
+def check_schema(result: dict, name: str) -> None:
+    assert RESULT_KEYS <= set(result), RESULT_KEYS - set(result)
+    assert result["name"] == name and result["schema"] == 1 and result["mode"] == "quick"
+    assert result["status"] == "ok", result["error"]
+    assert result["summary"] and result["target"]
+    machine = result["machine"]
+    for key in ("cpu_model", "cpu_count", "ram_gib", "date", "versions"):
+        assert machine[key], key
+    for pkg in ("python", "torch", "optuna", "mlflow", "ray"):
+        assert pkg in machine["versions"]
+    assert result["rows"]
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert row["status"] == "ok" and row["headline"]
+        assert STATS_KEYS <= set(row["ratio"]) and row["ratio"]["definition"]
+        assert row["ratio"]["n"] >= 1 and row["ratio"]["median"] > 0
+        for side in ("baseline", "candidate"):
+            assert STATS_KEYS <= set(row[side]) and row[side]["label"] and row[side]["median"] > 0
+
+
+def test_onnx_latency_and_tracking_overhead_quick(tmp_path):
+    out = tmp_path / "results"
+    assert bench_onnx_latency.main(["--quick", "--out", str(out / "onnx_latency.json"),
+                                    "--opt", 'models=["digits_cnn"]', "--opt", "batches=[1]"]) == 0
+    onnx = json.loads((out / "onnx_latency.json").read_text())
+    check_schema(onnx, "onnx_latency")
+    assert [r["case"] for r in onnx["rows"]] == ["digits_cnn batch 1"]
+    assert onnx["details"]["exports"]["digits_cnn"]["parity_passed"] is True
+
+    assert bench_tracking_overhead.main(["--quick", "--out", str(out / "tracking_overhead.json"),
+                                         "--opt", 'case={"epochs": 1, "max_steps": 3}']) == 0
+    tracking = json.loads((out / "tracking_overhead.json").read_text())
+    check_schema(tracking, "tracking_overhead")
+    batched = tracking["rows"][0]
+    assert batched["details"]["all_runs_complete"] is True  # every step's points are in the store
+    points = batched["details"]["points"]
+    assert points["found"] == points["expected"] == 3 * 3 + 10
+    assert points["per_key"]["step/train_loss"] == 3
+
+    md = render(collect(out), None)
+    assert "| 2 | tracking_overhead | batched MlflowTracker vs off |" in md
+    assert "| 7 | onnx_latency | digits_cnn batch 1 |" in md
+    assert "Quick mode" in md and "## Machine" in md and "torch " in md
+
+
+def test_run_all_writes_results_and_markdown(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--quick", "--only", "gpu",
+                           "--out-dir", str(tmp_path / "results")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    gpu = json.loads((tmp_path / "results" / "gpu.json").read_text())
+    assert gpu["name"] == "gpu" and gpu["status"] in ("skipped", "ok", "partial")
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "| 8 | gpu |" in md
+
+
+def test_stats_and_unknown_benchmark():
+    s = stats([3.0, 1.0, 2.0, 4.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 4.0, 4)
+    assert s["q1"] <= s["median"] <= s["q3"]
+    assert set(BENCHMARKS) == {"trainer_overhead", "tracking_overhead", "orchestration", "parallel",
+                               "search_efficiency", "lr_finder", "onnx_latency", "gpu"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--only", "nope"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown benchmark" in proc.stderr
