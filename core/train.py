@@ -186,7 +186,10 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                 continue
             # ---- one optimizer step (after `group_size` micro-batches)
             precision.unscale_(optimizer)  # clip and measure true gradients, not scaled ones
-            grad_norm = float(nn.utils.clip_grad_norm_(params, max_norm=cfg.grad_clip or float("inf")))
+            if cfg.grad_clip:
+                grad_norm = float(nn.utils.clip_grad_norm_(params, max_norm=cfg.grad_clip))
+            else:  # measure only: clipping at infinity would still rescale every gradient by 1.0
+                grad_norm = float(nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
             if not math.isfinite(grad_norm) and not precision.tolerates_nonfinite_grads:
                 # Under DDP grads are already all-reduced, so every rank sees this and stops together.
                 status, reason = "diverged", f"non-finite gradient norm {grad_norm} at step {step + 1} (epoch {epoch})"

@@ -92,8 +92,9 @@ class TrialReporter:
         return Decision.INTERRUPT if self.interrupt.is_set() else Decision.CONTINUE
 
     def report_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> Decision:
+        # Buffered too: the tracker sends a batch every few seconds and at the end of the run.
+        # A synchronous flush here cost about a tenth of a short epoch (benchmarks/RESULTS.md).
         self.tracker.log_metrics(self.run, metrics, epoch)
-        self.tracker.flush(self.run)  # one batch per epoch keeps the UI current at negligible cost
         if self.heartbeat is not None:
             self.heartbeat()
         if self.interrupt.is_set():

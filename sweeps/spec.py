@@ -119,8 +119,9 @@ class ResourcesSection(_Section):
     def _devices(cls, v: Any) -> Any:
         if v in ("auto", "cpu"):
             return v
-        if (isinstance(v, list) and v and len(set(v)) == len(v)
-                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)):
+        if (isinstance(v, list) and v
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+                and len(set(v)) == len(v)):  # after the type check: set() needs hashable items
             return v
         raise ValueError(f"{v!r} is not allowed; use auto, cpu, or a list of distinct GPU indices like [0, 1]")
 

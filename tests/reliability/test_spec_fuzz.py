@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import string
 
+import os
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +27,12 @@ base = {"name": "fuzz", "task": {"name": "digits", "model": "mlp"},
         "search": {"lr": {"type": "float", "low": 0.001, "high": 0.1, "log": True}}}
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# CI runs a fixed sequence of examples (derandomized), so a run is repeatable; set
+# SWEEPS_FUZZ_EXPLORE=1 to draw new ones (that is how the bugs named in docs/RELIABILITY.md were found).
+EXPLORE = os.environ.get("SWEEPS_FUZZ_EXPLORE") == "1"
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=not EXPLORE)
 @given(st.dictionaries(st.sampled_from(KEYS), values, max_size=8), st.booleans())
 def test_generated_specs_give_a_spec_or_a_spec_error(data, on_top_of_valid):
     doc = {**base, **data} if on_top_of_valid else data
@@ -37,7 +44,7 @@ def test_generated_specs_give_a_spec_or_a_spec_error(data, on_top_of_valid):
     assert spec.name and spec.task is not None
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=1500, deadline=None, derandomize=not EXPLORE)
 @given(st.text(alphabet=string.printable + "!&*|>%@`", max_size=200))
 def test_generated_yaml_text_parses_or_is_refused_cleanly(text):
     try:
