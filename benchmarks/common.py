@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.metadata
 import json
 import math
 import os
@@ -212,24 +211,17 @@ def _ram_gib() -> float | None:
 
 
 def package_versions(names: Iterable[str] = VERSION_PACKAGES) -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in names:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+    from sweeps.study_run import package_versions as installed_versions
+
+    return {"python": platform.python_version(), **installed_versions(tuple(names))}
 
 
 def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return (head or "unknown") + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """Short HEAD of this checkout (``+dirty`` with uncommitted changes), or "unknown"."""
+    from sweeps.study_run import git_commit as full_commit
+
+    head, plus, dirty = full_commit(ROOT).partition("+")
+    return (head[:7] if head != "unknown" else head) + plus + dirty
 
 
 def machine_info() -> dict:

@@ -29,9 +29,9 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
-def package_versions() -> dict[str, str]:
+def package_versions(names=PACKAGES) -> dict[str, str]:
     out = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
