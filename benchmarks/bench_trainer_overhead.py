@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from pathlib import Path
 
 from benchmarks.common import Context, alternate, arm, bench_main, make_row, paired_ratio, stats
 
