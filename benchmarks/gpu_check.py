@@ -6,9 +6,14 @@
 What it runs (all through core.ddp_launch.train_distributed, the path a sweep trial takes):
   * fp32, bf16 and fp16 (GradScaler; skipped steps counted) on min(2, #GPUs) processes, NCCL when
     there are 2 GPUs, the same seed, data and global batch;
-  * with 2 GPUs also fp32 on 1 GPU with the same per-process batch, for the DDP throughput ratio.
+  * with 2 GPUs also fp32 on 1 GPU with the same per-process batch, for the DDP throughput ratio;
+    with 1 GPU the NCCL row says it was skipped (NCCL refuses two ranks on one device);
+  * exact resume on the device: deterministic=True, 2 epochs straight against 1 epoch, stop,
+    resume, 1 more (in a fresh process, so CUBLAS_WORKSPACE_CONFIG is set before cuBLAS starts),
+    and the ONNX export of the model trained there, verified against PyTorch by onnxruntime.
 What it checks (exit 1 if one fails; the JSON is written either way):
   * every run completes;
+  * the resumed weights equal the straight run's bit for bit; the ONNX export passes;
   * the last epoch's train loss of bf16 and fp16 is within ``--loss-rtol`` (relative) of fp32's;
   * fp16 skipped at most ``--max-skipped-frac`` of its optimizer steps for overflow.
 Throughput ratios (bf16/fp32, fp16/fp32, 2 GPUs / 1 GPU) are reported, not judged.
@@ -18,6 +23,7 @@ Without CUDA (and without --dry-run) it prints why and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -55,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="allowed fraction of fp16 steps skipped for overflow (default 0.10)")
     p.add_argument("--run-timeout", type=int, default=240, help="seconds per training run before it is stopped")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/gpu_check[.dry_run].json)")
+    p.add_argument("--resume-check", action="store_true", help=argparse.SUPPRESS)  # the subprocess below
     return p.parse_args(argv)
 
 
@@ -107,11 +114,72 @@ def run_one(name: str, task: TaskSpec, cfg: TrainConfig, timeout_s: int) -> dict
     return row
 
 
+class _StopAfterFirstEpoch:
+    """Reporter that interrupts after epoch 1 (the checkpoint is written before the report)."""
+
+    def report_step(self, step, metrics):
+        from core.reporting import Decision
+
+        return Decision.CONTINUE
+
+    def report_epoch(self, epoch, step, metrics):
+        from core.reporting import Decision
+
+        return Decision.INTERRUPT
+
+    def log_artifact(self, path, kind):
+        pass
+
+
+def resume_check(on_gpu: bool) -> dict:
+    """``--resume-check`` (its own process): straight vs stop-and-resume on this device, then ONNX."""
+    from core.tasks.base import make_task
+
+    task = make_task("synthetic", model="resnet18", args={"shape": [3, 32, 32], "n_train": 2048 if on_gpu else 64,
+                                                          "n_val": 256 if on_gpu else 32})
+    cfg = TrainConfig(epochs=2, batch_size=128 if on_gpu else 16, lr=0.05, optimizer="sgd", momentum=0.9,
+                      scheduler="onecycle", precision="fp32", device="cuda" if on_gpu else "cpu", num_workers=0,
+                      seed=0, deterministic=True, save_checkpoints=True, export_onnx=False)
+    from core.checkpoint import load_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_resume_") as tmp:
+        straight = train_distributed(task, cfg, out_dir=Path(tmp) / "a")
+        first = train_distributed(task, cfg, out_dir=Path(tmp) / "b", reporter=_StopAfterFirstEpoch())
+        resumed = train_distributed(task, cfg, out_dir=Path(tmp) / "b", resume=True)
+        a = load_checkpoint(Path(tmp) / "a" / "last.pt")["model"]
+        b = load_checkpoint(Path(tmp) / "b" / "last.pt")["model"]
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        onnx_cfg = dataclasses.replace(cfg, epochs=1, export_onnx=True)
+        exported = train_distributed(task, onnx_cfg, out_dir=Path(tmp) / "c")
+    onnx = exported.onnx
+    return {"first_status": first.status, "resumed_status": resumed.status, "straight_steps": straight.steps_completed,
+            "resumed_steps": resumed.steps_completed, "tensors": len(a), "tensors_differing": differ[:10],
+            "bitwise_equal": not differ and resumed.steps_completed == straight.steps_completed,
+            "onnx_passed": bool(onnx is not None and onnx.passed),
+            "onnx_max_abs_diff": None if onnx is None else onnx.max_abs_diff}
+
+
+def run_resume_check(on_gpu: bool, timeout_s: int) -> dict:
+    import os
+    import subprocess
+
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--resume-check"] + ([] if on_gpu else ["--dry-run"])
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result after {timeout_s} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-1500:]}"}
+    return json.loads(lines[-1])
+
+
 def check(rows: dict[str, dict], args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Pass/fail checks and the (unjudged) throughput ratios."""
     checks, ratios = [], {}
     for name, row in rows.items():
-        if row["status"] != "skipped":
+        if name != "resume_onnx" and row["status"] != "skipped":
             checks.append({"check": f"{name} completes", "passed": row["status"] == "completed",
                            "detail": row.get("error") or row.get("reason") or row["status"]})
     base = rows.get("fp32")
@@ -131,6 +199,18 @@ def check(rows: dict[str, dict], args: argparse.Namespace) -> tuple[list[dict], 
         checks.append({"check": f"fp16 skipped at most {args.max_skipped_frac:.0%} of its steps",
                        "passed": bool(frac <= args.max_skipped_frac),
                        "detail": f"{fp16['skipped_steps']} of {fp16['steps']} steps skipped (GradScaler overflow)"})
+    resume = rows.get("resume_onnx")
+    if resume is not None:
+        if "error" in resume:
+            checks.append({"check": "exact resume and ONNX export on the device", "passed": False,
+                           "detail": resume["error"]})
+        else:
+            checks.append({"check": "stop after epoch 1 + resume == 2 epochs straight, bit for bit",
+                           "passed": bool(resume["bitwise_equal"]),
+                           "detail": f"{resume['tensors']} tensors, differing: {resume['tensors_differing'] or 'none'}; "
+                                     f"steps {resume['resumed_steps']} vs {resume['straight_steps']}"})
+            checks.append({"check": "ONNX export of the device-trained model verified by onnxruntime",
+                           "passed": resume["onnx_passed"], "detail": f"max abs diff {resume['onnx_max_abs_diff']}"})
     one = rows.get("fp32_1proc")
     if base is not None and one is not None and base["status"] == one["status"] == "completed":
         ratios[f"fp32_{base['nproc']}proc_over_1proc_samples_per_s"] = base["samples_per_s"] / one["samples_per_s"]
@@ -154,6 +234,8 @@ def table(rows: dict[str, dict], checks: list[dict], ratios: dict) -> str:
     lines = ["| run | nproc | backend | status | final train loss | val acc | samples/s | skipped | peak MB |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
+        if name == "resume_onnx":
+            continue
         if r["status"] in ("completed", "pruned", "interrupted"):
             lines.append(f"| {name} | {r['nproc']} | {r['backend']} | {r['status']} | {r['final_train_loss']:.4f} | "
                          f"{r['final_val_acc']:.3f} | {r['samples_per_s']:.0f} | {r['skipped_steps']} | {r['peak_mem_mb']:.0f} |")
@@ -170,6 +252,9 @@ def table(rows: dict[str, dict], checks: list[dict], ratios: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     on_gpu = torch.cuda.is_available() and not args.dry_run
+    if args.resume_check:
+        print(json.dumps(resume_check(on_gpu), default=str))
+        return 0
     if not on_gpu and not args.dry_run:
         print("gpu_check: skipped, no CUDA device is visible (run with --dry-run to exercise the code on CPU)")
         return 0
@@ -178,9 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     task = TaskSpec("synthetic", model="resnet18", args={"shape": size["shape"], "num_classes": 10,
                                                          "n_train": size["n_train"], "n_val": size["n_val"]})
     plan = [("fp32", "fp32", nproc), ("bf16", "bf16", nproc), ("fp16", "fp16", nproc)]
+    rows: dict[str, dict] = {}
     if nproc > 1:
         plan.append(("fp32_1proc", "fp32", 1))
-    rows: dict[str, dict] = {}
+    else:
+        rows["nccl_ddp"] = {"name": "nccl_ddp", "precision": "fp32", "nproc": 2, "backend": "nccl", "status": "skipped",
+                            "error": f"{torch.cuda.device_count()} GPU on this machine: NCCL DDP needs 2 "
+                                     "(it refuses two ranks on one device); DDP itself is tested on CPU with gloo"}
     for name, precision, n in plan:
         skip = None
         if precision == "fp16" and not on_gpu:
@@ -194,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(size, precision, n, on_gpu)
         print(f"gpu_check: {name} on {n} process(es) ...", flush=True)
         rows[name] = run_one(name, task, cfg, args.run_timeout)
+    print("gpu_check: exact resume and ONNX export ...", flush=True)
+    rows["resume_onnx"] = run_resume_check(on_gpu, args.run_timeout)
     checks, ratios = check(rows, args)
     report = {"dry_run": not on_gpu, "environment": environment(on_gpu, nproc), "sizes": size,
               "tolerances": {"loss_rtol": args.loss_rtol, "max_skipped_frac": args.max_skipped_frac},

@@ -75,6 +75,7 @@ class TrainConfig:
     # -- data loading
     num_workers: int = -1  # -1: about half the CPU threads this process may use; 0 loads in-process
     prefetch_factor: int = 2
+    pin_memory: bool = True  # page-locked batches for faster host->GPU copies; ignored on CPU
     # -- device
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # -- outputs

@@ -43,6 +43,6 @@ def _loader(ds: Dataset, cfg: TrainConfig, device: torch.device, sampler) -> Dat
                  "worker_init_fn": worker_init_fn}
     return DataLoader(
         ds, batch_size=cfg.batch_size, sampler=sampler, shuffle=False, num_workers=workers,
-        pin_memory=device.type == "cuda",  # page-locked host memory only helps host->GPU copies
+        pin_memory=cfg.pin_memory and device.type == "cuda",  # page-locked memory only helps host->GPU copies
         generator=torch.Generator().manual_seed(cfg.seed), drop_last=False, **extra,
     )

@@ -22,6 +22,7 @@ from core.distributed import lr_scale_factor
 from core.reporting import Decision
 from core.results import TrainResult
 from core.train import train
+from sweeps.pool import ddp_processes, visible_gpu_count
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, Tracker
@@ -65,10 +66,15 @@ def worker_name() -> str:
 
 def trial_config(spec: StudySpec, params: dict, overrides: dict | None = None) -> TrainConfig:
     """The resolved TrainConfig of a trial. The best checkpoint (the model a trial is judged,
-    promoted and exported by) follows the study objective."""
+    promoted and exported by) follows the study objective, and a trial that holds K >= 2 GPUs
+    runs DDP over them unless the spec sets ``train.distributed.nproc``."""
     cfg = spec.resolved_train_config(params)
-    extra = {"monitor": spec.objective.metric,
-             "monitor_mode": "max" if spec.objective.direction == "maximize" else "min"}
+    extra: dict = {"monitor": spec.objective.metric,
+                   "monitor_mode": "max" if spec.objective.direction == "maximize" else "min"}
+    nproc = ddp_processes(spec.resources.gpus_per_trial, spec.resources.devices, cfg.device,
+                          (spec.train.get("distributed") or {}).get("nproc"), visible_gpu_count())
+    if nproc is not None:  # a trial holding K GPUs runs DDP over them (resources.gpus_per_trial)
+        extra["distributed"] = {"nproc": nproc}
     return apply_overrides(cfg, {**extra, **(overrides or {})})
 
 

@@ -41,7 +41,7 @@ class ResourcesError(SweepsError, ValueError):
 # --------------------------------------------------------------------------- discovery
 
 
-def _cuda_device_count() -> int:
+def visible_gpu_count() -> int:
     """Devices torch can see (after CUDA_VISIBLE_DEVICES), 0 without torch or CUDA."""
     try:
         import torch  # lazy: importing torch costs seconds and most callers never need it
@@ -124,7 +124,7 @@ def discover_devices(
 
 
 def _visible_devices(env: Mapping[str, str]) -> list[int]:
-    count = _cuda_device_count()
+    count = visible_gpu_count()
     if count == 0:
         return []
     if "CUDA_VISIBLE_DEVICES" in env:
@@ -172,6 +172,22 @@ def _pick_devices(free: Sequence[int], k: int) -> tuple[int, ...] | None:
         if window[-1] - window[0] == k - 1:  # sorted and unique, so this means consecutive
             return tuple(window)
     return tuple(ordered[:k])
+
+
+def ddp_processes(gpus_per_trial: float, devices_setting: object, train_device: str,
+                  explicit_nproc: int | None, visible_gpus: int) -> int | None:
+    """DDP processes for a trial whose spec leaves ``train.distributed.nproc`` unset: one per
+    GPU of its lease when it holds K >= 2 whole GPUs and sees them, else None (one process).
+    Called in the trial's own process, after the backend set its CUDA_VISIBLE_DEVICES.
+
+    An explicit ``nproc`` always wins (a user may want 1 process on 2 GPUs, e.g. for model
+    code that places layers itself); a pinned ``train.device`` (cpu, cuda:1) means no DDP."""
+    if explicit_nproc is not None or devices_setting == "cpu" or train_device not in ("auto", "cuda"):
+        return None
+    if not float(gpus_per_trial).is_integer() or gpus_per_trial < 2:
+        return None
+    k = int(gpus_per_trial)
+    return k if visible_gpus >= k else None
 
 
 # --------------------------------------------------------------------------- dynamic leases

@@ -277,7 +277,7 @@ def test_duplicate_pool_ids():
 
 
 def test_discover_cpu_and_lists_without_cuda(monkeypatch):
-    monkeypatch.setattr(pool_mod, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 0)
     assert discover_devices("cpu") == []
     assert discover_devices("auto", environ={"CUDA_VISIBLE_DEVICES": "0,1"}) == []
     assert discover_devices([3, 1]) == [3, 1]  # kept as given without CUDA
@@ -289,14 +289,14 @@ def test_discover_cpu_and_lists_without_cuda(monkeypatch):
      ([True], "non-negative"), ([], "non-empty"), ("gpu", "not a valid"), (2, "non-empty")],
 )
 def test_discover_rejects_bad_lists(monkeypatch, bad, match):
-    monkeypatch.setattr(pool_mod, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match=match) as info:
         discover_devices(bad)
     assert "resources.devices" in str(info.value) and "Fix:" in str(info.value)
 
 
 def test_discover_with_fake_cuda(monkeypatch):
-    monkeypatch.setattr(pool_mod, "_cuda_device_count", lambda: 4)
+    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 4)
     assert discover_devices("auto", environ={}) == [0, 1, 2, 3]
     assert discover_devices([1, 3], environ={}) == [1, 3]
     with pytest.raises(ResourcesError, match=r"\[4\].*visible CUDA devices: \[0, 1, 2, 3\]"):
@@ -304,14 +304,14 @@ def test_discover_with_fake_cuda(monkeypatch):
 
 
 def test_discover_respects_cuda_visible_devices(monkeypatch):
-    monkeypatch.setattr(pool_mod, "_cuda_device_count", lambda: 2)
+    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 2)
     env = {"CUDA_VISIBLE_DEVICES": "2, 3"}
     assert discover_devices("auto", environ=env) == [2, 3]
     assert discover_devices([3], environ=env) == [3]
     with pytest.raises(ResourcesError, match="cannot see"):
         discover_devices([0], environ=env)
     # Entries after a negative id are ignored by the runtime, and so here.
-    monkeypatch.setattr(pool_mod, "_cuda_device_count", lambda: 1)
+    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 1)
     assert discover_devices("auto", environ={"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == [1]
     with pytest.raises(ResourcesError, match="UUID"):
         discover_devices("auto", environ={"CUDA_VISIBLE_DEVICES": "GPU-1234"})
@@ -396,3 +396,27 @@ def test_worker_env_leaves_openblas_alone():
 def test_plan_workers_default_threads_from_machine():
     slots = plan_workers([], 1, "auto")
     assert sum(s.threads for s in slots) <= max(cpu_threads_available(), len(slots))
+
+
+# --------------------------------------------------------------------------- DDP over a lease
+
+
+@pytest.mark.parametrize(
+    "gpus_per_trial, devices, device, explicit, visible, expected",
+    [
+        (2, "auto", "auto", None, 2, 2),      # a 2-GPU lease runs 2 ranks
+        (4, [0, 1, 2, 3], "cuda", None, 4, 4),
+        (4, "auto", "auto", None, 8, 4),      # more visible than leased: one rank per leased GPU
+        (1, "auto", "auto", None, 4, None),   # one GPU: a plain process
+        (0.5, "auto", "auto", None, 1, None),  # a GPU share: a plain process
+        (2, "auto", "auto", None, 0, None),   # CPU-only machine: the pool ran it on CPU
+        (2, "auto", "auto", None, 1, None),   # fewer visible than K: no DDP over GPUs it lacks
+        (2, "cpu", "auto", None, 2, None),    # devices: cpu
+        (2, "auto", "cpu", None, 2, None),    # train.device pinned to CPU
+        (2, "auto", "cuda:1", None, 2, None),  # pinned to one GPU
+        (2, "auto", "auto", 1, 2, None),      # an explicit nproc wins
+        (2, "auto", "auto", 2, 2, None),
+    ],
+)
+def test_ddp_processes_one_rank_per_leased_gpu(gpus_per_trial, devices, device, explicit, visible, expected):
+    assert pool_mod.ddp_processes(gpus_per_trial, devices, device, explicit, visible) == expected

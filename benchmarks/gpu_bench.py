@@ -1,0 +1,313 @@
+"""GPU benchmarks (section 8 of benchmarks/README.md): what a user checks before handing sweeps a GPU.
+
+    python benchmarks/gpu_bench.py            # CUDA machine: a few minutes
+    python benchmarks/gpu_bench.py --dry-run  # CPU, tiny sizes: every code path, no numbers worth reading
+
+Imports only ``core`` (torch, torchvision, numpy), so it runs on a bare GPU image without the
+sweeps stack. Every figure is a ratio against a baseline measured in the same run:
+
+* ``trainer``: samples/s of ``core.train()`` against a minimal hand-written CUDA loop (same
+  ResNet-18 at 32x32, bf16 autocast, batch, data, steps), alternating hand, core, hand, core;
+  core's per-step ``.item()`` syncs, grad norm and bookkeeping are what the ratio measures.
+* ``dataloader``: ImageFolder on PNGs this script writes (decode + RandomResizedCrop + flip per
+  sample, the CPU work a real image task has) for each ``num_workers`` x ``pin_memory``:
+  samples/s and the mean GPU utilisation NVML reports while the second epoch trains.
+* ``trials_per_gpu``: one trial process alone on the GPU against two at once on the same GPU
+  (what ``resources.gpus_per_trial: 0.5`` does): the pair's summed samples/s over the single's.
+
+Each section catches its own errors (a row with the error, the others still run) and the JSON is
+rewritten after every section, so a run cut short still leaves what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from core.config import TrainConfig  # noqa: E402
+from core.tasks.base import make_task  # noqa: E402
+from core.train import train  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SIZES = {  # (CUDA, dry run on CPU)
+    "gpu": dict(n_train=16384, batch=256, epochs=3, repeats=2, images=4096, image_px=80, image_size=64,
+                img_batch=128, workers=(0, 4, 8), trial_epochs=4),
+    "dry": dict(n_train=64, batch=16, epochs=2, repeats=1, images=48, image_px=40, image_size=32,
+                img_batch=16, workers=(0, 2), trial_epochs=2),
+}
+
+
+# --------------------------------------------------------------------------- measuring helpers
+
+
+class UtilSampler:
+    """Samples NVML's GPU utilisation (percent of time a kernel ran, per ~1/6 s window) every
+    50 ms on a thread; ``mean(t0, t1)`` averages the samples taken between two wall times.
+    Without NVML (CPU dry run) every mean is None."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._handle = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001 - no NVML: utilisation is simply not reported
+            return
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.samples.append((time.perf_counter(), self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+            except Exception:  # noqa: BLE001
+                return
+
+    def mean(self, t0: float, t1: float) -> float | None:
+        window = [u for t, u in self.samples if t0 <= t <= t1]
+        return round(statistics.fmean(window), 1) if window else None
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class EpochClock:
+    """A core Reporter that stamps the wall time of each epoch's end (to window utilisation)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def report_step(self, step, metrics):
+        from core.reporting import Decision
+
+        return Decision.CONTINUE
+
+    def report_epoch(self, epoch, step, metrics):
+        from core.reporting import Decision
+
+        self.ends.append(time.perf_counter())
+        return Decision.CONTINUE
+
+    def log_artifact(self, path, kind):
+        pass
+
+
+def steady_samples_per_s(history: list[dict]) -> float:
+    """Mean samples/s of the epochs after the first (the first pays for cuDNN autotuning)."""
+    steady = history[1:] or history
+    return statistics.fmean(h["samples_per_s"] for h in steady)
+
+
+def config(on_gpu: bool, **kw) -> TrainConfig:
+    base = dict(lr=0.05, optimizer="sgd", momentum=0.9, weight_decay=5e-4, scheduler="constant",
+                precision="bf16" if on_gpu else "fp32", device="cuda" if on_gpu else "cpu", num_workers=0,
+                seed=0, save_checkpoints=False, export_onnx=False, grad_clip=None)
+    return TrainConfig(**{**base, **kw})
+
+
+def synthetic_task(n_train: int):
+    return make_task("synthetic", model="resnet18", args={"shape": [3, 32, 32], "n_train": n_train, "n_val": 512})
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def hand_loop(task, cfg: TrainConfig) -> float:
+    """The minimal CUDA loop: pinned DataLoader -> non-blocking copy -> autocast forward ->
+    loss -> zero_grad -> backward -> step, no per-step sync. Steady-state samples/s."""
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = task.build_model().to(device)
+    train_ds, _ = task.datasets()
+    loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, num_workers=0,
+                        pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    criterion = nn.CrossEntropyLoss()
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    rates = []
+    for _ in range(cfg.epochs):
+        model.train()
+        _sync(device)
+        t0, seen = time.perf_counter(), 0
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = criterion(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            seen += y.shape[0]
+        _sync(device)
+        rates.append(seen / (time.perf_counter() - t0))
+    return statistics.fmean(rates[1:] or rates)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def section_trainer(size: dict, on_gpu: bool) -> dict:
+    task = synthetic_task(size["n_train"])
+    cfg = config(on_gpu, epochs=size["epochs"], batch_size=size["batch"])
+    pairs = []
+    for _ in range(size["repeats"]):  # ABAB: hand, core, hand, core
+        hand = hand_loop(task, cfg)
+        core = steady_samples_per_s(train(task, cfg).history)
+        pairs.append({"hand_samples_per_s": hand, "core_samples_per_s": core, "ratio": core / hand})
+    ratios = [p["ratio"] for p in pairs]
+    return {"what": "core.train() / hand loop samples/s, ResNet-18 32x32, "
+                    f"{cfg.precision}, batch {cfg.batch_size}, {size['n_train']} samples x {cfg.epochs} epochs",
+            "pairs": pairs, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
+
+
+def write_images(root: Path, n: int, px: int, classes: int = 10) -> None:
+    """PNG noise images under root/{train,val}/class_k (val: n // 8)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", n), ("val", max(classes, n // 8))):
+        for i in range(count):
+            folder = root / split / f"class_{i % classes}"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+
+
+def section_dataloader(size: dict, on_gpu: bool, sampler: UtilSampler) -> dict:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_images_") as tmp:
+        write_images(Path(tmp), size["images"], size["image_px"])
+        task = make_task("imagefolder", model="resnet18", args={"root": tmp, "image_size": size["image_size"]})
+        for workers in size["workers"]:
+            for pin in (False, True):
+                cfg = config(on_gpu, epochs=2, batch_size=size["img_batch"], num_workers=workers, pin_memory=pin)
+                clock = EpochClock()
+                try:
+                    hist = train(task, cfg, reporter=clock).history
+                except Exception as exc:  # noqa: BLE001 - a row with the error; the grid goes on
+                    rows.append({"num_workers": workers, "pin_memory": pin, "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                rows.append({"num_workers": workers, "pin_memory": pin,
+                             "samples_per_s": hist[-1]["samples_per_s"],
+                             "gpu_util_pct": sampler.mean(clock.ends[0], clock.ends[-1]) if len(clock.ends) > 1 else None})
+    done = [r for r in rows if "samples_per_s" in r]
+    base = next((r for r in done if r["num_workers"] == 0 and not r["pin_memory"]), None)
+    for r in done:
+        r["speedup_vs_0_workers_unpinned"] = r["samples_per_s"] / base["samples_per_s"] if base else None
+    return {"what": f"imagefolder PNG {size['image_px']}px -> RandomResizedCrop {size['image_size']} + flip, ResNet-18, "
+                    f"batch {size['img_batch']}, epoch 2 of 2", "rows": rows}
+
+
+def trial_worker(args_json: str) -> int:
+    """One trial process (``--trial-worker``): train, print one JSON line."""
+    a = json.loads(args_json)
+    cfg = config(a["on_gpu"], epochs=a["epochs"], batch_size=a["batch"])
+    started = time.perf_counter()
+    hist = train(synthetic_task(a["n_train"]), cfg).history
+    print(json.dumps({"samples_per_s": steady_samples_per_s(hist), "wall_s": time.perf_counter() - started}))
+    return 0
+
+
+def section_trials_per_gpu(size: dict, on_gpu: bool, sampler: UtilSampler) -> dict:
+    args = json.dumps({"on_gpu": on_gpu, "epochs": size["trial_epochs"], "batch": size["batch"],
+                       "n_train": size["n_train"]})
+
+    def run(n: int) -> dict:
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--trial-worker", args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        t1 = time.perf_counter()
+        for p, (_, err) in zip(procs, outs):
+            if p.returncode != 0:
+                raise RuntimeError(f"a trial process exited {p.returncode}: {err.strip()[-800:]}")
+        per = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+        return {"processes": n, "samples_per_s_each": [p["samples_per_s"] for p in per],
+                "samples_per_s_total": sum(p["samples_per_s"] for p in per),
+                "wall_s": t1 - t0, "gpu_util_pct": sampler.mean(t0, t1)}
+
+    one, two = run(1), run(2)
+    return {"what": f"ResNet-18 32x32 trials ({size['n_train']} samples x {size['trial_epochs']} epochs, "
+                    f"batch {size['batch']}), 1 process vs 2 at once on one GPU",
+            "one": one, "two": two, "throughput_ratio": two["samples_per_s_total"] / one["samples_per_s_total"]}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def environment(on_gpu: bool) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+           "cuda_available": torch.cuda.is_available(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if on_gpu:
+        env.update(cuda=torch.version.cuda, device=torch.cuda.get_device_name(0),
+                   device_count=torch.cuda.device_count())
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
+    p.add_argument("--only", default="trainer,dataloader,trials_per_gpu", help="comma-separated sections")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--trial-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.trial_worker is not None:
+        return trial_worker(args.trial_worker)
+    on_gpu = torch.cuda.is_available() and not args.dry_run
+    if not on_gpu and not args.dry_run:
+        print("gpu_bench: skipped, no CUDA device is visible (run with --dry-run to exercise the code on CPU)")
+        return 0
+    if on_gpu:
+        torch.backends.cudnn.benchmark = True
+    size = SIZES["gpu" if on_gpu else "dry"]
+    out = args.out or RESULTS / ("gpu_bench.json" if on_gpu else "gpu_bench.dry_run.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"dry_run": not on_gpu, "environment": environment(on_gpu), "sizes": size, "sections": {}}
+    sampler = UtilSampler()
+    sections = {"trainer": lambda: section_trainer(size, on_gpu),
+                "dataloader": lambda: section_dataloader(size, on_gpu, sampler),
+                "trials_per_gpu": lambda: section_trials_per_gpu(size, on_gpu, sampler)}
+    failed = False
+    for name in [s.strip() for s in args.only.split(",") if s.strip()]:
+        print(f"gpu_bench: {name} ...", flush=True)
+        started = time.perf_counter()
+        try:
+            result = sections[name]()
+        except Exception as exc:  # noqa: BLE001 - record it and go on with the next section
+            failed = True
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+        report["sections"][name] = result
+        print(json.dumps(result, default=str)[:2000], flush=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        os.replace(tmp, out)  # rewritten after every section: a cut-short run keeps what it measured
+    sampler.close()
+    print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
