@@ -44,7 +44,7 @@ from core.train import train  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SIZES = {  # (CUDA, dry run on CPU)
-    "gpu": dict(n_train=16384, batch=256, epochs=3, repeats=2, images=4096, image_px=80, image_size=64,
+    "gpu": dict(n_train=16384, batch=256, epochs=3, repeats=3, images=4096, image_px=80, image_size=64,
                 img_batch=128, workers=(0, 4, 8), trial_epochs=4),
     "dry": dict(n_train=64, batch=16, epochs=2, repeats=1, images=48, image_px=40, image_size=32,
                 img_batch=16, workers=(0, 2), trial_epochs=2),
@@ -129,9 +129,11 @@ def synthetic_task(n_train: int):
 # --------------------------------------------------------------------------- sections
 
 
-def hand_loop(task, cfg: TrainConfig) -> float:
+def hand_loop(task, cfg: TrainConfig, syncs: bool = False) -> float:
     """The minimal CUDA loop: pinned DataLoader -> non-blocking copy -> autocast forward ->
-    loss -> zero_grad -> backward -> step, no per-step sync. Steady-state samples/s."""
+    loss -> zero_grad -> backward -> step, no per-step sync. Steady-state samples/s.
+    ``syncs``: also read loss, accuracy and grad norm every step with ``.item()`` (what core did
+    before it read each step's numbers one step late): the price of three syncs per step."""
     from torch import nn
     from torch.utils.data import DataLoader
 
@@ -152,9 +154,13 @@ def hand_loop(task, cfg: TrainConfig) -> float:
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = criterion(model(x), y)
+                logits = model(x)
+                loss = criterion(logits, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if syncs:
+                loss.item(), (logits.argmax(1) == y).sum().item()
+                float(nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
             opt.step()
             seen += y.shape[0]
         _sync(device)
@@ -171,15 +177,17 @@ def section_trainer(size: dict, on_gpu: bool) -> dict:
     task = synthetic_task(size["n_train"])
     cfg = config(on_gpu, epochs=size["epochs"], batch_size=size["batch"])
     pairs = []
-    for _ in range(size["repeats"]):  # ABAB: hand, core, hand, core
+    for _ in range(size["repeats"]):  # ABAB: hand, core, hand+syncs, hand, core, hand+syncs
         hand = hand_loop(task, cfg)
         core = steady_samples_per_s(train(task, cfg).history)
-        pairs.append({"hand_samples_per_s": hand, "core_samples_per_s": core, "ratio": core / hand})
+        synced = hand_loop(task, cfg, syncs=True)
+        pairs.append({"hand_samples_per_s": hand, "core_samples_per_s": core, "ratio": core / hand,
+                      "hand_with_3_syncs_samples_per_s": synced, "syncs_ratio": synced / hand})
     ratios = [p["ratio"] for p in pairs]
     return {"what": "core.train() / hand loop samples/s, ResNet-18 32x32, "
                     f"{cfg.precision}, batch {cfg.batch_size}, {size['n_train']} samples x {cfg.epochs} epochs",
             "pairs": pairs, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios)}
+            "ratio_max": max(ratios), "syncs_ratio_median": statistics.median(p["syncs_ratio"] for p in pairs)}
 
 
 def write_images(root: Path, n: int, px: int, classes: int = 10) -> None:

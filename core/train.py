@@ -24,6 +24,7 @@ from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_s
 from core.precision import Precision
 from core.reporting import Decision, NullReporter, Reporter
 from core.results import TrainResult
+from core.step_stats import PendingStep, read_lag
 from core.seeding import configure_determinism, rng_state, seed_everything, set_rng_state
 from core.tasks.base import Task
 
@@ -142,6 +143,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
 
     status, reason, metrics = "completed", "", {}
     global_batch = cfg.batch_size * ctx.world_size * accum
+    lag = read_lag(device, ctx.enabled)  # read each step's numbers now (0) or one step later (1)
     for epoch in range(start_epoch, cfg.epochs + 1):
         # ---- train one epoch
         train_loader.sampler.set_epoch(epoch)  # the shuffle of epoch k depends only on (seed, k)
@@ -154,13 +156,39 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         if not ctx.is_main:  # the checkpoint's partial sums are already summed over ranks
             loss_sum, correct, seen = 0.0, 0.0, 0.0
         progress = None
-        group_loss, group_n, grad_norm = 0.0, 0, float("nan")
+        grad_norm = float("nan")
+        correct_t = torch.zeros((), dtype=torch.int64, device=device)  # read once, at the epoch's end
+        pending: PendingStep | None = None  # a step whose numbers are queued but not yet read (lag 1)
+        current = PendingStep(step + 1, epoch)
+
+        def check(rec: PendingStep) -> str | None:
+            """Read a step's numbers (the one host-device sync of a step) and say if it diverged."""
+            nonlocal grad_norm
+            losses, grad_norm = rec.read()
+            rec.loss_values = losses
+            return rec.problem(losses, grad_norm, check_loss=not ctx.enabled,
+                               check_grad=not precision.tolerates_nonfinite_grads)
+
+        def report(rec: PendingStep) -> Decision:
+            """Add a checked step to the epoch's sums and report it; every rank gets rank 0's decision."""
+            nonlocal loss_sum
+            group_loss = sum(v * n for v, n in zip(rec.loss_values, rec.sizes))
+            group_n = sum(rec.sizes)
+            loss_sum += group_loss
+            if ctx.enabled:  # the step loss over the global batch, not rank 0's shard
+                group_loss, group_n = ctx.all_reduce_sum([group_loss, group_n], device)
+            decision = reporter.report_step(rec.step, {"train_loss": group_loss / group_n, "lr": rec.lr,
+                                                       "grad_norm": grad_norm})
+            return _agree(decision, ctx, device)
+
         t0 = time.perf_counter()
+        last_i = -1
         for i, (x, y) in enumerate(train_loader):
             if i >= micro_batches:
                 break
             if i < skip:
                 continue  # resuming mid-epoch: these micro-batches were trained before the interrupt
+            last_i = i
             group_start = (i // accum) * accum
             group_size = min(accum, micro_batches - group_start)  # the epoch's remainder group is smaller
             final_micro = i - group_start == group_size - 1
@@ -170,51 +198,54 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             with sync:
                 with precision.autocast():
                     logits, loss = _forward(fwd_model, criterion, x, y, cfg.mixup_alpha)
-                loss_value = loss.item()  # CPU-GPU sync point: needed for the per-step curve and the NaN check
-                if not math.isfinite(loss_value) and not ctx.enabled:
-                    # Stop before backward: the last good checkpoint stays untouched.
-                    status, reason = "diverged", f"non-finite loss {loss_value} at step {step + 1} (epoch {epoch})"
-                    break
                 precision.backward(loss / group_size)
-            bs = y.shape[0]
-            loss_sum += loss_value * bs
-            correct += (logits.argmax(1) == y).sum().item()
-            seen += bs
-            group_loss += loss_value * bs
-            group_n += bs
+            # No .item() here: the numbers stay on the device until the step is read (core/step_stats.py).
+            current.add(loss, y.shape[0])
+            correct_t += (logits.argmax(1) == y).sum()
+            seen += y.shape[0]
             if not final_micro:
                 continue
             # ---- one optimizer step (after `group_size` micro-batches)
             precision.unscale_(optimizer)  # clip and measure true gradients, not scaled ones
             if cfg.grad_clip:
-                grad_norm = float(nn.utils.clip_grad_norm_(params, max_norm=cfg.grad_clip))
+                current.grad_norm = nn.utils.clip_grad_norm_(params, max_norm=cfg.grad_clip)
             else:  # measure only: clipping at infinity would still rescale every gradient by 1.0
-                grad_norm = float(nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-            if not math.isfinite(grad_norm) and not precision.tolerates_nonfinite_grads:
-                # Under DDP grads are already all-reduced, so every rank sees this and stops together.
-                status, reason = "diverged", f"non-finite gradient norm {grad_norm} at step {step + 1} (epoch {epoch})"
+                current.grad_norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            # Read a step before touching the weights: this one (lag 0) or the one before (lag 1).
+            previous = current if lag == 0 else pending
+            problem = check(previous) if previous is not None else None
+            if problem:
+                status, reason = "diverged", problem
                 break
+            decision = report(previous) if lag and previous is not None else Decision.CONTINUE
             precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
             if sched_interval == "step":
                 scheduler.step()
             step += 1
-            if ctx.enabled:  # the step loss over the global batch, not rank 0's shard
-                group_loss, group_n = ctx.all_reduce_sum([group_loss, group_n], device)
-            decision = reporter.report_step(step, {"train_loss": group_loss / group_n,
-                                                   "lr": current_lr(optimizer), "grad_norm": grad_norm})
-            group_loss, group_n = 0.0, 0
-            if _agree(decision, ctx, device) is Decision.INTERRUPT:
-                train_time += time.perf_counter() - t0
-                loss_sum, correct, seen = ctx.all_reduce_sum([loss_sum, correct, seen], device)
-                if out is not None and ctx.is_main and cfg.save_checkpoints:
-                    ckpt.save_last(make_state(epoch, {"next_batch": i + 1, "world_size": ctx.world_size,
-                                                      "sums": (loss_sum, correct, seen, train_time)}), out)
+            current.lr = current_lr(optimizer)
+            if lag == 0:
+                decision = report(current)
+            pending, current = (current if lag else None), PendingStep(step + 1, epoch)
+            if decision is Decision.INTERRUPT:
                 status, reason = "interrupted", f"interrupted at step {step} (epoch {epoch}); checkpoint saved"
                 break
+        # ---- the epoch's last step (lag 1: still unread), then its sums
+        if pending is not None and status != "diverged":
+            problem = check(pending)
+            if problem:
+                status, reason = "diverged", problem
+            elif report(pending) is Decision.INTERRUPT and status == "completed":
+                status, reason = "interrupted", f"interrupted at step {step} (epoch {epoch}); checkpoint saved"
+        correct += float(correct_t.item())
+        train_time += time.perf_counter() - t0
+        if status == "interrupted":
+            loss_sum, correct, seen = ctx.all_reduce_sum([loss_sum, correct, seen], device)
+            if out is not None and ctx.is_main and cfg.save_checkpoints:
+                ckpt.save_last(make_state(epoch, {"next_batch": last_i + 1, "world_size": ctx.world_size,
+                                                  "sums": (loss_sum, correct, seen, train_time)}), out)
         if status != "completed":
             break
-        train_time += time.perf_counter() - t0
 
         # ---- validate
         loss_sum, correct, seen = ctx.all_reduce_sum([loss_sum, correct, seen], device)

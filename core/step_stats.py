@@ -1,0 +1,62 @@
+"""A step's numbers (loss, gradient norm) read without stalling the GPU.
+
+Reading a CUDA tensor's value (``.item()``, ``float()``) waits for every kernel queued so far,
+and while Python waits it queues nothing: three such reads per step left an H200 idle long
+enough to cost a quarter of ResNet-18's throughput (benchmarks/RESULTS.md, GPU section). So the
+loop keeps a step's numbers as tensors in a :class:`PendingStep` and reads them all at once:
+
+* lag 0 (CPU, where nothing is queued, and DDP, where every rank must act on the same step):
+  read before the optimizer step, so a non-finite loss or gradient stops the run before it
+  touches the weights;
+* lag 1 (one CUDA device): step k is read while step k+1's kernels are queued, so the GPU always
+  has work. A non-finite step then stops the run one step later: the weights in memory are
+  spoiled, but the checkpoints on disk are written only after every step is read, so none holds them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+def read_lag(device: torch.device, distributed: bool) -> int:
+    """Steps between queuing a step and reading its numbers (see the module docstring)."""
+    return 1 if device.type == "cuda" and not distributed else 0
+
+
+@dataclass
+class PendingStep:
+    """One optimizer step's numbers, still on the device."""
+
+    step: int
+    epoch: int
+    losses: list[torch.Tensor] = field(default_factory=list)  # each micro-batch's mean loss
+    sizes: list[int] = field(default_factory=list)  # each micro-batch's sample count
+    grad_norm: torch.Tensor | None = None
+    lr: float = math.nan  # after the step (and the scheduler's step), like the per-step curve shows
+    loss_values: list[float] = field(default_factory=list)  # filled by the read
+
+    def add(self, loss: torch.Tensor, size: int) -> None:
+        self.losses.append(loss.detach())
+        self.sizes.append(size)
+
+    def read(self) -> tuple[list[float], float]:
+        """(per-micro-batch losses, grad norm) as Python floats: one host-device sync."""
+        device = self.losses[0].device
+        norm = self.grad_norm if self.grad_norm is not None else torch.tensor(math.nan)
+        values = torch.stack([t.float().reshape(()) for t in self.losses]
+                             + [norm.detach().float().reshape(()).to(device)]).tolist()
+        return values[:-1], values[-1]
+
+    def problem(self, losses: list[float], grad_norm: float, check_loss: bool, check_grad: bool) -> str | None:
+        """Why this step means divergence, or None. Under DDP the loss is not checked (ranks
+        would disagree); the all-reduced gradient norm is the same on every rank."""
+        where = f"at step {self.step} (epoch {self.epoch})"
+        if check_loss:
+            for value in losses:
+                if not math.isfinite(value):
+                    return f"non-finite loss {value} {where}"
+        if check_grad and not math.isfinite(grad_norm):
+            return f"non-finite gradient norm {grad_norm} {where}"
+        return None
