@@ -36,17 +36,36 @@ class PendingStep:
     grad_norm: torch.Tensor | None = None
     lr: float = math.nan  # after the step (and the scheduler's step), like the per-step curve shows
     loss_values: list[float] = field(default_factory=list)  # filled by the read
+    _host: torch.Tensor | None = field(default=None, init=False, repr=False)  # staged copy
+    _ready: object = field(default=None, init=False, repr=False)  # CUDA event after the copy
 
     def add(self, loss: torch.Tensor, size: int) -> None:
         self.losses.append(loss.detach())
         self.sizes.append(size)
 
-    def read(self) -> tuple[list[float], float]:
-        """(per-micro-batch losses, grad norm) as Python floats: one host-device sync."""
+    def stage(self) -> None:
+        """Called once the step's numbers are queued: start copying them to the host. On CUDA the
+        copy goes to pinned memory behind an event, so :meth:`read` later waits for this step's
+        kernels only, not for whatever was queued after it (a plain ``.tolist()`` would)."""
         device = self.losses[0].device
         norm = self.grad_norm if self.grad_norm is not None else torch.tensor(math.nan)
         values = torch.stack([t.float().reshape(()) for t in self.losses]
-                             + [norm.detach().float().reshape(()).to(device)]).tolist()
+                             + [norm.detach().float().reshape(()).to(device)])
+        if device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = values, None
+
+    def read(self) -> tuple[list[float], float]:
+        """(per-micro-batch losses, grad norm) as Python floats; stages first if not yet staged."""
+        if self._host is None:
+            self.stage()
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
         return values[:-1], values[-1]
 
     def problem(self, losses: list[float], grad_norm: float, check_loss: bool, check_grad: bool) -> str | None:

@@ -211,6 +211,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                 current.grad_norm = nn.utils.clip_grad_norm_(params, max_norm=cfg.grad_clip)
             else:  # measure only: clipping at infinity would still rescale every gradient by 1.0
                 current.grad_norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            current.stage()
             # Read a step before touching the weights: this one (lag 0) or the one before (lag 1).
             previous = current if lag == 0 else pending
             problem = check(previous) if previous is not None else None
