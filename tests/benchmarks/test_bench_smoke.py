@@ -87,3 +87,34 @@ def test_stats_and_unknown_benchmark():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--only", "nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown benchmark" in proc.stderr
+
+
+def test_gpu_section_reports_the_stored_device_results_as_not_measured_here(tmp_path, monkeypatch):
+    """On a CPU machine the GPU section shows the JSON the last GPU run wrote, labelled as such."""
+    import torch
+
+    from benchmarks import bench_gpu
+    from benchmarks.common import RESULTS_DIR
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the section measures instead of reporting stored results")
+    check = json.loads((RESULTS_DIR / "gpu_check.json").read_text())
+    bench = json.loads((RESULTS_DIR / "gpu_bench.json").read_text())
+
+    class Ctx:
+        options: dict = {}
+        workdir = tmp_path
+
+        def log(self, msg):
+            pass
+
+    result = bench_gpu.run(Ctx())
+    assert "NOT measured in this run" in result["summary"] and "NVIDIA H200" in result["summary"]
+    rows = {r["case"]: r for r in result["rows"]}
+    trainer = rows["gpu_bench: core.train() vs hand CUDA loop"]
+    assert trainer["ratio"]["median"] == pytest.approx(bench["sections"]["trainer"]["ratio_median"])
+    assert len([c for c in rows if c.startswith("gpu_check: ") and rows[c]["metric"] == "check"]) == len(check["checks"])
+    assert rows["gpu_check: nccl_ddp"]["status"] == "skipped"
+
+    monkeypatch.setattr(bench_gpu, "RESULTS", tmp_path / "none")
+    assert bench_gpu.run(Ctx())["status"] == "skipped"
