@@ -4,7 +4,7 @@ Training config: ``studies/lr_bs.yaml``'s train section (digits CNN, SGD with mo
 OneCycle, 8 epochs, grad clip 1.0) at batch 32, no checkpoints, no ONNX export. For each seed:
 
 * the LR range test (``core.lr_finder.lr_range_test`` with the spec's ``lr_finder`` defaults:
-  1e-7 -> 10, at most 100 steps and one epoch, rule ``steepest``): its cost in epochs, its suggestion;
+  1e-7 -> 10, at most 100 steps and one epoch, rule ``minimum``): its cost in epochs, its suggestion;
 * a training run at the suggested learning rate (OneCycle's peak lr);
 * a training run at each learning rate of a grid spanning lr_bs's search range (half decades).
 

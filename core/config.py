@@ -16,7 +16,7 @@ Optimizer = Literal["sgd", "adam", "adamw"]
 Scheduler = Literal["onecycle", "cosine", "step", "plateau", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 LrScaleRule = Literal["none", "linear", "sqrt"]
-SuggestRule = Literal["steepest", "valley"]
+SuggestRule = Literal["steepest", "valley", "minimum"]
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,4 @@
-"""LR range test (Smith 2015; fastai's "valley" rule) on a fresh model.
+"""LR range test (Smith 2015) with fastai's suggestion rules, on a fresh model.
 
 It builds its own model and optimizer from the task and config, so nothing of the
 caller's is touched (no hidden state to patch and restore). The learning rate ramps
@@ -27,7 +27,7 @@ from core.seeding import seed_everything
 from core.tasks.base import Task
 from core.train import resolve_device
 
-Rule = Literal["steepest", "valley"]
+Rule = Literal["steepest", "valley", "minimum"]
 
 
 @dataclass
@@ -47,7 +47,7 @@ class LRFinderResult:
 
 
 def lr_range_test(task: Task, cfg: TrainConfig, start_lr: float = 1e-7, end_lr: float = 10.0,
-                  num_steps: int = 100, max_epochs: float | None = 1.0, rule: Rule = "steepest",
+                  num_steps: int = 100, max_epochs: float | None = 1.0, rule: Rule = "minimum",
                   smoothing: float = 0.05, diverge_factor: float = 4.0) -> LRFinderResult:
     if not 0 < start_lr < end_lr:
         raise ValueError(f"lr_finder: need 0 < start_lr < end_lr, got {start_lr} and {end_lr}")
@@ -119,7 +119,8 @@ def _cycle(loader):
 def suggest_all(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
     if len(lrs) < 8:
         raise ValueError(f"lr_finder: only {len(lrs)} usable steps; raise num_steps or lower start_lr")
-    return {"steepest": suggest_steepest(lrs, smoothed), "valley": suggest_valley(lrs, smoothed)}
+    return {"steepest": suggest_steepest(lrs, smoothed), "valley": suggest_valley(lrs, smoothed),
+            "minimum": suggest_minimum(lrs, smoothed)}
 
 
 def suggest_steepest(lrs: list[float], smoothed: list[float]) -> float:
@@ -127,11 +128,24 @@ def suggest_steepest(lrs: list[float], smoothed: list[float]) -> float:
 
     The first ``skip_begin`` points are skipped (as Lightning does): the bias-corrected
     EMA is least reliable there and those rates are far too small to matter."""
-    skip_begin = min(10, len(lrs) // 4)
+    skip_begin = _skip_begin(len(lrs))
     log_lrs = torch.tensor(lrs[skip_begin:]).log()
     loss = torch.tensor(smoothed[skip_begin:])
     slope = (loss[2:] - loss[:-2]) / (log_lrs[2:] - log_lrs[:-2])  # central differences
     return float(lrs[skip_begin + int(slope.argmin()) + 1])
+
+
+def _skip_begin(n: int) -> int:
+    return min(10, n // 4)
+
+
+def suggest_minimum(lrs: list[float], smoothed: list[float]) -> float:
+    """fastai's ``minimum`` rule (Smith's advice for one-cycle peaks): a tenth of the learning
+    rate at which the smoothed loss is lowest. A minimum of a smoothed curve moves little with
+    noise; a slope (``steepest``) is a difference of noisy points and, on a short ramp of a few
+    steps per decade, can jump by a decade between seeds."""
+    start = _skip_begin(len(lrs))  # the bias-corrected EMA is least reliable at the start
+    return float(lrs[min(range(start, len(smoothed)), key=smoothed.__getitem__)]) / 10
 
 
 def suggest_valley(lrs: list[float], smoothed: list[float]) -> float:

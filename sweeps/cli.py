@@ -190,9 +190,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``sweeps`` console script: :func:`main`, then exit without the interpreter's slow teardown."""
+    from sweeps.fast_exit import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
     # `python -m sweeps.cli`: run the main of the imported module, whose COMMANDS the
     # command modules (sweeps.commands.*) register into, not this __main__ copy's.
-    from sweeps.cli import main as _main
+    from sweeps.cli import entry as _entry
 
-    sys.exit(_main())
+    _entry()

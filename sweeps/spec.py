@@ -163,7 +163,7 @@ class LrFinderSection(_Section):
     start_lr: float = Field(1.0e-7, gt=0, allow_inf_nan=False)
     end_lr: float = Field(10.0, gt=0, allow_inf_nan=False)
     num_steps: int = Field(100, ge=2)
-    rule: SuggestRule = "steepest"
+    rule: SuggestRule = "minimum"
     narrow_search: bool = True
     narrow_factor: float = Field(10.0, gt=1, allow_inf_nan=False)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -47,6 +48,33 @@ class _Worker:
     slot: WorkerSlot
     proc: subprocess.Popen
     beat_file: Path
+    started: bool = False  # sent its go
+
+
+def _close_stdin(w: _Worker) -> None:
+    if w.proc.stdin is not None and not w.proc.stdin.closed:
+        try:
+            w.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+
+def _wait_any(workers: list[_Worker], timeout: float) -> None:
+    """Sleep up to ``timeout`` seconds, less if the first live worker exits meanwhile."""
+    alive = [w for w in workers if w.proc.poll() is None]
+    if not alive:
+        return
+    try:
+        alive[0].proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _beat_dir(spec: StudySpec) -> Path:
+    """Heartbeat files of local workers (their mtime is their last sign of progress)."""
+    if spec.is_rdb_storage():
+        return Path("runs") / spec.name / ".workers"
+    return Path(spec.storage_url()).parent / spec.name / ".workers"
 
 
 class OptunaBackend:
@@ -59,11 +87,27 @@ class OptunaBackend:
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+        slots = self._plan(spec)
+        # Workers start first and import while this process opens the store, the study and
+        # the parent run; they train only once _supervise sends them the go.
+        workers = [self._spawn(spec, s) for s in slots]
+        try:
+            return self._run(spec, workers, fresh, quiet)
+        finally:
+            for w in workers:
+                if not w.started:  # no go was sent (an error above): EOF tells it to exit
+                    _close_stdin(w)
+                    try:
+                        w.proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        w.proc.kill()
+                        w.proc.wait()
+
+    def _run(self, spec: StudySpec, workers: list[_Worker], fresh: bool, quiet: bool) -> StudyResult:
         from sweeps.live import LiveView
 
         tracker = tracker_for(spec)
         tracker.check_connection()  # before anything is created or trained
-        slots = self._plan(spec)
         with self._run_lock(spec):
             study = os_.open_study(spec, fresh=fresh)
             parent = find_or_create_parent(tracker, spec, study.study_name, self.name)
@@ -77,7 +121,7 @@ class OptunaBackend:
             started = time.time()
             deadline = started + spec.timeout_seconds() if spec.timeout_seconds() else None
             view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered)
-            stopped, code = self._supervise(spec, study, slots, parent.run_id, started, deadline, view)
+            stopped, code = self._supervise(spec, study, workers, parent.run_id, started, deadline, view)
             result = os_.study_result(spec, optuna.load_study(study_name=study.study_name,
                                                               storage=os_.open_storage(spec)))
             result.stopped_reason = stopped
@@ -149,11 +193,9 @@ class OptunaBackend:
         recovery.close_orphan_runs(tracker, study)
         return recovered
 
-    def _supervise(self, spec, study, slots, parent_id, started, deadline, view) -> tuple[str, int]:
-        beat_dir = Path(spec.storage_url()).parent / study.study_name / ".workers" if not spec.is_rdb_storage() \
-            else Path("runs") / study.study_name / ".workers"
-        beat_dir.mkdir(parents=True, exist_ok=True)
-        workers = [self._spawn(spec, s, parent_id, started, deadline, beat_dir) for s in slots]
+    def _supervise(self, spec, study, workers, parent_id, started, deadline, view) -> tuple[str, int]:
+        for w in workers:
+            self._go(w, parent_id, started, deadline)
         got_signal: list[int] = []
 
         def forward(signum, _frame):
@@ -169,8 +211,8 @@ class OptunaBackend:
             while any(w.proc.poll() is None for w in workers):
                 view.update(study)
                 if trial_timeout:
-                    self._stop_hung(spec, study, workers, trial_timeout, parent_id, started, deadline, beat_dir)
-                time.sleep(0.5)
+                    self._stop_hung(spec, study, workers, trial_timeout, parent_id, started, deadline)
+                _wait_any(workers, 0.5)  # returns as soon as a worker exits: no idle tail at the end
             codes = [w.proc.returncode for w in workers]
         finally:
             for s, handler in old.items():
@@ -190,18 +232,30 @@ class OptunaBackend:
             code = 1
         return stopped, code
 
-    def _spawn(self, spec, slot, parent_id, started, deadline, beat_dir) -> _Worker:
+    def _spawn(self, spec: StudySpec, slot: WorkerSlot) -> _Worker:
+        """Start a worker that warms up, then waits on its stdin for :meth:`_go`."""
+        beat_dir = _beat_dir(spec)
+        beat_dir.mkdir(parents=True, exist_ok=True)
         beat = beat_dir / f"worker-{slot.index}.beat"
         beat.touch()
         cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec.path), "--slot", str(slot.index),
-               "--parent-run-id", parent_id, "--since", str(started), "--beat-file", str(beat)]
-        if deadline:
-            cmd += ["--deadline", str(deadline)]
+               "--beat-file", str(beat), "--go-on-stdin"]
         env = {**os.environ, **slot.env()}
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
         return _Worker(slot, proc, beat)
 
-    def _stop_hung(self, spec, study, workers, trial_timeout, parent_id, started, deadline, beat_dir) -> None:
+    def _go(self, w: _Worker, parent_id: str, started: float, deadline: float | None) -> None:
+        """Tell a waiting worker which parent run and budget window it works for."""
+        w.beat_file.touch()  # the hang watchdog counts from now, not from the spawn
+        try:
+            w.proc.stdin.write(json.dumps({"parent_run_id": parent_id, "since": started, "deadline": deadline}) + "\n")
+            w.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died while warming up: _supervise sees its exit code
+        w.started = True
+        _close_stdin(w)
+
+    def _stop_hung(self, spec, study, workers, trial_timeout, parent_id, started, deadline) -> None:
         """A worker whose trial made no progress for budget.trial_timeout is killed; its trial
         is failed with the reason (not requeued: it would likely hang again) and the slot,
         with its devices, gets a fresh worker."""
@@ -218,4 +272,5 @@ class OptunaBackend:
                 if t.user_attrs.get(os_.ATTR_WORKER) == worker_id:
                     reason = f"hung: no progress for {idle:.0f} s (budget.trial_timeout={spec.budget.trial_timeout})"
                     recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_store_uri())
-            workers[i] = self._spawn(spec, w.slot, parent_id, started, deadline, beat_dir)
+            workers[i] = self._spawn(spec, w.slot)
+            self._go(workers[i], parent_id, started, deadline)

@@ -301,11 +301,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float)
     p.add_argument("--since", type=float)
     p.add_argument("--beat-file")
+    p.add_argument("--go-on-stdin", action="store_true",
+                   help="warm up, then wait for one JSON line {parent_run_id, since, deadline} on stdin")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     spec = load_spec(a.spec)
+    if a.go_on_stdin:
+        go = _warm_up_then_wait(spec)
+        if go is None:
+            return 0  # the orchestrator stopped before the study started (a bad store, a second run...)
+        a.parent_run_id, a.since, a.deadline = go["parent_run_id"], go["since"], go.get("deadline")
     return run_worker(spec, a.slot, a.parent_run_id, a.deadline, a.since, Path(a.beat_file) if a.beat_file else None)
 
 
+def _warm_up_then_wait(spec: StudySpec) -> dict | None:
+    """``sweeps run`` starts its workers before it opens the tracking store, the study and the
+    parent run, so the workers' start-up (seconds of imports) overlaps its own. Here the worker
+    pays what its first trial would: torch.optim's first optimizer imports torch._dynamo (about
+    2 s on torch 2.14), and a database tracking store imports SQLAlchemy and alembic (about 1 s).
+    The store itself is opened only after the go: the orchestrator may still be creating it.
+    Then it waits for the orchestrator's go; EOF means stop."""
+    import json
+
+    import torch._dynamo  # noqa: F401 - imported for its side effect: the first optimizer is then cheap
+
+    if spec.tracking_store_uri().split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql"):
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - same: the first client is then cheap
+
+    line = sys.stdin.readline()
+    return json.loads(line) if line.strip() else None
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from sweeps.fast_exit import exit_now
+
+    exit_now(main())
