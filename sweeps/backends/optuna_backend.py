@@ -95,13 +95,10 @@ class OptunaBackend:
             return self._run(spec, workers, fresh, quiet)
         finally:
             for w in workers:
-                if not w.started:  # no go was sent (an error above): EOF tells it to exit
-                    _close_stdin(w)
-                    try:
-                        w.proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        w.proc.kill()
-                        w.proc.wait()
+                if not w.started:  # no go was sent (an error above): it holds nothing yet,
+                    _close_stdin(w)  # so it is stopped at once rather than waited for
+                    w.proc.kill()
+                    w.proc.wait()
 
     def _run(self, spec: StudySpec, workers: list[_Worker], fresh: bool, quiet: bool) -> StudyResult:
         from sweeps.live import LiveView
