@@ -44,27 +44,28 @@ class PendingStep:
         self.sizes.append(size)
 
     def stage(self) -> None:
-        """Called once the step's numbers are queued: start copying them to the host. On CUDA the
-        copy goes to pinned memory behind an event, so :meth:`read` later waits for this step's
-        kernels only, not for whatever was queued after it (a plain ``.tolist()`` would)."""
+        """Called once the step's numbers are queued: on CUDA, start copying them to the host,
+        into pinned memory behind an event, so :meth:`read` later waits for this step's kernels
+        only, not for whatever was queued after it (a plain ``.tolist()`` would). On CPU nothing
+        is queued and :meth:`read` takes the values directly (cheaper than a stack)."""
         device = self.losses[0].device
+        if device.type != "cuda":
+            return
         norm = self.grad_norm if self.grad_norm is not None else torch.tensor(math.nan)
         values = torch.stack([t.float().reshape(()) for t in self.losses]
                              + [norm.detach().float().reshape(()).to(device)])
-        if device.type == "cuda":
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host, self._ready = values, None
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
 
     def read(self) -> tuple[list[float], float]:
-        """(per-micro-batch losses, grad norm) as Python floats; stages first if not yet staged."""
-        if self._host is None:
+        """(per-micro-batch losses, grad norm) as Python floats: at most one host-device sync."""
+        if self._host is None and self.losses[0].device.type == "cuda":
             self.stage()
-        if self._ready is not None:
-            self._ready.synchronize()
+        if self._host is None:  # CPU
+            return [float(t) for t in self.losses], float(self.grad_norm) if self.grad_norm is not None else math.nan
+        self._ready.synchronize()
         values = self._host.tolist()
         return values[:-1], values[-1]
 

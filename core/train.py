@@ -198,7 +198,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             with sync:
                 with precision.autocast():
                     logits, loss = _forward(fwd_model, criterion, x, y, cfg.mixup_alpha)
-                precision.backward(loss / group_size)
+                precision.backward(loss if group_size == 1 else loss / group_size)
             # No .item() here: the numbers stay on the device until the step is read (core/step_stats.py).
             current.add(loss, y.shape[0])
             correct_t += (logits.argmax(1) == y).sum()
