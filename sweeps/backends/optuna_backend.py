@@ -230,11 +230,9 @@ class OptunaBackend:
         return stopped, code
 
     def _spawn(self, spec: StudySpec, slot: WorkerSlot) -> _Worker:
-        """Start a worker that warms up, then waits on its stdin for :meth:`_go`."""
-        beat_dir = _beat_dir(spec)
-        beat_dir.mkdir(parents=True, exist_ok=True)
-        beat = beat_dir / f"worker-{slot.index}.beat"
-        beat.touch()
+        """Start a worker that warms up, then waits on its stdin for :meth:`_go`. Nothing is
+        written yet: if the set-up fails, the worker is killed and leaves no trace."""
+        beat = _beat_dir(spec) / f"worker-{slot.index}.beat"
         cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec.path), "--slot", str(slot.index),
                "--beat-file", str(beat), "--go-on-stdin"]
         env = {**os.environ, **slot.env()}
@@ -243,6 +241,7 @@ class OptunaBackend:
 
     def _go(self, w: _Worker, parent_id: str, started: float, deadline: float | None) -> None:
         """Tell a waiting worker which parent run and budget window it works for."""
+        w.beat_file.parent.mkdir(parents=True, exist_ok=True)
         w.beat_file.touch()  # the hang watchdog counts from now, not from the spawn
         try:
             w.proc.stdin.write(json.dumps({"parent_run_id": parent_id, "since": started, "deadline": deadline}) + "\n")

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +143,19 @@ def test_unreachable_tracking_server_fails_before_training(tmp_path, free_port):
     assert f"127.0.0.1:{free_port}" in proc.stderr
     assert time.monotonic() - started < 60
     assert not (tmp_path / "runs" / "nosrv.journal").exists()
+    # The workers started before the check (to import meanwhile) are gone, and left no files.
+    assert not (tmp_path / "runs" / "nosrv").exists()
+    assert not [cmd for cmd in _command_lines() if "optuna_worker" in cmd and str(spec) in cmd]
+
+
+def _command_lines() -> list[str]:
+    lines = []
+    for proc in Path("/proc").iterdir():
+        try:
+            lines.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError):
+            continue  # not a process folder, or it ended meanwhile
+    return lines
 
 
 def test_changed_search_space_is_refused_unless_fresh(tmp_path):
