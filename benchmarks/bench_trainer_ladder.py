@@ -135,7 +135,7 @@ def run(ctx: Context) -> dict:
         hand_faults = statistics.median(v["step_faults"] for v in values["hand"])
         steps = [ladder[n]["step_cpu_ms"]["median"] for n in VARIANTS[:-1]] + [hand_ms]
         parts = {f"{VARIANTS[i + 1]} saves": steps[i] - steps[i + 1] for i in range(len(VARIANTS) - 2)}
-        parts["rest of the loop (item syncs, loss / group_size, bookkeeping)"] = steps[-2] - steps[-1]
+        parts["rest of the loop (the step read, accuracy sum, loss / group_size, bookkeeping)"] = steps[-2] - steps[-1]
         pct = {k: 100 * v / hand_ms for k, v in parts.items()}
         rows.append(make_row(
             case_name, metric="median optimizer step, process CPU ms",

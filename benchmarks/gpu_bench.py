@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from core.config import TrainConfig  # noqa: E402
+from core.reporting import NullReporter  # noqa: E402
 from core.tasks.base import make_task  # noqa: E402
 from core.train import train  # noqa: E402
 
@@ -88,25 +89,15 @@ class UtilSampler:
         self._stop.set()
 
 
-class EpochClock:
+class EpochClock(NullReporter):
     """A core Reporter that stamps the wall time of each epoch's end (to window utilisation)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
 
-    def report_step(self, step, metrics):
-        from core.reporting import Decision
-
-        return Decision.CONTINUE
-
     def report_epoch(self, epoch, step, metrics):
-        from core.reporting import Decision
-
         self.ends.append(time.perf_counter())
-        return Decision.CONTINUE
-
-    def log_artifact(self, path, kind):
-        pass
+        return super().report_epoch(epoch, step, metrics)
 
 
 def steady_samples_per_s(history: list[dict]) -> float:

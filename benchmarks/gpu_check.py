@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from core.config import DistributedConfig, TrainConfig  # noqa: E402
 from core.ddp_launch import TaskSpec, train_distributed  # noqa: E402
+from core.reporting import Decision, NullReporter  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -114,21 +115,11 @@ def run_one(name: str, task: TaskSpec, cfg: TrainConfig, timeout_s: int) -> dict
     return row
 
 
-class _StopAfterFirstEpoch:
+class _StopAfterFirstEpoch(NullReporter):
     """Reporter that interrupts after epoch 1 (the checkpoint is written before the report)."""
 
-    def report_step(self, step, metrics):
-        from core.reporting import Decision
-
-        return Decision.CONTINUE
-
     def report_epoch(self, epoch, step, metrics):
-        from core.reporting import Decision
-
         return Decision.INTERRUPT
-
-    def log_artifact(self, path, kind):
-        pass
 
 
 def resume_check(on_gpu: bool) -> dict:

@@ -35,7 +35,8 @@ class PendingStep:
     sizes: list[int] = field(default_factory=list)  # each micro-batch's sample count
     grad_norm: torch.Tensor | None = None
     lr: float = math.nan  # after the step (and the scheduler's step), like the per-step curve shows
-    loss_values: list[float] = field(default_factory=list)  # filled by the read
+    loss_values: list[float] = field(default_factory=list)  # filled by read()
+    norm_value: float = math.nan  # filled by read()
     _host: torch.Tensor | None = field(default=None, init=False, repr=False)  # staged copy
     _ready: object = field(default=None, init=False, repr=False)  # CUDA event after the copy
 
@@ -60,23 +61,25 @@ class PendingStep:
         self._ready.record()
 
     def read(self) -> tuple[list[float], float]:
-        """(per-micro-batch losses, grad norm) as Python floats: at most one host-device sync."""
+        """Fill ``loss_values`` and ``norm_value`` (and return them): at most one host-device sync."""
         if self._host is None and self.losses[0].device.type == "cuda":
             self.stage()
         if self._host is None:  # CPU
-            return [float(t) for t in self.losses], float(self.grad_norm) if self.grad_norm is not None else math.nan
-        self._ready.synchronize()
-        values = self._host.tolist()
-        return values[:-1], values[-1]
+            self.loss_values = [float(t) for t in self.losses]
+            self.norm_value = float(self.grad_norm) if self.grad_norm is not None else math.nan
+        else:
+            self._ready.synchronize()
+            *self.loss_values, self.norm_value = self._host.tolist()
+        return self.loss_values, self.norm_value
 
-    def problem(self, losses: list[float], grad_norm: float, check_loss: bool, check_grad: bool) -> str | None:
-        """Why this step means divergence, or None. Under DDP the loss is not checked (ranks
-        would disagree); the all-reduced gradient norm is the same on every rank."""
+    def problem(self, check_loss: bool, check_grad: bool) -> str | None:
+        """After :meth:`read`: why this step means divergence, or None. Under DDP the loss is not
+        checked (ranks would disagree); the all-reduced gradient norm is the same on every rank."""
         where = f"at step {self.step} (epoch {self.epoch})"
         if check_loss:
-            for value in losses:
+            for value in self.loss_values:
                 if not math.isfinite(value):
                     return f"non-finite loss {value} {where}"
-        if check_grad and not math.isfinite(grad_norm):
-            return f"non-finite gradient norm {grad_norm} {where}"
+        if check_grad and not math.isfinite(self.norm_value):
+            return f"non-finite gradient norm {self.norm_value} {where}"
         return None

@@ -163,18 +163,15 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
 
         def check(rec: PendingStep) -> str | None:
             """Read a step's numbers (the one host-device sync of a step) and say if it diverged."""
-            nonlocal grad_norm
-            losses, grad_norm = rec.read()
-            rec.loss_values = losses
-            return rec.problem(losses, grad_norm, check_loss=not ctx.enabled,
-                               check_grad=not precision.tolerates_nonfinite_grads)
+            rec.read()
+            return rec.problem(check_loss=not ctx.enabled, check_grad=not precision.tolerates_nonfinite_grads)
 
         def report(rec: PendingStep) -> Decision:
             """Add a checked step to the epoch's sums and report it; every rank gets rank 0's decision."""
-            nonlocal loss_sum
+            nonlocal loss_sum, grad_norm
             group_loss = sum(v * n for v, n in zip(rec.loss_values, rec.sizes))
             group_n = sum(rec.sizes)
-            loss_sum += group_loss
+            loss_sum, grad_norm = loss_sum + group_loss, rec.norm_value
             if ctx.enabled:  # the step loss over the global batch, not rank 0's shard
                 group_loss, group_n = ctx.all_reduce_sum([group_loss, group_n], device)
             decision = reporter.report_step(rec.step, {"train_loss": group_loss / group_n, "lr": rec.lr,

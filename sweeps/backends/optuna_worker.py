@@ -22,7 +22,7 @@ from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
 from sweeps.errors import BackendError, StudyStateError
 from sweeps.objective import TrialSpec, run_trial, worker_name
-from sweeps.spec import StudySpec, redact_url
+from sweeps.spec import RDB_DIALECTS, StudySpec, redact_url
 from sweeps.study_run import tracker_for, update_parent_best
 from sweeps.tracking.base import RunHandle
 
@@ -325,7 +325,7 @@ def _warm_up_then_wait(spec: StudySpec) -> dict | None:
 
     import torch._dynamo  # noqa: F401 - imported for its side effect: the first optimizer is then cheap
 
-    if spec.tracking_store_uri().split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql"):
+    if spec.tracking_store_uri().split(":", 1)[0].split("+", 1)[0] in RDB_DIALECTS:  # "postgresql+psycopg2"
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - same: the first client is then cheap
 
     line = sys.stdin.readline()

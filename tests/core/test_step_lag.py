@@ -74,6 +74,7 @@ def test_pending_step_reads_everything_in_one_go():
     rec.grad_norm = torch.tensor(1.5)
     losses, norm = rec.read()
     assert losses == [0.5, float("inf")] and norm == 1.5
-    assert rec.problem(losses, norm, check_loss=True, check_grad=True) == "non-finite loss inf at step 3 (epoch 1)"
-    assert rec.problem(losses, norm, check_loss=False, check_grad=True) is None
-    assert rec.problem([0.5], float("nan"), check_loss=True, check_grad=True).startswith("non-finite gradient norm nan")
+    assert rec.problem(check_loss=True, check_grad=True) == "non-finite loss inf at step 3 (epoch 1)"
+    assert rec.problem(check_loss=False, check_grad=True) is None
+    rec.loss_values, rec.norm_value = [0.5], float("nan")
+    assert rec.problem(check_loss=True, check_grad=True).startswith("non-finite gradient norm nan")
