@@ -301,36 +301,19 @@ def sweeps_env(**extra: str) -> dict:
 
 
 def tiny_spec(name: str, **overrides: Any) -> dict:
-    """A digits-MLP study of short trials (well under a second of training each on 2 cores)."""
-    spec: dict[str, Any] = {
-        "name": name,
-        "description": "benchmark study",
-        "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
-        "train": {"epochs": 1, "batch_size": 128, "optimizer": "sgd", "scheduler": "constant",
-                  "num_workers": 0, "export_onnx": False, "save_checkpoints": False, "seed": 0},
-        "search": {"lr": {"type": "float", "low": 0.01, "high": 0.5, "log": True}},
-        "objective": {"metric": "val_acc", "direction": "maximize"},
-        "sampler": {"name": "random", "seed": 0},
-        "pruner": {"name": "none"},
-        "budget": {"n_trials": 4, "max_failures": 3},
-        "resources": {"devices": "cpu", "workers": 1},
-        "tracking": {"uri": "sqlite:///runs/mlflow.db"},
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key] = {**spec[key], **value}
-        else:
-            spec[key] = value
-    return spec
+    """The tests' tiny digits-MLP study (tests/sweeps/study_helpers.py), one epoch per
+    trial and no checkpoints: well under a second of training per trial on 2 cores."""
+    from tests.sweeps.study_helpers import tiny_spec as test_study, with_overrides
+
+    spec = test_study(name, description="benchmark study", train={"epochs": 1, "save_checkpoints": False})
+    return with_overrides(spec, **overrides)
 
 
 def write_spec(folder: Path, spec: dict) -> Path:
-    import yaml
+    """The spec as ``folder/<name>.yaml``; the MLflow store is left to the run to create."""
+    from tests.sweeps.study_helpers import save_spec
 
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{spec['name']}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+    return save_spec(folder, spec, seed_store=False)
 
 
 def run_sweeps(cwd: Path, spec_path: Path, timeout_s: float, cpus: Sequence[int] | None = None) -> dict:
@@ -429,35 +412,41 @@ def python_start_s(code: str, repeats: int = 1) -> float:
 
 
 class TrackingStore:
-    """A real :class:`sweeps.tracking.mlflow_tracker.MlflowTracker` on a SQLite store in ``folder``,
-    with a study parent run, handing out :class:`sweeps.objective.TrialReporter` objects wired the
-    way an Optuna worker wires them (never prunes, never interrupted, heartbeat touches a file)."""
+    """A SQLite MLflow store in ``folder`` with a study parent run, and its trackers: ``tracker``,
+    the :class:`sweeps.tracking.writer.WriterProcessTracker` an Optuna worker trains with, and
+    ``inline``, an in-process :class:`sweeps.tracking.mlflow_tracker.MlflowTracker`. Hands out
+    :class:`sweeps.objective.TrialReporter` objects wired the way an Optuna worker wires them
+    (never prunes, never interrupted, heartbeat touches a file)."""
 
     def __init__(self, folder: Path, experiment: str = "bench") -> None:
         from sweeps.tracking.mlflow_tracker import MlflowTracker
+        from sweeps.tracking.writer import WriterProcessTracker
 
         folder.mkdir(parents=True, exist_ok=True)
         self.uri = f"sqlite:///{folder / 'mlflow.db'}"
-        self.tracker = MlflowTracker(self.uri, spool_dir=folder / "spool", artifact_root=folder / "artifacts")
-        self.tracker.check_connection()
-        self.experiment_id = self.tracker.get_or_create_experiment(experiment)
-        self.parent = self.tracker.start_run(self.experiment_id, "bench-study", tags={"sweeps.role": "study"})
+        self.inline = MlflowTracker(self.uri, spool_dir=folder / "spool", artifact_root=folder / "artifacts")
+        self.inline.check_connection()
+        self.experiment_id = self.inline.get_or_create_experiment(experiment)
+        self.parent = self.inline.start_run(self.experiment_id, "bench-study", tags={"sweeps.role": "study"})
+        self.tracker = WriterProcessTracker(self.uri, spool_dir=folder / "spool", artifact_root=folder / "artifacts")
+        self.tracker.check_connection()  # waits for the writer's imports, outside any timing
         self.beat_file = folder / "worker.beat"
         self.beat_file.touch()
 
     @property
     def client(self):
-        return self.tracker.client
+        return self.inline.client
 
-    def trial_reporter(self, name: str, objective: str = "val_acc"):
-        """A new child run and its TrialReporter: ``(reporter, run)``."""
+    def trial_reporter(self, name: str, tracker=None, objective: str = "val_acc"):
+        """A new child run and its TrialReporter on ``tracker`` (default: the writer's): ``(reporter, run)``."""
         import threading
 
         from sweeps.objective import TrialReporter
 
-        run = self.tracker.start_run(self.experiment_id, name, parent=self.parent,
-                                     tags={"sweeps.role": "trial"})
-        reporter = TrialReporter(self.tracker, run, objective, should_prune=lambda epoch, value: False,
+        tracker = tracker or self.tracker
+        run = tracker.start_run(self.experiment_id, name, parent=self.parent,
+                            tags={"sweeps.role": "trial"})
+        reporter = TrialReporter(tracker, run, objective, should_prune=lambda epoch, value: False,
                                  interrupt=threading.Event(), heartbeat=self.beat_file.touch)
         return reporter, run
 

@@ -29,6 +29,7 @@ from sweeps.errors import SweepsError
 # The worker reads this and calls torch.set_num_threads() with it: OMP_NUM_THREADS alone
 # is not enough once torch has started its intra-op pool.
 WORKER_THREADS_VAR = "SWEEPS_WORKER_THREADS"
+TRACKING_WRITER_VAR = "SWEEPS_TRACKING_WRITER"  # "process" or "inline": see tracking_writer_process
 
 
 class ResourcesError(SweepsError, ValueError):
@@ -328,6 +329,13 @@ def cpu_threads_available() -> int:
     return os.cpu_count() or 1
 
 
+def auto_cpu_workers(cpu_threads: float) -> int:
+    """``workers: auto`` on CPU, for both backends: one trial per two threads (at least
+    one). Two threads keep a trial's own intra-op parallelism useful while the other
+    trials fill the remaining cores."""
+    return max(1, int(cpu_threads // 2))
+
+
 @dataclass(frozen=True)
 class WorkerSlot:
     """What one persistent worker process owns for its whole life."""
@@ -335,6 +343,7 @@ class WorkerSlot:
     index: int
     devices: tuple[int, ...]
     threads: int
+    writer_process: bool = False  # tracking store writes from a child process (tracking_writer_process)
 
     def env(self) -> dict[str, str]:
         """Environment to start the worker with. OPENBLAS_* is left alone on purpose:
@@ -345,6 +354,7 @@ class WorkerSlot:
             "OMP_NUM_THREADS": n,
             "MKL_NUM_THREADS": n,
             WORKER_THREADS_VAR: n,
+            TRACKING_WRITER_VAR: "process" if self.writer_process else "inline",
         }
 
 
@@ -369,7 +379,7 @@ def plan_workers(
     fits = len(devices) // k * slots  # 0 on CPU
 
     if workers_setting == "auto":
-        n = fits if devices else max(1, threads_total // 2)
+        n = fits if devices else auto_cpu_workers(threads_total)
     elif isinstance(workers_setting, int) and not isinstance(workers_setting, bool):
         n = workers_setting
         if n < 1:
@@ -391,7 +401,31 @@ def plan_workers(
     # would otherwise start one thread per core); with more workers than threads the
     # floor of 1 is the least oversubscription possible.
     per_worker = max(1, threads_total // n)
-    return [WorkerSlot(i, _worker_devices(devices, k, slots, i), per_worker) for i in range(n)]
+    writer = tracking_writer_process(bool(devices), per_worker * n, threads_total)
+    return [WorkerSlot(i, _worker_devices(devices, k, slots, i), per_worker, writer) for i in range(n)]
+
+
+def tracking_writer_process(on_gpu: bool, training_threads: int, cpu_threads: int) -> bool:
+    """Whether trainers write to the tracking store from a child process
+    (``sweeps.tracking.writer``) rather than their own: when the trials leave a core for it.
+    On GPUs the trainer's CPU mostly feeds the device; on CPU, when the workers' threads
+    (``training_threads`` in all) leave some of the ``cpu_threads`` free. Where every core
+    trains, a writer process would take its CPU from training, and cost more than writing
+    inline (benchmarks/RESULTS.md, tracking overhead). ``SWEEPS_TRACKING_WRITER=process`` or
+    ``inline`` in the environment decides instead."""
+    forced = os.environ.get(TRACKING_WRITER_VAR)
+    if forced in ("process", "inline"):
+        return forced == "process"
+    return on_gpu or training_threads < cpu_threads
+
+
+def worker_writes_from_a_process() -> bool:
+    """In a worker: what ``sweeps run`` decided (it sets ``SWEEPS_TRACKING_WRITER``), or for a
+    ``sweeps worker`` started by hand, the same rule on this machine for one worker."""
+    if os.environ.get(TRACKING_WRITER_VAR) in ("process", "inline"):  # no torch import for the GPU count
+        return os.environ[TRACKING_WRITER_VAR] == "process"
+    threads = int(os.environ.get(WORKER_THREADS_VAR) or cpu_threads_available())
+    return tracking_writer_process(visible_gpu_count() > 0, threads, cpu_threads_available())
 
 
 def _worker_devices(devices: list[int], k: int, slots: int, i: int) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ from sweeps import search_space as ss
 from sweeps.durations import parse_duration
 from sweeps.errors import SpecError
 from sweeps.search_space import SearchParam
+from sweeps.tracking.sync import RDB_DIALECTS
 from sweeps.yaml_loader import load_yaml_with_lines
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 NAME_MAX = 100
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"  # relative to the working directory, like storage
-RDB_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")  # SQLAlchemy URL schemes
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
 PRUNERS = ("none", "median", "percentile", "asha", "hyperband", "pbt")
 BACKEND_SAMPLERS = {"optuna": SAMPLERS, "ray": ("random", "grid", "tpe")}

@@ -118,13 +118,19 @@ def running_children(tracker, parent_run_id: str) -> list[str]:
     return [r.info.run_id for r in runs]
 
 
-def tracker_for(spec: StudySpec):
+def tracker_for(spec: StudySpec, writer_process: bool = False):
     """The spec's tracker. With a local SQLite store (the embedded default), artifacts go
-    beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own."""
+    beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own.
+    ``writer_process``: the store writes happen in a child process (for processes that train:
+    see ``sweeps.tracking.writer``)."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     uri = spec.tracking_store_uri()
     root = None
     if uri.startswith("sqlite:///"):
         root = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
+    if writer_process:
+        from sweeps.tracking.writer import WriterProcessTracker
+
+        return WriterProcessTracker(uri, artifact_root=root)
     return MlflowTracker(uri, artifact_root=root)

@@ -22,7 +22,8 @@ from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
 from sweeps.errors import BackendError, StudyStateError
 from sweeps.objective import TrialSpec, run_trial, worker_name
-from sweeps.spec import RDB_DIALECTS, StudySpec, redact_url
+from sweeps.pool import worker_writes_from_a_process
+from sweeps.spec import StudySpec, redact_url
 from sweeps.study_run import tracker_for, update_parent_best
 from sweeps.tracking.base import RunHandle
 
@@ -69,11 +70,21 @@ def _failures_in_a_row(study: optuna.Study, since: datetime) -> int:
 
 def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None = None,
                deadline: float | None = None, since: float | None = None,
-               beat_file: Path | None = None, wait_s: float = 0.0) -> int:
+               beat_file: Path | None = None, wait_s: float = 0.0, tracker=None) -> int:
     """The worker loop. Returns the process exit code.
 
     Without ``parent_run_id`` (``sweeps worker``) it joins the study ``sweeps run`` created,
-    waiting up to ``wait_s`` seconds for it to appear."""
+    waiting up to ``wait_s`` seconds for it to appear. ``tracker``: one already started
+    (default: the spec's, see ``pool.worker_writes_from_a_process``); closed when the loop ends."""
+    tracker = tracker or tracker_for(spec, writer_process=worker_writes_from_a_process())
+    try:
+        return _worker_loop(spec, worker_index, parent_run_id, deadline, since, beat_file, wait_s, tracker)
+    finally:
+        tracker.close()
+
+
+def _worker_loop(spec: StudySpec, worker_index: int, parent_run_id: str | None, deadline: float | None,
+                 since: float | None, beat_file: Path | None, wait_s: float, tracker) -> int:
     threads = os.environ.get("SWEEPS_WORKER_THREADS")
     if threads:
         import torch
@@ -87,7 +98,6 @@ def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None
     else:
         study = os_.open_study(spec, worker_index=worker_index)
     since_dt = datetime.fromtimestamp(since or time.time())
-    tracker = tracker_for(spec)
     experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
     parent_id = parent_run_id or study.user_attrs[os_.ATTR_PARENT_RUN]
     parent = RunHandle(parent_id, experiment_id, spec.name)
@@ -306,27 +316,26 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     spec = load_spec(a.spec)
+    # Started first: a writer process imports MLflow on another core while this one imports torch.
+    tracker = tracker_for(spec, writer_process=worker_writes_from_a_process())
     if a.go_on_stdin:
-        go = _warm_up_then_wait(spec)
+        go = _warm_up_then_wait()
         if go is None:
             return 0  # the orchestrator stopped before the study started (a bad store, a second run...)
         a.parent_run_id, a.since, a.deadline = go["parent_run_id"], go["since"], go.get("deadline")
-    return run_worker(spec, a.slot, a.parent_run_id, a.deadline, a.since, Path(a.beat_file) if a.beat_file else None)
+    return run_worker(spec, a.slot, a.parent_run_id, a.deadline, a.since, Path(a.beat_file) if a.beat_file else None,
+                      tracker=tracker)
 
 
-def _warm_up_then_wait(spec: StudySpec) -> dict | None:
+def _warm_up_then_wait() -> dict | None:
     """``sweeps run`` starts its workers before it opens the tracking store, the study and the
     parent run, so the workers' start-up (seconds of imports) overlaps its own. Here the worker
     pays what its first trial would: torch.optim's first optimizer imports torch._dynamo (about
-    2 s on torch 2.14), and a database tracking store imports SQLAlchemy and alembic (about 1 s).
-    The store itself is opened only after the go: the orchestrator may still be creating it.
-    Then it waits for the orchestrator's go; EOF means stop."""
+    2 s on torch 2.14); MLflow is the tracker's writer process's to import. Then it waits for
+    the orchestrator's go; EOF means stop."""
     import json
 
     import torch._dynamo  # noqa: F401 - imported for its side effect: the first optimizer is then cheap
-
-    if spec.tracking_store_uri().split(":", 1)[0].split("+", 1)[0] in RDB_DIALECTS:  # "postgresql+psycopg2"
-        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - same: the first client is then cheap
 
     line = sys.stdin.readline()
     return json.loads(line) if line.strip() else None

@@ -21,6 +21,7 @@ from typing import Any
 from sweeps import search_space as ss
 from sweeps.backends.ray_trainable import R_OBJECTIVE
 from sweeps.errors import BackendError
+from sweeps.pool import auto_cpu_workers
 from sweeps.spec import StudySpec
 
 PBT_KEYS = ("lr", "momentum")
@@ -138,6 +139,6 @@ def plan_resources(spec: StudySpec, cluster: dict[str, float]) -> TrialResources
     elif cpus_fixed:
         workers = max(1, int(total_cpus // cpus_fixed))
     else:
-        workers = max(1, int(total_cpus // 2))
+        workers = auto_cpu_workers(total_cpus)
     cpus = cpus_fixed if cpus_fixed is not None else max(total_cpus / workers, 0.01)
     return TrialResources(cpus=cpus, gpus=gpus, workers=workers)

@@ -223,7 +223,11 @@ class MlflowTracker:
                 or time.monotonic() - self._last_flush >= self.flush_every_s
             )
         if due:
-            self.flush()
+            self._flush_due()
+
+    def _flush_due(self) -> None:
+        """log_metrics found the buffer due (old or large enough): send it now."""
+        self.flush()
 
     def _metric_key(self, name: object) -> str:
         key = self._metric_keys[name] = self._key(name, "metric")  # once per name, not per point
@@ -251,6 +255,10 @@ class MlflowTracker:
                     errors.append(str(exc))
             if errors:
                 raise TrackingError("\n".join(errors))
+
+    def close(self) -> None:
+        """When the process is done with the tracker: send every buffered point."""
+        self.flush()
 
     # -- artifacts -----------------------------------------------------------------------
     def log_artifact(self, run: RunHandle, local_path: str | Path, artifact_path: str | None = None) -> None:

@@ -32,8 +32,16 @@ _FAST_FAIL_HTTP_ENV = {
 }
 
 
+RDB_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")  # SQLAlchemy URL schemes
+
+
 def is_http_uri(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
+
+
+def is_database_uri(uri: str) -> bool:
+    """A SQLAlchemy URL (``postgresql+psycopg2://...``), which MLflow opens with its SQL store."""
+    return uri.split(":", 1)[0].split("+", 1)[0] in RDB_DIALECTS
 
 
 def apply_fast_fail_http_defaults() -> None:

@@ -62,7 +62,7 @@ def test_onnx_latency_and_tracking_overhead_quick(tmp_path):
     assert points["per_key"]["step/train_loss"] == 3
 
     md = render(collect(out), None)
-    assert "| 2 | tracking_overhead | batched MlflowTracker vs off |" in md
+    assert "| 2 | tracking_overhead | writer vs off |" in md
     assert "| 7 | onnx_latency | digits_cnn batch 1 |" in md
     assert "Quick mode" in md and "## Machine" in md and "torch " in md
 

@@ -12,23 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.sweeps.study_helpers import save_spec, tiny_spec, with_overrides
 
 STUDY = "digits_sweep"
 WEAK = "digits_weak"
 
-BASE_SPEC = {
+# The tiny study, trained longer (3 epochs, momentum) and exported to ONNX, in 3 trials.
+BASE_CHANGES = {
     "description": "promote/rerun/compare tests",
-    "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
-    "train": {"epochs": 3, "batch_size": 64, "optimizer": "sgd", "momentum": 0.9, "scheduler": "constant",
-              "num_workers": 0, "export_onnx": True, "seed": 0},
+    "train": {"epochs": 3, "batch_size": 64, "momentum": 0.9, "export_onnx": True},
     "search": {"lr": {"type": "float", "low": 0.003, "high": 0.3, "log": True}},
-    "objective": {"metric": "val_acc", "direction": "maximize"},
-    "sampler": {"name": "random", "seed": 0},
-    "pruner": {"name": "none"},
     "budget": {"n_trials": 3, "max_failures": 1},
-    "resources": {"devices": "cpu", "workers": 1},
-    "tracking": {"uri": "sqlite:///runs/mlflow.db"},
 }
 
 
@@ -64,11 +59,8 @@ _CACHE: dict[str, Study] = {}
 def _run_study(root: Path, name: str, **changes) -> Study:
     from sweeps import cli
 
-    spec = {"name": name, **BASE_SPEC}
-    for key, value in changes.items():
-        spec[key] = {**spec[key], **value} if isinstance(value, dict) and key in spec else value
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    spec = with_overrides(tiny_spec(name, **BASE_CHANGES), **changes)
+    path = save_spec(root, spec)
     before = os.getcwd()
     os.chdir(root)  # the spec's runs/ paths are relative to the working directory
     try:

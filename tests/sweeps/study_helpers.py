@@ -1,7 +1,9 @@
 """Write tiny study specs and run the real `sweeps` CLI on them."""
 from __future__ import annotations
 
+import copy
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,43 +31,63 @@ def empty_mlflow_db() -> Path:
     return _TEMPLATE_DB
 
 
-def write_spec(folder: Path, name: str = "tiny", seed_store: bool = True, **overrides) -> Path:
-    """A digits-MLP study that trains in about a second per trial. ``seed_store`` copies an
-    empty, already-migrated MLflow store to ``runs/mlflow.db`` (only saves time; tests that
-    check that nothing is created pass False)."""
-    spec = {
-        "name": name,
-        "description": "tiny test study",
-        "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
-        "train": {"epochs": 2, "batch_size": 128, "optimizer": "sgd", "scheduler": "constant",
-                  "num_workers": 0, "export_onnx": False, "seed": 0},
-        "search": {"lr": {"type": "float", "low": 0.01, "high": 0.5, "log": True}},
-        "objective": {"metric": "val_acc", "direction": "maximize"},
-        "sampler": {"name": "random", "seed": 0},
-        "pruner": {"name": "none"},
-        "budget": {"n_trials": 4, "max_failures": 3},
-        "resources": {"devices": "cpu", "workers": 1},
-        "tracking": {"uri": "sqlite:///runs/mlflow.db"},
-    }
+# The tiny digits-MLP study every CLI-level test (and benchmarks/common.tiny_spec) starts from.
+TINY_STUDY: dict = {
+    "name": "tiny",
+    "description": "tiny test study",
+    "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
+    "train": {"epochs": 2, "batch_size": 128, "optimizer": "sgd", "scheduler": "constant",
+              "num_workers": 0, "export_onnx": False, "seed": 0},
+    "search": {"lr": {"type": "float", "low": 0.01, "high": 0.5, "log": True}},
+    "objective": {"metric": "val_acc", "direction": "maximize"},
+    "sampler": {"name": "random", "seed": 0},
+    "pruner": {"name": "none"},
+    "budget": {"n_trials": 4, "max_failures": 3},
+    "resources": {"devices": "cpu", "workers": 1},
+    "tracking": {"uri": "sqlite:///runs/mlflow.db"},
+}
+
+
+def with_overrides(spec: dict, **overrides) -> dict:
+    """A copy of ``spec`` where a section given as a dict is merged into the section it
+    names, except ``search``, which it replaces (a new search space); other values replace."""
+    out = copy.deepcopy(spec)
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key] = {**spec[key], **value}
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "search":
+            out[key] = {**out[key], **value}
         else:
-            spec[key] = value
-    path = folder / f"{name}.yaml"
+            out[key] = value
+    return out
+
+
+def tiny_spec(name: str = "tiny", **overrides) -> dict:
+    """The tiny study (about a second of training per trial) named ``name``, with ``overrides``."""
+    return with_overrides(TINY_STUDY, name=name, **overrides)
+
+
+def save_spec(folder: Path, spec: dict, seed_store: bool = True) -> Path:
+    """Write ``spec`` to ``folder/<name>.yaml``. ``seed_store`` copies an empty,
+    already-migrated MLflow store to ``runs/mlflow.db`` when the spec uses that store (only
+    saves time; tests that check that nothing is created, and benchmarks, pass False)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     db = folder / "runs" / "mlflow.db"
     if seed_store and spec.get("tracking", {}).get("uri") == "sqlite:///runs/mlflow.db" and not db.exists():
-        import shutil
-
         db.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(empty_mlflow_db(), db)
     return path
 
 
+def write_spec(folder: Path, name: str = "tiny", seed_store: bool = True, **overrides) -> Path:
+    """Write the tiny study with ``overrides`` (see :func:`tiny_spec`) to ``folder``."""
+    return save_spec(folder, tiny_spec(name, **overrides), seed_store)
+
+
 def sweeps_env(**extra) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the spec's store, not the caller's
+    env.pop("RAY_ADDRESS", None)  # nor the caller's Ray cluster
     return env
 
 

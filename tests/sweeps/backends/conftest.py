@@ -13,74 +13,32 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.sweeps import study_helpers
+from tests.sweeps.study_helpers import save_spec, tiny_spec, with_overrides
 
 
 def write_spec(folder: Path, name: str = "tiny", backend: str = "optuna", **overrides) -> Path:
-    """A digits-MLP study: a second or two per trial on one CPU thread."""
-    spec = {
-        "name": name,
-        "description": "tiny backend test study",
-        "task": {"name": "digits", "model": "mlp", "args": {"width": 32}},
-        "train": {"epochs": 2, "batch_size": 64, "optimizer": "sgd", "scheduler": "constant",
-                  "num_workers": 0, "export_onnx": False, "seed": 0},
-        "search": {"lr": {"type": "float", "low": 0.01, "high": 0.5, "log": True}},
-        "objective": {"metric": "val_acc", "direction": "maximize"},
-        "backend": backend,
-        "sampler": {"name": "random", "seed": 0},
-        "pruner": {"name": "none"},
-        "budget": {"n_trials": 3, "max_failures": 1},
-        "resources": {"devices": "cpu", "workers": 1},
-        "tracking": {"uri": "sqlite:///runs/mlflow.db"},
-    }
-    for key, value in overrides.items():  # sections are merged, except `search`, which is replaced
-        if isinstance(value, dict) and isinstance(spec.get(key), dict) and key != "search":
-            spec[key] = {**spec[key], **value}
-        else:
-            spec[key] = value
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    db = folder / "runs" / "mlflow.db"
-    if _TEMPLATE_DB and not db.exists():
-        db.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_TEMPLATE_DB[0], db)  # the empty schema: saves each run the migrations
-    return path
+    """The tiny study (study_helpers.tiny_spec) on ``backend``: three trials at batch 64."""
+    spec = tiny_spec(name, description="tiny backend test study", backend=backend,
+                     train={"batch_size": 64}, budget={"n_trials": 3, "max_failures": 1})
+    return save_spec(folder, with_overrides(spec, **overrides))
 
 
-_TEMPLATE_DB: list[Path] = []
+# One thread per training process: trials and the test share two cores.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def mlflow_db_template(tmp_path_factory):
-    """An empty MLflow SQLite store, created (schema migrations: seconds) once per session."""
-    from mlflow.tracking import MlflowClient
-
-    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments(max_results=1)
-    _TEMPLATE_DB[:] = [db]
-    yield db
-    _TEMPLATE_DB.clear()
-
-
-def sweeps_env(**extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def run_cli(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweeps.cli", *args], cwd=cwd, env=sweeps_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_cli(cwd: Path, *args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return study_helpers.run_cli(cwd, *args, timeout=timeout, **{**ONE_THREAD, **env})
 
 
 def start_cli(cwd: Path, *args: str, log: Path) -> subprocess.Popen:
     out = open(log, "w")
     try:
-        return subprocess.Popen([sys.executable, "-m", "sweeps.cli", *args], cwd=cwd, env=sweeps_env(),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", "sweeps.cli", *args], cwd=cwd,
+                                env=study_helpers.sweeps_env(**ONE_THREAD), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     finally:
         out.close()
 
@@ -93,9 +51,7 @@ def mlflow_client(cwd: Path):
 
 def study_runs(cwd: Path, experiment: str) -> tuple[list, list]:
     """(parent runs, trial runs) of an experiment."""
-    client = mlflow_client(cwd)
-    exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([exp.experiment_id], max_results=1000) if exp else []
+    runs = study_helpers.mlflow_runs(cwd, experiment)
     parents = [r for r in runs if r.data.tags.get("sweeps.role") == "study"]
     children = [r for r in runs if r.data.tags.get("sweeps.role") == "trial"]
     return parents, children

@@ -150,6 +150,27 @@ def make_tracker(store, tmp_path):
     return make
 
 
+@pytest.fixture(scope="module")
+def shared_writer_tracker(store, tmp_path_factory):
+    """One WriterProcessTracker per test module: each writer process costs a second of imports."""
+    from sweeps.tracking.writer import WriterProcessTracker
+
+    tracker = WriterProcessTracker(store.uri, spool_dir=tmp_path_factory.mktemp("writer-spool"),
+                                   artifact_root=store.artifact_root)
+    yield tracker
+    tracker.close()
+
+
+@pytest.fixture(params=["inline", "writer"])
+def any_tracker(request, make_tracker):
+    """The Tracker contract's subjects: ``any_tracker()`` is a fresh in-process MlflowTracker,
+    or the module's WriterProcessTracker (writes from a child process)."""
+    if request.param == "inline":
+        return make_tracker
+    shared = request.getfixturevalue("shared_writer_tracker")
+    return lambda: shared
+
+
 @pytest.fixture
 def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))

@@ -1,5 +1,7 @@
-"""MlflowTracker against a real MLflow store (sqlite + file artifacts), read back with
-MlflowClient. The only wrapper is a call counter around the real client."""
+"""The Tracker contract against a real MLflow store (sqlite + file artifacts), read back with
+MlflowClient: tests taking ``any_tracker`` run on every implementation (in-process
+MlflowTracker, WriterProcessTracker); the others are about MlflowTracker's batching. The only
+wrapper is a call counter around the real client."""
 from __future__ import annotations
 
 import json
@@ -22,12 +24,12 @@ def _study(tracker: MlflowTracker, store) -> tuple[str, RunHandle]:
     return eid, parent
 
 
-def test_is_a_tracker(make_tracker):
-    assert isinstance(make_tracker(), Tracker)
+def test_is_a_tracker(any_tracker):
+    assert isinstance(any_tracker(), Tracker)
 
 
-def test_nested_parent_and_child_runs(make_tracker, store):
-    tracker = make_tracker()
+def test_nested_parent_and_child_runs(any_tracker, store):
+    tracker = any_tracker()
     eid, parent = _study(tracker, store)
     child = tracker.start_run(
         eid, "trial-3", parent=parent,
@@ -47,8 +49,8 @@ def test_nested_parent_and_child_runs(make_tracker, store):
     assert mlflow.active_run() is None  # never the fluent global run
 
 
-def test_get_or_create_experiment_is_idempotent_and_refuses_deleted(make_tracker, store):
-    tracker = make_tracker()
+def test_get_or_create_experiment_is_idempotent_and_refuses_deleted(any_tracker, store):
+    tracker = any_tracker()
     name = store.experiment_name()
     eid = tracker.get_or_create_experiment(name)
     assert tracker.get_or_create_experiment(name) == eid
@@ -95,8 +97,8 @@ def test_log_metrics_is_cheap_and_does_no_io(make_tracker, store):
     assert counting.calls["log_batch"] == n // 1000
 
 
-def test_a_non_numeric_metric_is_a_clear_error(make_tracker, store):
-    tracker = make_tracker()
+def test_a_non_numeric_metric_is_a_clear_error(any_tracker, store):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     with pytest.raises(TrackingError, match="'val_acc': 'high'.*not numbers"):
         tracker.log_metrics(run, {"val_loss": 0.1, "val_acc": "high"}, step=1)
@@ -122,8 +124,8 @@ def test_flush_triggers_on_points_and_on_age(make_tracker, store):
     assert len(store.client.get_metric_history(run.run_id, "m")) == 12
 
 
-def test_timestamps_are_taken_when_logged_not_when_flushed(make_tracker, store):
-    tracker = make_tracker(flush_every_points=10**9, flush_every_s=1e9)
+def test_timestamps_are_taken_when_logged_not_when_flushed(any_tracker, store):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     before = int(time.time() * 1000)
     tracker.log_metrics(run, {"val_acc": 0.5}, step=1)
@@ -135,8 +137,8 @@ def test_timestamps_are_taken_when_logged_not_when_flushed(make_tracker, store):
 
 
 @pytest.mark.parametrize("status", ["FINISHED", "FAILED", "KILLED"])
-def test_end_run_flushes_then_sets_the_status(make_tracker, store, status):
-    tracker = make_tracker(flush_every_points=10**9, flush_every_s=1e9)
+def test_end_run_flushes_then_sets_the_status(any_tracker, store, status):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     tracker.log_metrics(run, {"val_loss": 1.25}, step=1)
     tracker.end_run(run, status)
@@ -146,15 +148,15 @@ def test_end_run_flushes_then_sets_the_status(make_tracker, store, status):
     assert got.data.metrics["val_loss"] == 1.25
 
 
-def test_end_run_refuses_an_unknown_status(make_tracker, store):
-    tracker = make_tracker()
+def test_end_run_refuses_an_unknown_status(any_tracker, store):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     with pytest.raises(ValueError, match="FINISHED, FAILED, KILLED"):
         tracker.end_run(run, "PRUNED")  # type: ignore[arg-type]
 
 
-def test_params_are_stringified_truncated_and_keys_sanitized(make_tracker, store):
-    tracker = make_tracker()
+def test_params_are_stringified_truncated_and_keys_sanitized(any_tracker, store):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     tracker.log_params(run, {"lr": 0.001, "layers": [64, 32], "long": "x" * 7000,
                              "bad key!": 1, "a/../b": 2, None: 3})
@@ -177,8 +179,8 @@ def test_sanitize_key():
     assert len(sanitize_key("k" * 400)) == 250
 
 
-def test_changing_a_param_is_a_clear_error_and_is_not_spooled(make_tracker, store):
-    tracker = make_tracker()
+def test_changing_a_param_is_a_clear_error_and_is_not_spooled(any_tracker, store):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     tracker.log_params(run, {"lr": 0.1})
     tracker.log_params(run, {"lr": 0.1})  # same value again (a resume) is fine
@@ -187,8 +189,8 @@ def test_changing_a_param_is_a_clear_error_and_is_not_spooled(make_tracker, stor
     assert not tracker.spool.has_pending(run.run_id)  # a refusal would never succeed later
 
 
-def test_find_run(make_tracker, store):
-    tracker = make_tracker()
+def test_find_run(any_tracker, store):
+    tracker = any_tracker()
     eid = tracker.get_or_create_experiment(store.experiment_name())
     study = {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: "lr_bs"}
     assert tracker.find_run(eid, study) is None
@@ -207,8 +209,8 @@ def test_find_run(make_tracker, store):
     assert tracker.find_run(eid, study) == first  # deleted runs are not found
 
 
-def test_log_artifact_and_log_dict(make_tracker, store, tmp_path):
-    tracker = make_tracker()
+def test_log_artifact_and_log_dict(any_tracker, store, tmp_path):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     ckpt = tmp_path / "best.pt"
     ckpt.write_bytes(b"\x00weights")
@@ -225,8 +227,8 @@ def test_log_artifact_and_log_dict(make_tracker, store, tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["../x", "/abs", "%2e%2e/x", "a\\b", "a\x00b", "%252e%252e/x", "a/../../b"])
-def test_artifact_paths_that_escape_are_refused(make_tracker, store, tmp_path, bad):
-    tracker = make_tracker()
+def test_artifact_paths_that_escape_are_refused(any_tracker, store, tmp_path, bad):
+    tracker = any_tracker()
     _, run = _study(tracker, store)
     f = tmp_path / "f.txt"
     f.write_text("x")

@@ -1,0 +1,145 @@
+"""WriterProcessTracker beyond the Tracker contract (test_mlflow_tracker.py runs that on it too):
+the trainer's cost per point, threads, and what happens when the writer or the trainer dies.
+Real writer processes, real signals, a real MLflow sqlite store."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from sweeps.tracking import RunHandle, layout
+from sweeps.tracking.writer import WriterProcessTracker
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _run(tracker, store, name: str = "trial") -> RunHandle:
+    eid = tracker.get_or_create_experiment(store.experiment_name())
+    return tracker.start_run(eid, name, tags={layout.TAG_ROLE: layout.ROLE_TRIAL})
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_logging_ships_without_waiting_and_every_point_arrives(shared_writer_tracker, store):
+    tracker = shared_writer_tracker
+    run = _run(tracker, store)
+    n = 3000
+    t0 = time.perf_counter()
+    for step in range(1, n + 1):
+        tracker.log_metrics(run, {"step/train_loss": 1.0 / step, "step/lr": 0.1}, step)
+    per_step_us = (time.perf_counter() - t0) / n * 1e6
+    # Writing 2 points to SQLite costs ~200-300 us here; buffering and shipping is a few us.
+    assert per_step_us < 60, per_step_us
+    tracker.end_run(run, "FINISHED")
+    got = store.client.get_run(run.run_id)
+    assert got.info.status == "FINISHED"
+    for key in ("step/train_loss", "step/lr"):
+        assert sorted(m.step for m in store.client.get_metric_history(run.run_id, key)) == list(range(1, n + 1))
+
+
+def test_threads_share_one_writer(shared_writer_tracker, store):
+    tracker = shared_writer_tracker
+    runs = [_run(tracker, store, f"trial-{i}") for i in range(4)]
+
+    def work(run: RunHandle) -> None:
+        for step in range(1, 501):
+            tracker.log_metrics(run, {"loss": step}, step)
+            if step % 100 == 0:
+                tracker.set_tags(run, {"last": step})
+        tracker.end_run(run, "FINISHED")
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for run in runs:
+        got = store.client.get_run(run.run_id)
+        assert sorted(m.step for m in store.client.get_metric_history(run.run_id, "loss")) == list(range(1, 501))
+        assert got.info.status == "FINISHED" and got.data.tags["last"] == "500"
+
+
+def test_a_killed_writer_is_reported_and_the_trainer_writes_by_itself(store, tmp_path, caplog):
+    tracker = WriterProcessTracker(store.uri, spool_dir=tmp_path / "spool", artifact_root=store.artifact_root)
+    run = _run(tracker, store)
+    tracker.log_metrics(run, {"val_acc": 0.5}, 1)
+    tracker.flush(run)
+    pid = tracker.writer_pid
+    os.kill(pid, signal.SIGKILL)
+    assert _gone(pid, 10)
+    tracker.log_metrics(run, {"val_acc": 0.6}, 2)
+    tracker.log_params(run, {"lr": 0.1})  # the first request after the kill finds it gone
+    tracker.end_run(run, "FINISHED")
+    assert tracker.writer_pid is None
+    assert "writer process" in caplog.text and "is gone" in caplog.text
+    got = store.client.get_run(run.run_id)
+    assert got.info.status == "FINISHED" and got.data.params == {"lr": "0.1"}
+    assert [m.value for m in store.client.get_metric_history(run.run_id, "val_acc")] == [0.5, 0.6]
+
+
+def _trainer(store, tmp_path: Path, body: str) -> subprocess.Popen:
+    """A process that starts a WriterProcessTracker, prints its writer's pid and the run id,
+    then runs ``body``."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from sweeps.tracking.writer import WriterProcessTracker
+        t = WriterProcessTracker({store.uri!r}, spool_dir={str(tmp_path / 'spool')!r},
+                                 artifact_root={str(store.artifact_root)!r})
+        eid = t.get_or_create_experiment({store.experiment_name()!r})
+        run = t.start_run(eid, "trial")
+        print(t.writer_pid, run.run_id, flush=True)
+    """) + textwrap.dedent(body)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def test_points_shipped_before_the_trainer_is_killed_are_written(store, tmp_path):
+    proc = _trainer(store, tmp_path, """
+        for step in range(1, 201):
+            t.log_metrics(run, {"loss": 1.0 / step}, step)
+            time.sleep(0.001)
+        time.sleep(0.15)
+        t.log_metrics(run, {"loss": 0.0}, 201)  # ships: the buffer is older than 0.1 s
+        print("shipped", flush=True)
+        time.sleep(60)
+    """)
+    writer_pid, run_id = proc.stdout.readline().split()
+    assert proc.stdout.readline().strip() == "shipped"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _gone(int(writer_pid), 20)  # the pipe closed: the writer wrote what it held, then left
+    steps = sorted(m.step for m in store.client.get_metric_history(run_id, "loss"))
+    assert steps == list(range(1, 202))
+    assert store.client.get_run(run_id).info.status == "RUNNING"  # the trainer never ended it
+
+
+def test_the_writer_leaves_with_a_trainer_that_exits_before_asking_anything(store, tmp_path):
+    """As when a sweep's set-up fails: the writer is still importing MLflow when its parent goes."""
+    code = textwrap.dedent(f"""
+        import os
+        from sweeps.tracking.writer import WriterProcessTracker
+        t = WriterProcessTracker({store.uri!r}, spool_dir={str(tmp_path / 'spool')!r})
+        print(t.writer_pid, flush=True)
+        os._exit(0)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    t0 = time.monotonic()
+    assert _gone(int(out.stdout.split()[0]), 10)
+    assert time.monotonic() - t0 < 1.0  # not after its imports: at once
