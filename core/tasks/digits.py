@@ -62,6 +62,10 @@ class DigitsTask(Task):
             return DigitsCNN(self.width, self.dropout)
         return DigitsMLP(self.width, self.dropout)
 
+    def warm_up(self) -> None:
+        import sklearn.datasets  # noqa: F401 - the first datasets() call is then cheap (about 1 s)
+        import sklearn.model_selection  # noqa: F401
+
     def datasets(self):
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split

@@ -6,7 +6,6 @@ that hangs, and draws the live view from the study storage.
 """
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import logging
@@ -24,6 +23,7 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study as os_
 from sweeps.backends.base import StudyResult
+from sweeps.backends.early_worker import adopt_early_worker, die_with_parent
 from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.errors import StudyStateError
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
@@ -31,18 +31,6 @@ from sweeps.spec import StudySpec
 from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, write_summary
 
 log = logging.getLogger("sweeps")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the orchestrator dies (even by SIGKILL), so do its
-    workers, and the next ``sweeps run`` finds their trials orphaned and requeues them."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 @dataclass
 class _Worker:
     slot: WorkerSlot
@@ -230,13 +218,15 @@ class OptunaBackend:
         return stopped, code
 
     def _spawn(self, spec: StudySpec, slot: WorkerSlot) -> _Worker:
-        """Start a worker that warms up, then waits on its stdin for :meth:`_go`. Nothing is
-        written yet: if the set-up fails, the worker is killed and leaves no trace."""
+        """Start a worker that warms up, then waits on its stdin for :meth:`_go`, or adopt the
+        one ``sweeps run`` started before validating the spec (early_worker.py) for a CPU slot.
+        Nothing is written yet: if the set-up fails, the worker is killed and leaves no trace."""
         beat = _beat_dir(spec) / f"worker-{slot.index}.beat"
-        cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec.path), "--slot", str(slot.index),
-               "--beat-file", str(beat), "--go-on-stdin"]
-        env = {**os.environ, **slot.env()}
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+        proc = adopt_early_worker(spec.path) if not slot.devices and spec.path is not None else None
+        if proc is None:
+            cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec.path), "--go-on-stdin"]
+            env = {**os.environ, **slot.env()}
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
         return _Worker(slot, proc, beat)
 
     def _go(self, w: _Worker, parent_id: str, started: float, deadline: float | None) -> None:
@@ -244,7 +234,9 @@ class OptunaBackend:
         w.beat_file.parent.mkdir(parents=True, exist_ok=True)
         w.beat_file.touch()  # the hang watchdog counts from now, not from the spawn
         try:
-            w.proc.stdin.write(json.dumps({"parent_run_id": parent_id, "since": started, "deadline": deadline}) + "\n")
+            w.proc.stdin.write(json.dumps({"parent_run_id": parent_id, "since": started, "deadline": deadline,
+                                           "slot": w.slot.index, "beat_file": str(w.beat_file),
+                                           "env": w.slot.env()}) + "\n")
             w.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # it died while warming up: _supervise sees its exit code

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
-from sweeps.errors import BackendError, StudyStateError
+from sweeps.errors import BackendError, SpecError, StudyStateError, TrackingError
 from sweeps.objective import TrialSpec, run_trial, worker_name
 from sweeps.pool import worker_writes_from_a_process
 from sweeps.spec import StudySpec, redact_url
@@ -70,17 +70,20 @@ def _failures_in_a_row(study: optuna.Study, since: datetime) -> int:
 
 def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None = None,
                deadline: float | None = None, since: float | None = None,
-               beat_file: Path | None = None, wait_s: float = 0.0, tracker=None) -> int:
+               beat_file: Path | None = None, wait_s: float = 0.0) -> int:
     """The worker loop. Returns the process exit code.
 
     Without ``parent_run_id`` (``sweeps worker``) it joins the study ``sweeps run`` created,
-    waiting up to ``wait_s`` seconds for it to appear. ``tracker``: one already started
-    (default: the spec's, see ``pool.worker_writes_from_a_process``); closed when the loop ends."""
-    tracker = tracker or tracker_for(spec, writer_process=worker_writes_from_a_process())
+    waiting up to ``wait_s`` seconds for it to appear. Its tracker writes from a child process
+    where a core is left for one (``pool.worker_writes_from_a_process``)."""
+    tracker = tracker_for(spec, writer_process=worker_writes_from_a_process())
     try:
         return _worker_loop(spec, worker_index, parent_run_id, deadline, since, beat_file, wait_s, tracker)
     finally:
-        tracker.close()
+        try:
+            tracker.close()
+        except TrackingError as exc:  # every run has ended by now: report what the store refused
+            log.error("%s", exc)
 
 
 def _worker_loop(spec: StudySpec, worker_index: int, parent_run_id: str | None, deadline: float | None,
@@ -312,31 +315,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--since", type=float)
     p.add_argument("--beat-file")
     p.add_argument("--go-on-stdin", action="store_true",
-                   help="warm up, then wait for one JSON line {parent_run_id, since, deadline} on stdin")
+                   help="warm up, then wait for one JSON line on stdin: {parent_run_id, since, deadline}, "
+                        "and the slot's index, beat file and environment (CUDA_VISIBLE_DEVICES, threads)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    spec = load_spec(a.spec)
-    # Started first: a writer process imports MLflow on another core while this one imports torch.
-    tracker = tracker_for(spec, writer_process=worker_writes_from_a_process())
+    try:
+        spec = load_spec(a.spec)
+    except SpecError:
+        if a.go_on_stdin:  # `sweeps run` validates the same file and reports every problem itself
+            return 2
+        raise
     if a.go_on_stdin:
-        go = _warm_up_then_wait()
+        go = _warm_up_then_wait(spec)
         if go is None:
             return 0  # the orchestrator stopped before the study started (a bad store, a second run...)
+        # Before anything reads them: run_worker sets torch's threads from SWEEPS_WORKER_THREADS, and
+        # CUDA reads CUDA_VISIBLE_DEVICES when first used (the warm-up does not touch CUDA).
+        os.environ.update(go.get("env", {}))
         a.parent_run_id, a.since, a.deadline = go["parent_run_id"], go["since"], go.get("deadline")
-    return run_worker(spec, a.slot, a.parent_run_id, a.deadline, a.since, Path(a.beat_file) if a.beat_file else None,
-                      tracker=tracker)
+        a.slot, a.beat_file = go.get("slot", a.slot), go.get("beat_file", a.beat_file)
+    return run_worker(spec, a.slot, a.parent_run_id, a.deadline, a.since, Path(a.beat_file) if a.beat_file else None)
 
 
-def _warm_up_then_wait() -> dict | None:
+def _warm_up_then_wait(spec: StudySpec) -> dict | None:
     """``sweeps run`` starts its workers before it opens the tracking store, the study and the
     parent run, so the workers' start-up (seconds of imports) overlaps its own. Here the worker
     pays what its first trial would: torch.optim's first optimizer imports torch._dynamo (about
-    2 s on torch 2.14); MLflow is the tracker's writer process's to import. Then it waits for
-    the orchestrator's go; EOF means stop."""
+    2 s on torch 2.14), MLflow's client (a writer process, if the go asks for one, imports its
+    own), the task what its datasets need. Then it waits for the orchestrator's go; EOF means stop."""
     import json
 
     import torch._dynamo  # noqa: F401 - imported for its side effect: the first optimizer is then cheap
 
+    tracker_for(spec).warm_up()
+    try:
+        spec.make_task({}).warm_up()  # the task's own imports (sklearn for digits)
+    except Exception as exc:  # e.g. an argument only the search space gives: the first trial pays
+        log.debug("task warm-up skipped: %s", exc)
     line = sys.stdin.readline()
     return json.loads(line) if line.strip() else None
 

@@ -20,7 +20,8 @@ from sweeps.safe_names import safe_component, safe_subpath
 from sweeps.tracking.base import RUN_STATUSES, RunHandle, RunStatus
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.spool import Spool, drain, is_transient, send_records
-from sweeps.tracking.sync import apply_fast_fail_http_defaults, check_store, is_http_uri, sync_command
+from sweeps.tracking.sync import (apply_fast_fail_http_defaults, check_store, is_database_uri, is_http_uri,
+                                  sync_command)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,15 @@ class MlflowTracker:
                             f"the URI (for sqlite, that its folder can be created and written)."
                         ) from exc
         return self._client
+
+    def warm_up(self) -> None:
+        """Before the first call, where a process can spare the time (a worker waiting for its
+        go): import MLflow's client, and its SQL store for a database URI (1 to 2 s), so the
+        first call does not. Opens nothing: the store may not exist yet."""
+        import mlflow.tracking  # noqa: F401 - imported for its side effect
+
+        if is_database_uri(self.tracking_uri):
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
     # -- connection and experiments ------------------------------------------------------
     def check_connection(self) -> None:

@@ -37,7 +37,6 @@ from typing import Any
 
 from sweeps.errors import TrackingError
 from sweeps.tracking.mlflow_tracker import MlflowTracker
-from sweeps.tracking.sync import is_database_uri
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +61,9 @@ class WriterProcessTracker(MlflowTracker):
                   "artifact_root": self.artifact_root, "retry_interval_s": self.retry_interval_s}
         self._proc: subprocess.Popen | None
         self._proc, self._requests, self._replies = _start_writer(config)
+
+    def warm_up(self) -> None:
+        """Nothing to do here: the writer imports MLflow in its own process as it starts."""
 
     @property
     def writer_pid(self) -> int | None:
@@ -219,14 +221,6 @@ def _picklable(exc: BaseException) -> BaseException:
         return TrackingError(f"{type(exc).__name__}: {exc}")
 
 
-def _warm_up(tracking_uri: str) -> None:
-    """Import MLflow's client (and its SQL store for a database URI) while the trainer starts."""
-    import mlflow.tracking  # noqa: F401 - imported for its side effect: the first request is then cheap
-
-    if is_database_uri(tracking_uri):
-        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-
-
 def main(argv: list[str]) -> int:
     import signal
 
@@ -248,9 +242,9 @@ def main(argv: list[str]) -> int:
             time.sleep(0.05)
 
     threading.Thread(target=leave_with_parent, daemon=True).start()
-    _warm_up(config["tracking_uri"])
-    importing.clear()
     tracker = MlflowTracker(config.pop("tracking_uri"), **config)
+    tracker.warm_up()
+    importing.clear()
     serve(requests, replies, tracker)
     return 0
 

@@ -1,0 +1,76 @@
+"""Start ``sweeps run``'s first Optuna worker before the spec is validated.
+
+Validating a spec builds its task, which imports torch: about 2 s before the orchestrator knows
+its worker slots. A worker's own start-up (imports, torch._dynamo, its warm-up) is the longest
+part of a study's start, so the first worker is started at once, from a raw read of the spec,
+and told its slot (threads, beat file, tracking writer) with its go. ``OptunaBackend`` adopts
+it for its first slot; anything not adopted is killed when the command ends.
+
+Only where a worker's devices need not be fixed before it starts: CUDA reads
+``CUDA_VISIBLE_DEVICES`` once, when a process first touches CUDA, so the early worker runs
+with no GPU visible, which suits a spec with ``devices: cpu`` or a machine without an NVIDIA
+driver. This module imports nothing heavy: it runs before torch is imported.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_started: list[tuple[Path, subprocess.Popen]] = []
+
+
+def die_with_parent() -> None:
+    """Runs in the child before exec: if the orchestrator dies (even by SIGKILL), so do its
+    workers, and the next ``sweeps run`` finds their trials orphaned and requeues them."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def start_early_worker(spec_path: str) -> None:
+    """Start one worker for ``spec_path`` if the raw spec says it is an Optuna study that can
+    train without a GPU chosen yet; otherwise do nothing (the backend starts its workers)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(spec_path).read_text())
+    except Exception:  # unreadable or not YAML: validation says why, with the line
+        return
+    if not isinstance(raw, dict) or raw.get("backend", "optuna") != "optuna":
+        return
+    resources = raw.get("resources") if isinstance(raw.get("resources"), dict) else {}
+    if resources.get("devices", "auto") != "cpu" and Path("/proc/driver/nvidia").exists():
+        return
+    cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec_path), "--go-on-stdin"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    _started.append((Path(spec_path).resolve(), proc))
+
+
+def adopt_early_worker(spec_path: str | Path) -> subprocess.Popen | None:
+    """The early worker started for this spec file, still running, handed over once."""
+    wanted = Path(spec_path).resolve()
+    for i, (path, proc) in enumerate(_started):
+        if path == wanted and proc.poll() is None:
+            del _started[i]
+            return proc
+    return None
+
+
+def stop_early_workers() -> None:
+    """Kill the early workers nobody adopted (the spec was invalid, or needs GPUs or Ray)."""
+    while _started:
+        _, proc = _started.pop()
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        proc.kill()
+        proc.wait()
