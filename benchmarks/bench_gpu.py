@@ -17,7 +17,8 @@ import subprocess
 import sys
 
 from benchmarks.common import RESULTS_DIR as RESULTS
-from benchmarks.common import ROOT, Context, bench_main, error_row, make_row, stats, sweeps_env
+from benchmarks.common import ROOT, Context, bench_main, error_row, make_row, stats
+from benchmarks.sweeps_runs import sweeps_env
 
 NAME = "gpu"
 TITLE = "GPU section: precision, DDP, resume/ONNX (gpu_check.py); trainer, DataLoader, trials per GPU (gpu_bench.py)"

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.common import (Context, arm, bench_main, error_row, make_row, mlflow_trials, paired_ratio,
-                               python_start_s, run_sweeps, stats, tiny_spec, write_spec)
+from benchmarks.common import Context, arm, bench_main, error_row, make_row, paired_ratio, stats
+from benchmarks.sweeps_runs import mlflow_trials, python_start_s, run_sweeps, tiny_spec, write_spec
 
 NAME = "orchestration"
 TITLE = "Orchestration overhead per trial: sweeps run, 1 worker, short digits trials (Optuna, Ray)"

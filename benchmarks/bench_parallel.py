@@ -15,8 +15,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import (Context, arm, bench_main, error_row, make_row, mlflow_trials, paired_ratio,
-                               run_sweeps, stats, tiny_spec, write_spec)
+from benchmarks.common import Context, arm, bench_main, error_row, make_row, paired_ratio, stats
+from benchmarks.sweeps_runs import mlflow_trials, run_sweeps, tiny_spec, write_spec
 
 NAME = "parallel"
 TITLE = "Parallel efficiency: trials/min with 2 CPU workers vs 1 (sweeps run, Optuna)"

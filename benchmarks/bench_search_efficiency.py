@@ -20,8 +20,8 @@ import time
 
 import yaml
 
-from benchmarks.common import (ROOT, Context, arm, bench_main, error_row, make_row, optuna_study, start_sweeps,
-                               stats, wait_sweeps, write_spec)
+from benchmarks.common import ROOT, Context, arm, bench_main, error_row, make_row, stats
+from benchmarks.sweeps_runs import optuna_study, start_sweeps, wait_sweeps, write_spec
 
 NAME = "search_efficiency"
 TITLE = "Search efficiency: lr_bs with median pruning vs without, over sampler seeds"

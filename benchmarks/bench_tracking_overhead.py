@@ -79,7 +79,7 @@ class NaiveReporter:
 
 def run(ctx: Context) -> dict:
     from benchmarks.bench_trainer_overhead import make_task, train_config
-    from benchmarks.common import TrackingStore
+    from benchmarks.sweeps_runs import TrackingStore
     from core.reporting import NullReporter
     from core.results import EPOCH_METRICS, STEP_METRICS
     from core.train import train

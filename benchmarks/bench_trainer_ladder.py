@@ -90,7 +90,7 @@ def core_variant(task, cfg, store, level: int) -> dict:
 
 def run(ctx: Context) -> dict:
     from benchmarks.bench_trainer_overhead import cases, hand_loop, make_task, train_config
-    from benchmarks.common import TrackingStore
+    from benchmarks.sweeps_runs import TrackingStore
 
     threads = ctx.torch_threads()
     store = TrackingStore(ctx.workdir / "mlflow")

@@ -277,7 +277,7 @@ def breakdown(task, cfg, store, ctx: Context) -> dict:
 
 
 def run(ctx: Context) -> dict:
-    from benchmarks.common import TrackingStore
+    from benchmarks.sweeps_runs import TrackingStore
 
     threads = ctx.torch_threads()
     store = TrackingStore(ctx.workdir / "mlflow")

@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.gpu_check import make_config  # noqa: E402
 from core.config import TrainConfig  # noqa: E402
 from core.reporting import NullReporter  # noqa: E402
 from core.tasks.base import make_task  # noqa: E402
@@ -107,10 +108,8 @@ def steady_samples_per_s(history: list[dict]) -> float:
 
 
 def config(on_gpu: bool, **kw) -> TrainConfig:
-    base = dict(lr=0.05, optimizer="sgd", momentum=0.9, weight_decay=5e-4, scheduler="constant",
-                precision="bf16" if on_gpu else "fp32", device="cuda" if on_gpu else "cpu", num_workers=0,
-                seed=0, save_checkpoints=False, export_onnx=False, grad_clip=None)
-    return TrainConfig(**{**base, **kw})
+    """gpu_check's run in bf16 on the GPU, without gradient clipping (a hand loop has none)."""
+    return make_config(on_gpu, **{"precision": "bf16" if on_gpu else "fp32", "grad_clip": None, **kw})
 
 
 def synthetic_task(n_train: int):

@@ -66,14 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_config(size: dict, precision: str, nproc: int, on_gpu: bool) -> TrainConfig:
-    return TrainConfig(
-        epochs=size["epochs"], batch_size=size["batch_size"], max_steps_per_epoch=size["max_steps"],
-        lr=0.05, optimizer="sgd", momentum=0.9, weight_decay=5e-4, scheduler="constant",
-        precision=precision, device="cuda" if on_gpu else "cpu", num_workers=0, seed=0,
-        save_checkpoints=False, export_onnx=False,
-        distributed=DistributedConfig(nproc=nproc, backend=("nccl" if on_gpu else "gloo") if nproc > 1 else "auto"),
-    )
+def make_config(on_gpu: bool, **changes) -> TrainConfig:
+    """The GPU scripts' run (this one and gpu_bench.py): SGD with momentum at a constant lr,
+    no checkpoints or export, on the GPU or the CPU; ``changes`` on top."""
+    base = dict(lr=0.05, optimizer="sgd", momentum=0.9, weight_decay=5e-4, scheduler="constant",
+                device="cuda" if on_gpu else "cpu", num_workers=0, seed=0, save_checkpoints=False,
+                export_onnx=False)
+    return TrainConfig(**{**base, **changes})
 
 
 class _Timeout(Exception):
@@ -271,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = {"name": name, "precision": precision, "nproc": n, "backend": "-", "status": "skipped",
                           "error": skip}
             continue
-        cfg = make_config(size, precision, n, on_gpu)
+        cfg = make_config(on_gpu, epochs=size["epochs"], batch_size=size["batch_size"],
+                          max_steps_per_epoch=size["max_steps"], precision=precision,
+                          distributed=DistributedConfig(nproc=n, backend=("nccl" if on_gpu else "gloo") if n > 1
+                                                        else "auto"))
         print(f"gpu_check: {name} on {n} process(es) ...", flush=True)
         rows[name] = run_one(name, task, cfg, args.run_timeout)
     print("gpu_check: exact resume and ONNX export ...", flush=True)

@@ -106,7 +106,13 @@ class OptunaBackend:
             started = time.time()
             deadline = started + spec.timeout_seconds() if spec.timeout_seconds() else None
             view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered)
-            stopped, code = self._supervise(spec, study, workers, parent.run_id, started, deadline, view)
+            if os_.budget_left(study, spec.budget.n_trials) <= 0 and not study.get_trials(
+                    deepcopy=False, states=(TrialState.RUNNING,)):
+                # The whole budget has run: the workers get no go (they are stopped unstarted).
+                stopped, code = (f"nothing to run: all {spec.budget.n_trials} trials of budget.n_trials have run; "
+                                 "raise it to run more"), 0
+            else:
+                stopped, code = self._supervise(spec, study, workers, parent.run_id, started, deadline, view)
             result = os_.study_result(spec, optuna.load_study(study_name=study.study_name,
                                                               storage=os_.open_storage(spec)))
             result.stopped_reason = stopped

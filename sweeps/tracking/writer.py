@@ -13,7 +13,7 @@ The contract is MlflowTracker's. Every call except ``log_metrics`` is a request 
 waits for, so its errors are raised where it was made, and ``end_run`` returns once the run's
 points and status are in the store (or its spool). One pipe, read in order, keeps the order
 of writes. The store's refusal of shipped points is logged by the writer and raised by the
-next ``flush``.
+next ``flush`` of that run (or of all runs).
 
 If the writer dies, the tracker says so and writes from the trainer's process from then on
 (the MlflowTracker it extends). Points shipped but not yet written are lost: at most the last
@@ -90,7 +90,7 @@ class WriterProcessTracker(MlflowTracker):
         """Ship this process's buffer, then wait until the writer has written everything
         shipped so far; raises what the store refused since the last flush."""
         super().flush(run)
-        self._request("sync")
+        self._request("sync", run.run_id if run is not None else None)
 
     def close(self) -> None:
         """Write everything, then end the writer. The tracker keeps working, in this process."""
@@ -174,7 +174,7 @@ def serve(requests: Connection, replies: Connection, tracker: MlflowTracker) -> 
     Shipped points wait in ``pending`` only while more messages are queued: they are
     written (one batch per run) as soon as the pipe is empty, and before any request."""
     pending: dict[str, list] = {}
-    refusals: list[str] = []
+    refusals: dict[str, list[str]] = {}  # run id -> what the store refused of its shipped points
 
     def write_pending() -> None:
         for run_id in list(pending):
@@ -182,7 +182,7 @@ def serve(requests: Connection, replies: Connection, tracker: MlflowTracker) -> 
                 tracker._submit(run_id, pending.pop(run_id))
             except TrackingError as exc:
                 log.error("%s", exc)
-                refusals.append(str(exc))
+                refusals.setdefault(run_id, []).append(str(exc))
 
     while True:
         if pending and not requests.poll(0):
@@ -202,9 +202,10 @@ def serve(requests: Connection, replies: Connection, tracker: MlflowTracker) -> 
             replies.send((True, None))
             return
         _, method, args = msg
-        if method == "sync":
-            reply = (False, TrackingError("\n".join(refusals))) if refusals else (True, None)
-            refusals.clear()
+        if method == "sync":  # flush(run): what was refused of that run's points (or of all runs)
+            runs = list(refusals) if args[0] is None else [args[0]]
+            lines = [line for run_id in runs for line in refusals.pop(run_id, [])]
+            reply = (False, TrackingError("\n".join(lines))) if lines else (True, None)
         else:
             try:
                 reply = (True, getattr(tracker, method)(*args))

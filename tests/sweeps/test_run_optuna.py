@@ -74,6 +74,7 @@ def test_four_trials_make_one_parent_and_four_nested_children(tmp_path):
     # Running the same command again resumes: the budget is a total, so nothing more runs.
     again = run_cli(tmp_path, "run", str(spec), "--quiet")
     assert again.returncode == 0, again.stderr
+    assert "nothing to run: all 4 trials of budget.n_trials have run" in again.stdout
     assert len(load_study(tmp_path, "tiny").trials) == 4
     assert len([r for r in mlflow_runs(tmp_path, "tiny") if r.data.tags.get("sweeps.role") == "study"]) == 1
 

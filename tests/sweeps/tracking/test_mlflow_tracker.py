@@ -255,14 +255,16 @@ def test_check_connection(make_tracker, store, tmp_path, fast_http_env):
         make_tracker(missing).check_connection()
 
 
-def test_threads_log_to_their_own_runs(make_tracker, store):
-    tracker = make_tracker(flush_every_points=300, flush_every_s=1e9)
+def test_threads_log_to_their_own_runs(any_tracker, store):
+    tracker = any_tracker()
     eid, parent = _study(tracker, store)
     runs = [tracker.start_run(eid, f"trial-{i}", parent=parent) for i in range(4)]
 
     def work(run: RunHandle) -> None:
         for step in range(1, 501):
             tracker.log_metrics(run, {"loss": step}, step)
+            if step % 100 == 0:
+                tracker.set_tags(run, {"last": step})
         tracker.end_run(run, "FINISHED")
 
     threads = [threading.Thread(target=work, args=(r,)) for r in runs]
@@ -273,4 +275,5 @@ def test_threads_log_to_their_own_runs(make_tracker, store):
     for run in runs:
         hist = store.client.get_metric_history(run.run_id, "loss")
         assert sorted(m.step for m in hist) == list(range(1, 501))
-        assert store.client.get_run(run.run_id).info.status == "FINISHED"
+        got = store.client.get_run(run.run_id)
+        assert got.info.status == "FINISHED" and got.data.tags["last"] == "500"

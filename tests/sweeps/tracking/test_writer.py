@@ -1,5 +1,6 @@
-"""WriterProcessTracker beyond the Tracker contract (test_mlflow_tracker.py runs that on it too):
-the trainer's cost per point, threads, and what happens when the writer or the trainer dies.
+"""WriterProcessTracker beyond the Tracker contract (test_mlflow_tracker.py runs that on it too,
+threads included): the trainer's cost per point, and what happens when the writer or the
+trainer dies.
 Real writer processes, real signals, a real MLflow sqlite store."""
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from sweeps.errors import TrackingError
 from sweeps.tracking import RunHandle, layout
 from sweeps.tracking.writer import WriterProcessTracker
 
@@ -53,26 +56,19 @@ def test_logging_ships_without_waiting_and_every_point_arrives(shared_writer_tra
         assert sorted(m.step for m in store.client.get_metric_history(run.run_id, key)) == list(range(1, n + 1))
 
 
-def test_threads_share_one_writer(shared_writer_tracker, store):
+def test_points_the_store_refuses_are_raised_by_the_next_flush_of_their_run(shared_writer_tracker, store):
     tracker = shared_writer_tracker
-    runs = [_run(tracker, store, f"trial-{i}") for i in range(4)]
-
-    def work(run: RunHandle) -> None:
-        for step in range(1, 501):
-            tracker.log_metrics(run, {"loss": step}, step)
-            if step % 100 == 0:
-                tracker.set_tags(run, {"last": step})
-        tracker.end_run(run, "FINISHED")
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in runs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for run in runs:
-        got = store.client.get_run(run.run_id)
-        assert sorted(m.step for m in store.client.get_metric_history(run.run_id, "loss")) == list(range(1, 501))
-        assert got.info.status == "FINISHED" and got.data.tags["last"] == "500"
+    doomed, other = _run(tracker, store, "doomed"), _run(tracker, store, "other")
+    store.client.delete_run(doomed.run_id)  # a deleted run takes no writes
+    tracker.log_metrics(doomed, {"loss": 1.0}, 1)
+    tracker.log_metrics(other, {"loss": 1.0}, 1)
+    time.sleep(0.15)
+    tracker.log_metrics(other, {"loss": 2.0}, 2)  # the buffer is due: both runs' points are shipped
+    tracker.flush(other)  # the other run's flush does not carry the doomed run's refusal
+    with pytest.raises(TrackingError, match=f"refused.*{doomed.run_id}"):
+        tracker.flush(doomed)
+    tracker.flush(doomed)  # said once
+    assert sorted(m.value for m in store.client.get_metric_history(other.run_id, "loss")) == [1.0, 2.0]
 
 
 def test_a_killed_writer_is_reported_and_the_trainer_writes_by_itself(store, tmp_path, caplog):
