@@ -1,7 +1,6 @@
 """Real processes, real signals: SIGKILL and SIGTERM of `sweeps run` mid-trial lose nothing."""
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
