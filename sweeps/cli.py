@@ -72,14 +72,14 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 @args(_run_args)
 def cmd_run(a: argparse.Namespace) -> int:
     from sweeps.backends import get_backend
-    from sweeps.backends.early_worker import start_early_worker, stop_early_workers
+    from sweeps.backends.early_worker import start_early_workers, stop_early_workers
 
-    start_early_worker(a.spec)  # imports while the spec is validated; the backend adopts it
+    start_early_workers(a.spec)  # they import while the spec is validated; the backend adopts them
     try:
         spec = _load(a.spec)
         result = get_backend(spec.backend).run(spec, fresh=a.fresh, quiet=a.quiet)
     finally:
-        stop_early_workers()  # one nobody adopted: a bad spec, or a study it cannot serve
+        stop_early_workers()  # any nobody adopted: a bad spec, or a study they cannot serve
     return result.exit_code
 
 

@@ -1,13 +1,14 @@
-"""Start ``sweeps run``'s first Optuna worker before the spec is validated.
+"""Start ``sweeps run``'s Optuna workers before the spec is validated.
 
 Validating a spec builds its task, which imports torch: about 2 s before the orchestrator knows
 its worker slots. A worker's own start-up (imports, torch._dynamo, its warm-up) is the longest
-part of a study's start, so the first worker is started at once, from a raw read of the spec,
-and told its slot (threads, beat file, tracking writer) with its go. ``OptunaBackend`` adopts
-it for its first slot; anything not adopted is killed when the command ends.
+part of a study's start, so the workers are started at once, from a raw read of the spec
+(``resources.workers``, or on ``auto`` one per two CPU threads, as ``pool.plan_workers`` counts),
+and told their slot (threads, beat file, tracking writer) with their go. ``OptunaBackend``
+adopts them for its slots; any not adopted is killed when the command ends.
 
 Only where a worker's devices need not be fixed before it starts: CUDA reads
-``CUDA_VISIBLE_DEVICES`` once, when a process first touches CUDA, so the early worker runs
+``CUDA_VISIBLE_DEVICES`` once, when a process first touches CUDA, so early workers run
 with no GPU visible, which suits a spec with ``devices: cpu`` or a machine without an NVIDIA
 driver. This module imports nothing heavy: it runs before torch is imported.
 """
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_MOST = 64  # more early workers than this are not started before the plan confirms them
 _started: list[tuple[Path, subprocess.Popen]] = []
 
 
@@ -33,10 +35,12 @@ def die_with_parent() -> None:
         pass
 
 
-def start_early_worker(spec_path: str) -> None:
-    """Start one worker for ``spec_path`` if the raw spec says it is an Optuna study that can
-    train without a GPU chosen yet; otherwise do nothing (the backend starts its workers)."""
+def start_early_workers(spec_path: str) -> None:
+    """Start the workers of ``spec_path`` if the raw spec says it is an Optuna study that can
+    train without GPUs chosen yet; otherwise do nothing (the backend starts its workers)."""
     import yaml
+
+    from sweeps.pool import auto_cpu_workers, cpu_threads_available
 
     try:
         raw = yaml.safe_load(Path(spec_path).read_text())
@@ -47,14 +51,20 @@ def start_early_worker(spec_path: str) -> None:
     resources = raw.get("resources") if isinstance(raw.get("resources"), dict) else {}
     if resources.get("devices", "auto") != "cpu" and Path("/proc/driver/nvidia").exists():
         return
+    workers = resources.get("workers", "auto")
+    if workers == "auto":
+        workers = auto_cpu_workers(cpu_threads_available())
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= _MOST:
+        return  # validation reports a bad count; a huge one waits for the plan
     cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec_path), "--go-on-stdin"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
-    _started.append((Path(spec_path).resolve(), proc))
+    for _ in range(workers):
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+        _started.append((Path(spec_path).resolve(), proc))
 
 
 def adopt_early_worker(spec_path: str | Path) -> subprocess.Popen | None:
-    """The early worker started for this spec file, still running, handed over once."""
+    """An early worker started for this spec file, still running, handed over once."""
     wanted = Path(spec_path).resolve()
     for i, (path, proc) in enumerate(_started):
         if path == wanted and proc.poll() is None:

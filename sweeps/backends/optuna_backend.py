@@ -224,8 +224,8 @@ class OptunaBackend:
         return stopped, code
 
     def _spawn(self, spec: StudySpec, slot: WorkerSlot) -> _Worker:
-        """Start a worker that warms up, then waits on its stdin for :meth:`_go`, or adopt the
-        one ``sweeps run`` started before validating the spec (early_worker.py) for a CPU slot.
+        """Start a worker that warms up, then waits on its stdin for :meth:`_go`, or adopt one
+        ``sweeps run`` started before validating the spec (early_worker.py) for a CPU slot.
         Nothing is written yet: if the set-up fails, the worker is killed and leaves no trace."""
         beat = _beat_dir(spec) / f"worker-{slot.index}.beat"
         proc = adopt_early_worker(spec.path) if not slot.devices and spec.path is not None else None

@@ -1,5 +1,5 @@
-"""The worker `sweeps run` starts before validating its spec: started only where its devices
-can be chosen later, adopted once by the Optuna backend, killed when nobody adopts it."""
+"""The workers `sweeps run` starts before validating its spec: started only where their devices
+can be chosen later, each adopted once by the Optuna backend, killed when nobody adopts them."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sweeps.backends import early_worker
+from sweeps.pool import auto_cpu_workers, cpu_threads_available
 from tests.sweeps.study_helpers import run_cli, write_spec
 
 
@@ -28,14 +29,19 @@ def _command_lines() -> list[str]:
     return out
 
 
-def test_started_for_an_optuna_cpu_study_adopted_once_then_gone(tmp_path):
-    spec = write_spec(tmp_path, seed_store=False)
-    early_worker.start_early_worker(str(spec))
-    proc = early_worker.adopt_early_worker(os.path.relpath(spec))  # the same file by another path
-    assert proc is not None and proc.poll() is None
-    assert early_worker.adopt_early_worker(spec) is None  # handed over once
-    proc.stdin.close()  # EOF instead of a go: the worker stops by itself, having written nothing
-    assert proc.wait(timeout=120) == 0
+@pytest.mark.parametrize("workers, started", [(1, 1), (2, 2), ("auto", None)])
+def test_started_for_an_optuna_cpu_study_each_adopted_once(tmp_path, workers, started):
+    spec = write_spec(tmp_path, seed_store=False, resources={"devices": "cpu", "workers": workers})
+    early_worker.start_early_workers(str(spec))
+    procs = []
+    while (proc := early_worker.adopt_early_worker(os.path.relpath(spec))) is not None:  # any path to it
+        procs.append(proc)
+    # auto: as many as the plan makes on this machine's CPU threads
+    assert len(procs) == (started or auto_cpu_workers(cpu_threads_available()))
+    for proc in procs:
+        assert proc.poll() is None
+        proc.stdin.close()  # EOF instead of a go: the worker stops by itself, having written nothing
+    assert [proc.wait(timeout=120) for proc in procs] == [0] * len(procs)
     assert not (tmp_path / "runs" / "mlflow.db").exists() and not list(tmp_path.glob("runs/*.journal"))
 
 
@@ -46,7 +52,7 @@ def test_not_started_where_it_could_not_serve(tmp_path, monkeypatch, changes):
     real_exists = Path.exists
     monkeypatch.setattr(Path, "exists", lambda p: True if str(p) == "/proc/driver/nvidia" else real_exists(p))
     spec = write_spec(tmp_path, seed_store=False, **changes)
-    early_worker.start_early_worker(str(spec))
+    early_worker.start_early_workers(str(spec))
     assert early_worker.adopt_early_worker(spec) is None
 
 
