@@ -59,8 +59,12 @@ class WriterProcessTracker(MlflowTracker):
         self._pipe_lock = threading.Lock()  # one message on the pipe at a time; taken after _send_lock
         config = {"tracking_uri": self.tracking_uri, "spool_dir": str(self.spool.directory),
                   "artifact_root": self.artifact_root, "retry_interval_s": self.retry_interval_s}
-        self._proc: subprocess.Popen | None
-        self._proc, self._requests, self._replies = _start_writer(config)
+        self._proc: subprocess.Popen | None = None
+        try:
+            self._proc, self._requests, self._replies = _start_writer(config)
+        except OSError as exc:  # no process to be had (out of memory, pids): write from this one
+            log.warning("cannot start the MLflow writer process (%s); this process writes to %s itself",
+                        exc, self.tracking_uri)
 
     def warm_up(self) -> None:
         """Nothing to do here: the writer imports MLflow in its own process as it starts."""
@@ -105,9 +109,12 @@ class WriterProcessTracker(MlflowTracker):
                         self._replies.recv()
                     except (OSError, EOFError):
                         pass  # it is gone already: nothing more to tell it
-                    self._requests.close()
-                    self._replies.close()
-                    proc.wait(timeout=60)
+                    self._close_pipes()
+                    try:
+                        proc.wait(timeout=60)  # it exits as soon as it has answered
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
 
     # -- shipping ------------------------------------------------------------------------
     def _flush_due(self) -> None:
@@ -146,10 +153,19 @@ class WriterProcessTracker(MlflowTracker):
 
     def _writer_gone(self, exc: BaseException) -> None:
         proc, self._proc = self._proc, None
-        code = proc.poll() if proc is not None else None
+        code = proc.poll() if proc is not None else None  # reaps it if it has exited
+        self._close_pipes()
         log.error("the MLflow writer process (pid %s) is gone (%s; exit code %s): this process writes to %s "
                   "from now on; points shipped to the writer in its last %.1f s may be missing",
                   proc.pid if proc else "?", exc, code, self.tracking_uri, self.flush_every_s)
+
+
+    def _close_pipes(self) -> None:
+        for conn in (self._requests, self._replies):
+            try:
+                conn.close()
+            except OSError:
+                pass
 
 
 def _start_writer(config: dict) -> tuple[subprocess.Popen, Connection, Connection]:

@@ -139,3 +139,20 @@ def test_the_writer_leaves_with_a_trainer_that_exits_before_asking_anything(stor
     t0 = time.monotonic()
     assert _gone(int(out.stdout.split()[0]), 10)
     assert time.monotonic() - t0 < 1.0  # not after its imports: at once
+
+
+def test_without_a_writer_process_the_trainer_writes_by_itself(store, tmp_path, monkeypatch, caplog):
+    from sweeps.tracking import writer
+
+    def no_process(config):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(writer, "_start_writer", no_process)
+    tracker = WriterProcessTracker(store.uri, spool_dir=tmp_path / "spool", artifact_root=store.artifact_root)
+    assert tracker.writer_pid is None and "cannot start the MLflow writer process" in caplog.text
+    run = _run(tracker, store)
+    tracker.log_metrics(run, {"val_acc": 0.5}, 1)
+    tracker.end_run(run, "FINISHED")
+    tracker.close()
+    got = store.client.get_run(run.run_id)
+    assert got.info.status == "FINISHED" and got.data.metrics["val_acc"] == 0.5
