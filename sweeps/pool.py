@@ -413,19 +413,23 @@ def tracking_writer_process(on_gpu: bool, training_threads: int, cpu_threads: in
     trains, a writer process would take its CPU from training, and cost more than writing
     inline (benchmarks/RESULTS.md, tracking overhead). ``SWEEPS_TRACKING_WRITER=process`` or
     ``inline`` in the environment decides instead."""
-    forced = os.environ.get(TRACKING_WRITER_VAR)
-    if forced in ("process", "inline"):
-        return forced == "process"
-    return on_gpu or training_threads < cpu_threads
+    forced = _writer_chosen_in_env()
+    return forced if forced is not None else on_gpu or training_threads < cpu_threads
 
 
 def worker_writes_from_a_process() -> bool:
     """In a worker: what ``sweeps run`` decided (it sets ``SWEEPS_TRACKING_WRITER``), or for a
     ``sweeps worker`` started by hand, the same rule on this machine for one worker."""
-    if os.environ.get(TRACKING_WRITER_VAR) in ("process", "inline"):  # no torch import for the GPU count
-        return os.environ[TRACKING_WRITER_VAR] == "process"
+    forced = _writer_chosen_in_env()
+    if forced is not None:  # decided: no torch import for the GPU count
+        return forced
     threads = int(os.environ.get(WORKER_THREADS_VAR) or cpu_threads_available())
     return tracking_writer_process(visible_gpu_count() > 0, threads, cpu_threads_available())
+
+
+def _writer_chosen_in_env() -> bool | None:
+    value = os.environ.get(TRACKING_WRITER_VAR)
+    return value == "process" if value in ("process", "inline") else None
 
 
 def _worker_devices(devices: list[int], k: int, slots: int, i: int) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping
 
 _PR_SET_PDEATHSIG = 1
 _MOST = 64  # more early workers than this are not started before the plan confirms them
@@ -33,6 +34,15 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def spawn_worker(spec_path: str | Path, env: Mapping[str, str]) -> subprocess.Popen:
+    """A local Optuna worker (``python -m sweeps.backends.optuna_worker SPEC``) with ``env`` on
+    top of this process's environment. It validates the spec, warms up, then waits on its
+    stdin for the go (``OptunaBackend._go``); it dies with this process."""
+    cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec_path)]
+    return subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
 
 
 def start_early_workers(spec_path: str) -> None:
@@ -56,11 +66,8 @@ def start_early_workers(spec_path: str) -> None:
         workers = auto_cpu_workers(cpu_threads_available())
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= _MOST:
         return  # validation reports a bad count; a huge one waits for the plan
-    cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec_path), "--go-on-stdin"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     for _ in range(workers):
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
-        _started.append((Path(spec_path).resolve(), proc))
+        _started.append((Path(spec_path).resolve(), spawn_worker(spec_path, {"CUDA_VISIBLE_DEVICES": ""})))
 
 
 def adopt_early_worker(spec_path: str | Path) -> subprocess.Popen | None:

@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study as os_
 from sweeps.backends.base import StudyResult
-from sweeps.backends.early_worker import adopt_early_worker, die_with_parent
+from sweeps.backends.early_worker import adopt_early_worker, spawn_worker
 from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.errors import StudyStateError
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
@@ -230,9 +229,7 @@ class OptunaBackend:
         beat = _beat_dir(spec) / f"worker-{slot.index}.beat"
         proc = adopt_early_worker(spec.path) if not slot.devices and spec.path is not None else None
         if proc is None:
-            cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec.path), "--go-on-stdin"]
-            env = {**os.environ, **slot.env()}
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+            proc = spawn_worker(spec.path, slot.env())
         return _Worker(slot, proc, beat)
 
     def _go(self, w: _Worker, parent_id: str, started: float, deadline: float | None) -> None:

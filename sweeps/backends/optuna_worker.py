@@ -302,39 +302,29 @@ def _heartbeat(study: optuna.Study, trial: optuna.Trial, beat_file: Path | None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of a local worker process started by ``sweeps run``."""
+    """Entry point of a local worker started by ``sweeps run`` (``early_worker.spawn_worker``):
+    it validates the spec, warms up, then waits on stdin for one JSON line, the go: the parent
+    run, the budget window (since, deadline) and its slot (index, beat file, environment:
+    CUDA_VISIBLE_DEVICES, threads, tracking writer). EOF instead means stop."""
     import argparse
 
     from sweeps.spec import load_spec
 
     p = argparse.ArgumentParser(prog="sweeps-worker")
     p.add_argument("spec")
-    p.add_argument("--slot", type=int, default=0)
-    p.add_argument("--parent-run-id")
-    p.add_argument("--deadline", type=float)
-    p.add_argument("--since", type=float)
-    p.add_argument("--beat-file")
-    p.add_argument("--go-on-stdin", action="store_true",
-                   help="warm up, then wait for one JSON line on stdin: {parent_run_id, since, deadline}, "
-                        "and the slot's index, beat file and environment (CUDA_VISIBLE_DEVICES, threads)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         spec = load_spec(a.spec)
     except SpecError:
-        if a.go_on_stdin:  # `sweeps run` validates the same file and reports every problem itself
-            return 2
-        raise
-    if a.go_on_stdin:
-        go = _warm_up_then_wait(spec)
-        if go is None:
-            return 0  # the orchestrator stopped before the study started (a bad store, a second run...)
-        # Before anything reads them: run_worker sets torch's threads from SWEEPS_WORKER_THREADS, and
-        # CUDA reads CUDA_VISIBLE_DEVICES when first used (the warm-up does not touch CUDA).
-        os.environ.update(go.get("env", {}))
-        a.parent_run_id, a.since, a.deadline = go["parent_run_id"], go["since"], go.get("deadline")
-        a.slot, a.beat_file = go.get("slot", a.slot), go.get("beat_file", a.beat_file)
-    return run_worker(spec, a.slot, a.parent_run_id, a.deadline, a.since, Path(a.beat_file) if a.beat_file else None)
+        return 2  # `sweeps run` validates the same file and reports every problem itself
+    go = _warm_up_then_wait(spec)
+    if go is None:
+        return 0  # the orchestrator stopped before the study started (a bad store, a second run...)
+    # Before anything reads them: run_worker sets torch's threads from SWEEPS_WORKER_THREADS, and
+    # CUDA reads CUDA_VISIBLE_DEVICES when first used (the warm-up does not touch CUDA).
+    os.environ.update(go["env"])
+    return run_worker(spec, go["slot"], go["parent_run_id"], go.get("deadline"), go["since"], Path(go["beat_file"]))
 
 
 def _warm_up_then_wait(spec: StudySpec) -> dict | None:
