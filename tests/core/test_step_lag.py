@@ -3,13 +3,15 @@ GPU never waits for Python) gives the same curves, weights, resume and divergenc
 reading them at once (lag 0). Forced on CPU here, so no GPU is needed."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from core import checkpoint as ckpt
 from core import train as train_mod
 from core.reporting import RecordingReporter
-from core.step_stats import PendingStep, read_lag
+from core.step_stats import PendingStep, gradient_norm, read_lag
 from core.tasks.digits import DigitsTask
 from core.train import train
 
@@ -78,3 +80,27 @@ def test_pending_step_reads_everything_in_one_go():
     assert rec.problem(check_loss=False, check_grad=True) is None
     rec.loss_values, rec.norm_value = [0.5], float("nan")
     assert rec.problem(check_loss=True, check_grad=True).startswith("non-finite gradient norm nan")
+
+
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_gradient_norm_on_cpu_matches_torch_and_keeps_non_finite(poison):
+    torch.manual_seed(0)
+    grads = [torch.randn(16, 1, 3, 3), torch.randn(16), torch.randn(10, 512, dtype=torch.float64),
+             torch.randn(3).to(torch.bfloat16)]
+    if poison is not None:
+        grads[1][3] = poison
+    ours = gradient_norm(grads, torch.device("cpu"))
+    reference = float(torch.nn.utils.get_total_norm([g.double() for g in grads]))
+    assert isinstance(ours, float)
+    if poison is None:
+        assert ours == pytest.approx(reference, rel=1e-6)
+    else:
+        assert not math.isfinite(ours)
+    assert float(gradient_norm([], torch.device("cpu"))) == 0.0
+
+
+def test_pending_step_takes_a_host_gradient_norm():
+    rec = PendingStep(step=1, epoch=1)
+    rec.add(torch.tensor(0.25), 8)
+    rec.grad_norm = 2.5  # what gradient_norm gives on CPU
+    assert rec.read() == ([0.25], 2.5)
