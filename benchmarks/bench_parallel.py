@@ -1,7 +1,9 @@
 """Parallel efficiency: trials per minute with 2 CPU workers against 1 worker (Optuna backend).
 
-The same study (digits CNN trials of a fixed size; only the learning rate is searched, so every
-trial costs the same) run by ``sweeps run`` with ``resources.workers: 1`` and ``workers: 2``.
+The same study run by ``sweeps run`` with ``resources.workers: 1`` and ``workers: 2``: trials of
+``studies/lr_bs.yaml`` (its ``train`` section: the digits CNN with OneCycle, clipping,
+checkpoints and a verified ONNX export) at a fixed batch size of 32, searching only the
+learning rate, so every trial costs the same.
 The pool gives 1 worker all the CPU threads and 2 workers half each, as ``sweeps`` does.
 Rounds alternate 1 worker, 2 workers (ABAB); the ratio is taken inside each round.
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import Context, arm, bench_main, error_row, make_row, paired_ratio, stats
+import yaml
+
+from benchmarks.common import ROOT, Context, arm, bench_main, error_row, make_row, paired_ratio, stats
 from benchmarks.sweeps_runs import mlflow_trials, run_sweeps, tiny_spec, write_spec
 
 NAME = "parallel"
@@ -26,8 +30,11 @@ TARGET = 1.7
 def one_study(ctx: Context, workers: int, n_trials: int, index: int, timeout_s: float) -> dict:
     name = f"par_w{workers}"
     folder = ctx.workdir / f"{name}-{index}"
-    spec = tiny_spec(name, task={"name": "digits", "model": "cnn", "args": {}},
-                     train={"epochs": ctx.pick(1, 3), "batch_size": 32},
+    main_study = yaml.safe_load((ROOT / "studies" / "lr_bs.yaml").read_text())
+    spec = tiny_spec(name, task=main_study["task"],
+                     train={**main_study["train"], "epochs": ctx.pick(1, main_study["train"]["epochs"]),
+                            "batch_size": 32},
+                     search={"lr": main_study["search"]["lr"]},
                      budget={"n_trials": n_trials, "max_failures": 3},
                      resources={"devices": "cpu", "workers": workers})
     res = run_sweeps(folder, write_spec(folder, spec), timeout_s)
@@ -46,7 +53,7 @@ def one_study(ctx: Context, workers: int, n_trials: int, index: int, timeout_s: 
 
 
 def run(ctx: Context) -> dict:
-    n_trials = int(ctx.options.get("n_trials", ctx.pick(2, 12)))
+    n_trials = int(ctx.options.get("n_trials", ctx.pick(2, 10)))
     repeats = ctx.n_repeats(2)
     timeout_s = ctx.pick(240, 360)
     runs: dict[int, list[dict]] = {1: [], 2: []}
@@ -99,15 +106,16 @@ def run(ctx: Context) -> dict:
                       f"{t2:.2f} s on 1)"),
             details={"end_to_end_ratio": e2e, "runs": runs, "contended": contended,
                      "trial_seconds_median": {"1 worker": t1, "2 workers": t2}, "ceiling": ceiling})]
-        summary = (f"Parallel efficiency (trials/min, 2 CPU workers vs 1, {n_trials} digits-CNN trials): "
+        summary = (f"Parallel efficiency (trials/min, 2 CPU workers vs 1, {n_trials} lr_bs trials at batch 32): "
                    f"{steady['median']:.2f}x steady state, {e2e['median']:.2f}x end to end (target >= {TARGET}x)"
                    + (f"; NOT VALID: 1-worker trials (2 threads) were slower than 2-worker trials (1 thread), "
                       f"{t1:.1f} s vs {t2:.1f} s: the machine was busy" if contended else ""))
     return {
         "target": f">= {TARGET}x trials per minute with 2 workers on this machine",
         "summary": summary, "rows": rows,
-        "notes": [f"Trials: digits CNN, batch 32, {ctx.pick(1, 3)} epoch(s), checkpoints and ONNX off, random "
-                  "sampler over lr only (equal cost per trial), no pruner.",
+        "notes": [f"Trials: studies/lr_bs.yaml's train section (digits CNN, OneCycle, grad clip 1.0, checkpoints, "
+                  f"ONNX export verified in onnxruntime), batch 32, {ctx.pick(1, 8)} epoch(s); random sampler over "
+                  "lr only (equal cost per trial), no pruner.",
                   "Each worker gets cpu_threads // workers torch threads (sweeps.pool.plan_workers). The ceiling "
                   "is 2 x (1-worker trial time) / (2-worker trial time): a trial that gains from its second "
                   "thread leaves less for a second worker to add."],

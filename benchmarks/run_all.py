@@ -27,13 +27,13 @@ from benchmarks.common import (RESULTS_DIR, RESULTS_MD, ROOT, SHARED_THRESHOLD_C
 
 # name -> (section number, planned seconds in the full suite on 2 idle cores, time limit with --quick)
 BENCHMARKS: dict[str, tuple[int, int, int]] = {
-    "trainer_overhead": (1, 95, 120),
-    "tracking_overhead": (2, 50, 90),
-    "orchestration": (3, 165, 150),
-    "parallel": (4, 105, 150),
-    "search_efficiency": (5, 220, 150),
-    "lr_finder": (6, 65, 90),
-    "onnx_latency": (7, 65, 120),
+    "trainer_overhead": (1, 150, 120),
+    "tracking_overhead": (2, 100, 90),
+    "orchestration": (3, 75, 150),
+    "parallel": (4, 200, 150),
+    "search_efficiency": (5, 130, 150),
+    "lr_finder": (6, 40, 90),
+    "onnx_latency": (7, 100, 120),
     "gpu": (8, 5, 120),
 }
 # Diagnostics: not in the default suite; run with --only NAME; shown in RESULTS.md when their JSON exists.
