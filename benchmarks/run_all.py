@@ -221,9 +221,6 @@ def _extra_section(r: dict) -> list[str]:
                 out.append(f"| {_cell(k)} | {us:.1f} | {b['per_step_costs_pct_of_hand_step'][k]:.2f}% |")
             out.append(f"| **sum** (predicts a ratio of {b['predicted_ratio']:.3f}) | {b['sum_of_extras_us']:.1f} | "
                        f"{b['sum_of_extras_pct']:.2f}% |")
-            f = b["epoch_flush_s"]
-            out.append(f"| (outside the epoch timer) MLflow flush of one epoch's {f['points']} step points | "
-                       f"{f['per_step_equivalent_us']:.1f} | {100 * f['seconds'] / max(1e-12, b['hand_step_s'] * f['points'] / 3):.2f}% |")
     if r["name"] == "trainer_ladder":
         for row in r.get("rows", []):
             lad = row.get("details", {}).get("ladder")
