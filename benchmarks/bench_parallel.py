@@ -27,10 +27,10 @@ TITLE = "Parallel efficiency: trials/min with 2 CPU workers vs 1 (sweeps run, Op
 TARGET = 1.7
 
 
-def one_study(ctx: Context, workers: int, n_trials: int, index: int, timeout_s: float) -> dict:
+def one_study(ctx: Context, main_study: dict, workers: int, n_trials: int, index: int, timeout_s: float) -> dict:
+    """``main_study``: studies/lr_bs.yaml, whose task, train section and lr range the trials take."""
     name = f"par_w{workers}"
     folder = ctx.workdir / f"{name}-{index}"
-    main_study = yaml.safe_load((ROOT / "studies" / "lr_bs.yaml").read_text())
     spec = tiny_spec(name, task=main_study["task"],
                      train={**main_study["train"], "epochs": ctx.pick(1, main_study["train"]["epochs"]),
                             "batch_size": 32},
@@ -56,6 +56,7 @@ def run(ctx: Context) -> dict:
     n_trials = int(ctx.options.get("n_trials", ctx.pick(2, 10)))
     repeats = ctx.n_repeats(2)
     timeout_s = ctx.pick(240, 360)
+    main_study = yaml.safe_load((ROOT / "studies" / "lr_bs.yaml").read_text())
     runs: dict[int, list[dict]] = {1: [], 2: []}
     last = 0.0
     for r in range(repeats):
@@ -65,7 +66,7 @@ def run(ctx: Context) -> dict:
         for workers in (1, 2):
             ctx.log(f"{NAME}: {n_trials} trials with {workers} worker(s) (round {r + 1}/{repeats})")
             try:
-                out = one_study(ctx, workers, n_trials, r, timeout_s)
+                out = one_study(ctx, main_study, workers, n_trials, r, timeout_s)
             except Exception as exc:  # noqa: BLE001
                 out = {"workers": workers, "error": f"{type(exc).__name__}: {exc}"}
             runs[workers].append(out)
@@ -114,7 +115,8 @@ def run(ctx: Context) -> dict:
         "target": f">= {TARGET}x trials per minute with 2 workers on this machine",
         "summary": summary, "rows": rows,
         "notes": [f"Trials: studies/lr_bs.yaml's train section (digits CNN, OneCycle, grad clip 1.0, checkpoints, "
-                  f"ONNX export verified in onnxruntime), batch 32, {ctx.pick(1, 8)} epoch(s); random sampler over "
+                  f"ONNX export verified in onnxruntime), batch 32, {ctx.pick(1, main_study['train']['epochs'])} "
+                  "epoch(s); random sampler over "
                   "lr only (equal cost per trial), no pruner.",
                   "Each worker gets cpu_threads // workers torch threads (sweeps.pool.plan_workers). The ceiling "
                   "is 2 x (1-worker trial time) / (2-worker trial time): a trial that gains from its second "

@@ -16,59 +16,68 @@ import statistics
 import time
 
 
-def hand_parts(task, cfg):
-    """Model, shuffling loader, optimizer and loss of the hand loop: SGD with core's settings,
-    the loader the way a tutorial writes it (RandomSampler, in-process loading, no pinning)."""
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader
+class HandStepper:
+    """The hand loop, one optimizer step per call: a tutorial's loader (RandomSampler, in-process
+    loading, no pinning) -> forward -> loss -> zero_grad -> backward -> SGD step, with core's
+    optimizer settings. Run whole by :func:`hand_loop`, or beside core by :class:`Lockstep`."""
 
-    torch.manual_seed(cfg.seed)
-    model = task.build_model()
-    train_ds, _ = task.datasets()
-    loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, num_workers=0, pin_memory=False,
-                        drop_last=False, generator=torch.Generator().manual_seed(cfg.seed))
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
-    return model, loader, optimizer, nn.CrossEntropyLoss()
+    def __init__(self, task, cfg) -> None:
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader
+
+        torch.manual_seed(cfg.seed)
+        self.model = task.build_model()
+        self.model.train()
+        train_ds, _ = task.datasets()
+        self.loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, num_workers=0,
+                                 pin_memory=False, drop_last=False,
+                                 generator=torch.Generator().manual_seed(cfg.seed))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                         weight_decay=cfg.weight_decay)
+        self.criterion = nn.CrossEntropyLoss()
+        self._batches, self._left = iter(()), 0
+
+    def start_epoch(self) -> None:
+        self._batches, self._left = iter(self.loader), len(self.loader)
+
+    def ready(self) -> None:
+        """Untimed, in lockstep: start the next epoch when this one is spent (core's epoch start,
+        where it does the same, is not timed either)."""
+        if self._left == 0:
+            self.start_epoch()
+
+    def step(self) -> int:
+        """One step: fetch a batch, forward, backward, update. Returns the batch's sample count."""
+        x, y = next(self._batches)
+        self._left -= 1
+        loss = self.criterion(self.model(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return y.shape[0]
 
 
-def minor_faults() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def hand_loop(task, cfg, faults: bool = False) -> dict:
-    """The minimal loop, whole: DataLoader(shuffle) -> forward -> loss -> zero_grad -> backward ->
-    step. ``faults``: also count minor page faults per step (a getrusage call per step)."""
-    model, loader, optimizer, criterion = hand_parts(task, cfg)
-    steps = len(loader) if cfg.max_steps_per_epoch is None else min(len(loader), cfg.max_steps_per_epoch)
-    seen, train_time, intervals, cpu_intervals, fault_counts = 0, 0.0, [], [], []
+def hand_loop(task, cfg) -> dict:
+    """The hand loop run whole, its epochs timed like core's (the loader's start included)."""
+    hand = HandStepper(task, cfg)
+    steps = len(hand.loader) if cfg.max_steps_per_epoch is None else min(len(hand.loader), cfg.max_steps_per_epoch)
+    seen, train_time, intervals, cpu_intervals = 0, 0.0, [], []
     for _epoch in range(cfg.epochs):
-        model.train()
         t0 = time.perf_counter()
-        last = last_cpu = last_faults = None
-        for i, (x, y) in enumerate(loader):
-            if i >= steps:
-                break
-            loss = criterion(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            seen += y.shape[0]
+        hand.start_epoch()
+        last = last_cpu = None
+        for _ in range(steps):
+            seen += hand.step()
             now, now_cpu = time.perf_counter(), time.process_time()
-            now_faults = minor_faults() if faults else 0
             if last is not None:
                 intervals.append(now - last)
                 cpu_intervals.append(now_cpu - last_cpu)
-                fault_counts.append(now_faults - last_faults)
-            last, last_cpu, last_faults = now, now_cpu, now_faults
+            last, last_cpu = now, now_cpu
         train_time += time.perf_counter() - t0
     return {"samples_per_s": seen / train_time, "samples": seen, "train_time_s": train_time,
             "step_interval_s": statistics.median(intervals) if intervals else float("nan"),
-            "step_cpu_s": statistics.median(cpu_intervals) if cpu_intervals else float("nan"),
-            "step_faults": statistics.median(fault_counts) if faults and fault_counts else float("nan")}
+            "step_cpu_s": statistics.median(cpu_intervals) if cpu_intervals else float("nan")}
 
 
 class StepClock:
@@ -92,31 +101,6 @@ class StepClock:
 
     def intervals(self, which: int = 0) -> list[float]:
         return [b[which] - a[which] for epoch in self.stamps for a, b in zip(epoch, epoch[1:])]
-
-
-class HandStepper:
-    """The hand loop one optimizer step per call, cycling through its epochs."""
-
-    def __init__(self, task, cfg) -> None:
-        self.model, self.loader, self.optimizer, self.criterion = hand_parts(task, cfg)
-        self.model.train()
-        self._batches, self._left = iter(()), 0
-
-    def ready(self) -> None:
-        """Untimed: start the next epoch's iterator when this one is spent (core's epoch start,
-        where it does the same, is not timed either)."""
-        if self._left == 0:
-            self._batches, self._left = iter(self.loader), len(self.loader)
-
-    def step(self) -> int:
-        """One step: fetch a batch, forward, backward, update. Returns the batch's sample count."""
-        x, y = next(self._batches)
-        self._left -= 1
-        loss = self.criterion(self.model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return y.shape[0]
 
 
 class Lockstep:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks import bench_onnx_latency, bench_tracking_overhead
+from benchmarks import bench_onnx_latency, bench_tracking_overhead, bench_trainer_overhead
 from benchmarks.common import ROOT, stats
 from benchmarks.run_all import BENCHMARKS, collect, render
 
@@ -65,6 +65,22 @@ def test_onnx_latency_and_tracking_overhead_quick(tmp_path):
     assert "| 2 | tracking_overhead | writer vs off |" in md
     assert "| 7 | onnx_latency | digits_cnn batch 1 |" in md
     assert "Quick mode" in md and "## Machine" in md and "torch " in md
+
+
+def test_trainer_overhead_quick_measures_in_lockstep_and_whole_runs(tmp_path):
+    out = tmp_path / "trainer_overhead.json"
+    assert bench_trainer_overhead.main(["--quick", "--out", str(out), "--opt", 'cases=["digits_cnn"]']) == 0
+    result = json.loads(out.read_text())
+    check_schema(result, "trainer_overhead")
+    paced, whole = result["rows"]
+    assert (paced["case"], whole["case"]) == ("digits_cnn lockstep", "digits_cnn whole runs")
+    assert paced["target"] == ">= 0.97" and whole["target"] is None  # the digits CNN is judged in lockstep
+    details = paced["details"]
+    assert details["step_pairs_per_run"] >= 1
+    assert len(details["ratios"]["tracked"]) == len(details["ratios"]["untracked"]) >= 1
+    assert details["step_ms"]["hand"]["n"] == 2 * details["step_ms"]["tracked"]["n"]  # a hand step per core step
+    assert "grad norm: gradient_norm(grads) (per-tensor norms, read as floats)" in \
+        whole["details"]["breakdown"]["per_step_costs_us"]
 
 
 def test_run_all_writes_results_and_markdown(tmp_path):
