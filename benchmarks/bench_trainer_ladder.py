@@ -8,7 +8,7 @@ measures each variant in lockstep with the hand loop (``benchmarks/hand_loop.py`
 
   core                  core.train() + TrialReporter on the writer process (as in benchmark 1)
   - reporter            a NullReporter instead of the TrialReporter
-  - grad norm           ... and core.step_stats.gradient_norm replaced by a constant
+  - grad norm           ... and StepGradients.norm (core/gradients.py) replaced by a constant
   - DistributedSampler  ... and the hand loop's RandomSampler instead
 
 Variants alternate run by run (ABCD ABCD ...); each run's ratio is the hand loop's summed step
@@ -49,7 +49,7 @@ def core_variant(task, cfg, store, level: int) -> float:
 
     with ExitStack() as stack:
         if level >= 2:
-            stack.enter_context(mock.patch("core.train.gradient_norm", lambda grads, device: 1.0))
+            stack.enter_context(mock.patch("core.gradients.StepGradients.norm", lambda self: 1.0))
         if level >= 3:
             stack.enter_context(mock.patch("core.train.make_train_loader", _plain_train_loader))
         run = None

@@ -19,11 +19,12 @@ from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
 from core.data import make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
+from core.gradients import StepGradients
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.precision import Precision
 from core.reporting import Decision, NullReporter, Reporter
 from core.results import TrainResult
-from core.step_stats import PendingStep, gradient_norm, read_lag
+from core.step_stats import PendingStep, read_lag
 from core.seeding import configure_determinism, rng_state, seed_everything, set_rng_state
 from core.tasks.base import Task
 
@@ -105,6 +106,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         fwd_model = torch.compile(fwd_model)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     params = [p for p in model.parameters()]
+    grads = StepGradients(params, device, pool=device.type == "cpu" and not ctx.enabled)
 
     # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, mid-epoch progress
     start_epoch, step, best, best_epoch, history, progress = 1, 0, None, None, [], None
@@ -149,6 +151,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         frozen = epoch <= cfg.freeze_backbone_epochs
         for p in backbone_params:
             p.requires_grad_(not frozen)
+        grads.attach()
         model.train()
         skip = progress["next_batch"] if progress else 0
         loss_sum, correct, seen, train_time = (progress["sums"] if progress else (0.0, 0.0, 0.0, 0.0))
@@ -208,7 +211,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             if cfg.grad_clip:
                 current.grad_norm = nn.utils.clip_grad_norm_(params, max_norm=cfg.grad_clip)
             else:  # measure only: clipping at infinity would still rescale every gradient by 1.0
-                current.grad_norm = gradient_norm([p.grad for p in params if p.grad is not None], device)
+                current.grad_norm = grads.norm()
             current.stage()
             # Read a step before touching the weights: this one (lag 0) or the one before (lag 1).
             previous = current if lag == 0 else pending
@@ -218,7 +221,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                 break
             decision = report(previous) if lag and previous is not None else Decision.CONTINUE
             precision.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            grads.zero_()
             if sched_interval == "step":
                 scheduler.step()
             step += 1

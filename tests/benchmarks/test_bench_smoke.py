@@ -79,7 +79,7 @@ def test_trainer_overhead_quick_measures_in_lockstep_and_whole_runs(tmp_path):
     assert details["step_pairs_per_run"] >= 1
     assert len(details["ratios"]["tracked"]) == len(details["ratios"]["untracked"]) >= 1
     assert details["step_ms"]["hand"]["n"] == 2 * details["step_ms"]["tracked"]["n"]  # a hand step per core step
-    assert "grad norm: gradient_norm(grads) (per-tensor norms, read as floats)" in \
+    assert "grad norm: StepGradients.norm() (pooled small gradients + per-tensor large ones)" in \
         whole["details"]["breakdown"]["per_step_costs_us"]
 
 
@@ -133,3 +133,18 @@ def test_gpu_section_reports_the_stored_device_results_as_not_measured_here(tmp_
 
     monkeypatch.setattr(bench_gpu, "RESULTS", tmp_path / "none")
     assert bench_gpu.run(Ctx())["status"] == "skipped"
+
+
+def test_trainer_overhead_lockstep_with_tracked_runs_only(tmp_path):
+    """ResNet-18's lockstep setting (its runs all tracked) on the digits CNN's tiny sizes."""
+    from benchmarks.bench_trainer_overhead import lockstep, make_task
+    from benchmarks.common import Context
+    from benchmarks.sweeps_runs import TrackingStore
+
+    ctx = Context(quick=True, workdir=tmp_path)
+    case = {"task": ("digits", {"model": "cnn"}), "batch_size": 32,
+            "lockstep": {"epochs": 1, "max_steps": 4, "runs": 2, "arms": ("tracked",)}}
+    paced = lockstep(make_task(case["task"]), case, TrackingStore(tmp_path / "mlflow"), "tiny", ctx)
+    assert list(paced["ratios"]) == ["tracked"] and len(paced["ratios"]["tracked"]) == 2
+    assert paced["step_pairs_per_run"] == 3  # the first step of a run has no pair
+    assert all(0.5 < r < 2.0 for r in paced["ratios"]["tracked"])
