@@ -1,12 +1,13 @@
-"""The gradients the loop zeroes after each optimizer step and measures once per step.
+"""The gradients the loop measures (or clips) once per step and zeroes after each optimizer step.
 
 On CPU, small gradient tensors live in one flat buffer per dtype: each such parameter's
-``.grad`` is a view into it, so zeroing them is one fill and their norm one reduction, instead
-of a call per tensor. Inside the training loop, right after a backward pass, each call on a
-tensor costs several times its micro-benchmark (cold caches): on the digits CNN (10 tensors, 10k
-weights) the per-tensor norm and zeroing took about 2% of a 3 ms step (benchmarks/README.md,
-trainer overhead). Backward adds into a gradient that already exists, in place, so the pooled
-views stay the gradients, with the same values (0 + g == g).
+``.grad`` is a view into it, so zeroing them is one fill, their norm one reduction and clipping
+them one multiply, instead of a call per tensor. Inside the training loop, right after a backward
+pass, each call on a tensor costs several times its micro-benchmark (cold caches): on the digits
+CNN (10 tensors, 10k weights) the per-tensor norm and zeroing took about 2% of a 3 ms step, and
+``clip_grad_norm_`` about 4% (benchmarks/README.md, trainer overhead). Backward adds into a
+gradient that already exists, in place, so the pooled views stay the gradients, with the same
+values (0 + g == g).
 
 Large tensors keep PyTorch's default instead: their gradient is dropped after each step
 (``set_to_none``) and backward allocates a fresh one. For them the flat buffer's cost, one more
@@ -78,3 +79,22 @@ class StepGradients:
         if others:
             parts.append(float(gradient_norm(others, self.device)))
         return math.hypot(*parts)
+
+    def clip_(self, max_norm: float) -> torch.Tensor | float:
+        """Called after each step's backward when ``train.grad_clip`` is set: scale the gradients
+        so their total norm is at most ``max_norm``, as ``clip_grad_norm_`` does (factor
+        ``max_norm / (norm + 1e-6)``), and return the norm before clipping. With pooled gradients
+        that is one multiply per buffer, and none at all when the norm is under the limit (a
+        factor of 1.0 changes nothing). A non-finite norm is returned as it is: the loop stops
+        the run on it before the optimizer step."""
+        if not self.buffers:
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm)
+        total = self.norm()
+        factor = max_norm / (total + 1e-6)
+        if factor < 1.0:
+            for buffer in self.buffers:
+                buffer.mul_(factor)
+            others = [p.grad for p in self.unpooled if p.grad is not None]
+            if others:
+                torch._foreach_mul_(others, factor)
+        return total

@@ -105,8 +105,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     if cfg.compile:
         fwd_model = torch.compile(fwd_model)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    params = [p for p in model.parameters()]
-    grads = StepGradients(params, device, pool=device.type == "cpu" and not ctx.enabled)
+    grads = StepGradients(list(model.parameters()), device, pool=device.type == "cpu" and not ctx.enabled)
 
     # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, mid-epoch progress
     start_epoch, step, best, best_epoch, history, progress = 1, 0, None, None, [], None
@@ -209,7 +208,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             # ---- one optimizer step (after `group_size` micro-batches)
             precision.unscale_(optimizer)  # clip and measure true gradients, not scaled ones
             if cfg.grad_clip:
-                current.grad_norm = nn.utils.clip_grad_norm_(params, max_norm=cfg.grad_clip)
+                current.grad_norm = grads.clip_(cfg.grad_clip)
             else:  # measure only: clipping at infinity would still rescale every gradient by 1.0
                 current.grad_norm = grads.norm()
             current.stage()

@@ -108,3 +108,39 @@ def test_without_pooling_it_is_set_to_none_and_the_per_tensor_norm():
     assert float(grads.norm()) == pytest.approx(expected, rel=1e-5)
     grads.zero_()
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipping every step / never
+def test_clip_matches_clip_grad_norm(max_norm):
+    reference, pooled = _model(), _model()
+    opt_reference, opt_pooled = _sgd(reference), _sgd(pooled)
+    grads = StepGradients(list(pooled.parameters()), CPU, pool=True)
+    for x, y in _batches(5):
+        nn.functional.cross_entropy(reference(x), y).backward()
+        expected = float(nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm=max_norm))
+        opt_reference.step()
+        opt_reference.zero_grad(set_to_none=True)
+
+        nn.functional.cross_entropy(pooled(x), y).backward()
+        norm = grads.clip_(max_norm)
+        clipped = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in pooled.parameters()))
+        opt_pooled.step()
+        grads.zero_()
+        assert norm == pytest.approx(expected, rel=1e-5)
+        assert clipped == pytest.approx(min(norm, max_norm), rel=1e-4)
+    for a, b in zip(reference.parameters(), pooled.parameters()):
+        if max_norm > 1.0:  # never clipped: nothing was multiplied, so bitwise the same
+            assert torch.equal(a, b)
+        else:  # the factor may differ in its last bit (computed in double here, float in torch)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_clip_without_pooling_is_torchs():
+    model = _model()
+    grads = StepGradients(list(model.parameters()), CPU, pool=False)
+    x, y = _batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    norm = grads.clip_(0.01)
+    assert isinstance(norm, torch.Tensor) and float(norm) > 0.01
+    total = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    assert total == pytest.approx(0.01, rel=1e-3)
