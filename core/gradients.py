@@ -11,11 +11,11 @@ values (0 + g == g).
 
 Large tensors keep PyTorch's default instead: their gradient is dropped after each step
 (``set_to_none``) and backward allocates a fresh one. For them the flat buffer's cost, one more
-pass over the memory to zero it and one to add into it, outweighs the saving (ResNet-18, whose
-tensors are mostly over 64k elements: 2.6% slower with every tensor pooled). On CUDA nothing is
-pooled: an extra in-place add is one more kernel launch per tensor, while the norm there is
-already queued without waiting (core/step_stats.py). Under DDP nothing is pooled: DDP owns the
-gradient buckets it all-reduces.
+pass over the memory to zero it and one to add into it, outweighs the saving: ResNet-18, 98% of
+whose 11M weights are in tensors over 64k elements, trained 2.6% slower with every tensor pooled.
+On CUDA nothing is pooled: an extra in-place add is one more kernel launch per tensor, while the
+norm there is already queued without waiting (core/step_stats.py). Under DDP nothing is pooled:
+DDP owns the gradient buckets it all-reduces.
 
 One difference from ``zero_grad(set_to_none=True)``: a pooled parameter that takes part in no
 loss in a step (an unused branch) gets a zero gradient rather than none, so weight decay and
