@@ -192,7 +192,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             group_start = (i // accum) * accum
             group_size = min(accum, micro_batches - group_start)  # the epoch's remainder group is smaller
             final_micro = i - group_start == group_size - 1
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if device.type != "cpu":  # on CPU .to() returns the same tensors, at a dispatch each
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # DDP: skip the gradient all-reduce on non-final accumulation micro-steps.
             sync = ddp_model.no_sync() if ctx.enabled and not final_micro else contextlib.nullcontext()
             with sync:
