@@ -1,4 +1,4 @@
-"""The gradients the loop measures (or clips) once per step and zeroes after each optimizer step.
+"""The gradients the loop measures (or clips) once per optimizer step, and clears between steps.
 
 On CPU, small gradient tensors live in one flat buffer per dtype: each such parameter's
 ``.grad`` is a view into it, so zeroing them is one fill, their norm one reduction and clipping
@@ -62,8 +62,23 @@ class StepGradients:
         for p, view in self._views:
             p.grad = view if p.requires_grad else None
 
+    def before_backward(self) -> None:
+        """Called before the backward pass of each optimizer step's first micro-batch. On CPU the
+        gradients are cleared here rather than after the step: a large gradient dropped right
+        before backward leaves its memory for backward's new one; dropped after the step, the
+        next forward's activations take it and backward faults in fresh pages. ResNet-18 in
+        lockstep with the hand loop: 0.991 against 0.971 (medians of 5 alternating runs)."""
+        if self.device.type == "cpu":
+            self.zero_()
+
+    def after_step(self) -> None:
+        """Called after each optimizer step. On CUDA the gradients are cleared here, so the next
+        forward's peak memory does not hold them (the caching allocator reuses blocks for free)."""
+        if self.device.type != "cpu":
+            self.zero_()
+
     def zero_(self) -> None:
-        """Called after each optimizer step: pooled gradients are zeroed, the others dropped."""
+        """Pooled gradients are zeroed, the others dropped (``set_to_none``)."""
         for buffer in self.buffers:
             buffer.zero_()
         for p in self.unpooled:

@@ -199,6 +199,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             with sync:
                 with precision.autocast():
                     logits, loss = _forward(fwd_model, criterion, x, y, cfg.mixup_alpha)
+                if i == group_start:
+                    grads.before_backward()
                 precision.backward(loss if group_size == 1 else loss / group_size)
             # No .item() here: the numbers stay on the device until the step is read (core/step_stats.py).
             current.add(loss, y.shape[0])
@@ -221,7 +223,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                 break
             decision = report(previous) if lag and previous is not None else Decision.CONTINUE
             precision.step(optimizer)
-            grads.zero_()
+            grads.after_step()
             if sched_interval == "step":
                 scheduler.step()
             step += 1

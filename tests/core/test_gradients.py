@@ -144,3 +144,22 @@ def test_clip_without_pooling_is_torchs():
     assert isinstance(norm, torch.Tensor) and float(norm) > 0.01
     total = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
     assert total == pytest.approx(0.01, rel=1e-3)
+
+
+def test_cleared_before_backward_on_cpu_and_after_the_step_on_cuda():
+    x, y = _batches(1)[0]
+    model = _model()
+    on_cpu = StepGradients(list(model.parameters()), CPU, pool=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    on_cpu.after_step()  # on CPU the gradients stay until the next backward
+    assert model[0].weight.grad is not None and float(model[2].bias.grad.abs().sum()) > 0
+    on_cpu.before_backward()
+    assert model[0].weight.grad is None and float(model[2].bias.grad.abs().sum()) == 0.0
+
+    model = _model()  # only the device's type is read here: no tensor is put on it
+    on_cuda = StepGradients(list(model.parameters()), torch.device("cuda", 0), pool=False)
+    nn.functional.cross_entropy(model(x), y).backward()
+    on_cuda.before_backward()
+    assert all(p.grad is not None for p in model.parameters())
+    on_cuda.after_step()
+    assert all(p.grad is None for p in model.parameters())
