@@ -47,7 +47,7 @@ def cases(ctx: Context) -> dict[str, dict]:
         # 12 step pairs a run; no whole runs, whose pairs of 6 steps spread +-8% on this VM.
         "resnet18_synthetic32": {"task": ("synthetic", {"model": "resnet18", "shape": [3, 32, 32],
                                                         "n_train": 512, "n_val": 32}),
-                                 "batch_size": 32, "epochs": 1, "max_steps": ctx.pick(2, 13), "share": 0.85,
+                                 "batch_size": 32, "epochs": 1, "max_steps": ctx.pick(3, 13),
                                  "lockstep": {"epochs": 1, "max_steps": ctx.pick(3, 13), "runs": ctx.n_repeats(3),
                                               "arms": ("tracked",)}},
     }
@@ -173,7 +173,7 @@ def breakdown(task, cfg, store, ctx: Context) -> dict:
         optimizer.step()
 
     step_s = _time_per_call(hand_step, step_calls, blocks)
-    grads = StepGradients(params, device, pool=True)  # as core.train holds them on CPU
+    grads = StepGradients(params, device, distributed=False)  # as core.train holds them on CPU
     logits = model(x)
     loss = criterion(logits, y)
     loss.backward()  # gradients exist for the norm

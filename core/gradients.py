@@ -9,7 +9,7 @@ CNN (10 tensors, 10k weights) the per-tensor norm and zeroing took about 2% of a
 gradient that already exists, in place, so the pooled views stay the gradients, with the same
 values (0 + g == g).
 
-Large tensors keep PyTorch's default instead: their gradient is dropped after each step
+Large tensors keep PyTorch's default instead: their gradient is dropped between steps
 (``set_to_none``) and backward allocates a fresh one. For them the flat buffer's cost, one more
 pass over the memory to zero it and one to add into it, outweighs the saving: ResNet-18, 98% of
 whose 11M weights are in tensors over 64k elements, trained 2.6% slower with every tensor pooled.
@@ -33,19 +33,22 @@ POOLED_MAX_ELEMENTS = 1 << 16  # 256 KiB of fp32: past this, zeroing and adding 
 
 
 class StepGradients:
-    """The parameters' gradients across optimizer steps. ``pool`` is False on CUDA and under DDP."""
+    """The parameters' gradients across optimizer steps, on ``device``; ``distributed``: the
+    run is one DDP rank. This class decides what is pooled and when gradients are cleared."""
 
-    def __init__(self, params: list[torch.Tensor], device: torch.device, pool: bool) -> None:
+    def __init__(self, params: list[torch.Tensor], device: torch.device, distributed: bool) -> None:
         self.params = params
         self.device = device
-        pooled = [p for p in params if pool and p.numel() <= POOLED_MAX_ELEMENTS]
-        pooled_ids = {id(p) for p in pooled}
-        self.unpooled = [p for p in params if id(p) not in pooled_ids]
+        pool = device.type == "cpu" and not distributed
+        self.unpooled: list[torch.Tensor] = []
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            if pool and p.numel() <= POOLED_MAX_ELEMENTS:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            else:
+                self.unpooled.append(p)
         self.buffers: list[torch.Tensor] = []
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its slice of a buffer)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in pooled:
-            by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, group in by_dtype.items():
             buffer = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
             offset = 0
@@ -88,7 +91,12 @@ class StepGradients:
     def norm(self) -> torch.Tensor | float:
         """The total 2-norm of the step's gradients (what ``clip_grad_norm_`` measures), for the
         per-step curve and the divergence check. A float on CPU, a device tensor on CUDA."""
-        others = [p.grad for p in self.unpooled if p.grad is not None]
+        return self._norm(self._unpooled_grads())
+
+    def _unpooled_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.unpooled if p.grad is not None]
+
+    def _norm(self, others: list[torch.Tensor]) -> torch.Tensor | float:
         if not self.buffers:
             return gradient_norm(others, self.device)
         parts = [float(torch.linalg.vector_norm(buffer)) for buffer in self.buffers]
@@ -105,12 +113,12 @@ class StepGradients:
         the run on it before the optimizer step."""
         if not self.buffers:
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm=max_norm)
-        total = self.norm()
+        others = self._unpooled_grads()
+        total = self._norm(others)
         factor = max_norm / (total + 1e-6)
         if factor < 1.0:
             for buffer in self.buffers:
                 buffer.mul_(factor)
-            others = [p.grad for p in self.unpooled if p.grad is not None]
             if others:
                 torch._foreach_mul_(others, factor)
         return total

@@ -105,7 +105,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     if cfg.compile:
         fwd_model = torch.compile(fwd_model)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    grads = StepGradients(list(model.parameters()), device, pool=device.type == "cpu" and not ctx.enabled)
+    grads = StepGradients(list(model.parameters()), device, distributed=ctx.enabled)
 
     # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, mid-epoch progress
     start_epoch, step, best, best_epoch, history, progress = 1, 0, None, None, [], None

@@ -137,14 +137,14 @@ def test_gpu_section_reports_the_stored_device_results_as_not_measured_here(tmp_
 
 def test_trainer_overhead_lockstep_with_tracked_runs_only(tmp_path):
     """ResNet-18's lockstep setting (its runs all tracked) on the digits CNN's tiny sizes."""
-    from benchmarks.bench_trainer_overhead import lockstep, make_task
     from benchmarks.common import Context
     from benchmarks.sweeps_runs import TrackingStore
 
     ctx = Context(quick=True, workdir=tmp_path)
     case = {"task": ("digits", {"model": "cnn"}), "batch_size": 32,
             "lockstep": {"epochs": 1, "max_steps": 4, "runs": 2, "arms": ("tracked",)}}
-    paced = lockstep(make_task(case["task"]), case, TrackingStore(tmp_path / "mlflow"), "tiny", ctx)
+    paced = bench_trainer_overhead.lockstep(bench_trainer_overhead.make_task(case["task"]), case,
+                                            TrackingStore(tmp_path / "mlflow"), "tiny", ctx)
     assert list(paced["ratios"]) == ["tracked"] and len(paced["ratios"]["tracked"]) == 2
     assert paced["step_pairs_per_run"] == 3  # the first step of a run has no pair
     assert all(0.5 < r < 2.0 for r in paced["ratios"]["tracked"])

@@ -30,7 +30,7 @@ def _batches(n: int):
 
 def test_small_tensors_share_one_buffer_and_large_ones_do_not():
     model = _model()
-    grads = StepGradients(list(model.parameters()), CPU, pool=True)
+    grads = StepGradients(list(model.parameters()), CPU, distributed=False)
     big = model[0].weight
     assert big.numel() > POOLED_MAX_ELEMENTS and big.grad is None
     (buffer,) = grads.buffers
@@ -44,7 +44,7 @@ def test_small_tensors_share_one_buffer_and_large_ones_do_not():
 def test_pooled_training_is_bitwise_the_same_as_fresh_gradients():
     fresh, pooled = _model(), _model()
     opt_fresh, opt_pooled = _sgd(fresh), _sgd(pooled)
-    grads = StepGradients(list(pooled.parameters()), CPU, pool=True)
+    grads = StepGradients(list(pooled.parameters()), CPU, distributed=False)
     loss_fn = nn.CrossEntropyLoss()
     for x, y in _batches(6):
         loss_fn(fresh(x), y).backward()
@@ -67,7 +67,7 @@ def test_pooled_training_is_bitwise_the_same_as_fresh_gradients():
 def test_frozen_parameters_get_no_gradient_and_do_not_move():
     model = _model()
     opt = _sgd(model)
-    grads = StepGradients(list(model.parameters()), CPU, pool=True)
+    grads = StepGradients(list(model.parameters()), CPU, distributed=False)
     head = model[4]
     head.weight.requires_grad_(False)
     grads.attach()  # what core.train does at each epoch's start
@@ -89,7 +89,7 @@ def test_frozen_parameters_get_no_gradient_and_do_not_move():
 @pytest.mark.parametrize("where", ["pooled", "large"])
 def test_a_non_finite_gradient_gives_a_non_finite_norm(poison, where):
     model = _model()
-    grads = StepGradients(list(model.parameters()), CPU, pool=True)
+    grads = StepGradients(list(model.parameters()), CPU, distributed=False)
     x, y = _batches(1)[0]
     nn.functional.cross_entropy(model(x), y).backward()
     target = model[2].bias if where == "pooled" else model[0].weight
@@ -99,8 +99,9 @@ def test_a_non_finite_gradient_gives_a_non_finite_norm(poison, where):
 
 
 def test_without_pooling_it_is_set_to_none_and_the_per_tensor_norm():
+    # A DDP rank pools nothing (DDP owns its gradient buckets).
     model = _model()
-    grads = StepGradients(list(model.parameters()), CPU, pool=False)
+    grads = StepGradients(list(model.parameters()), CPU, distributed=True)
     assert grads.buffers == [] and all(p.grad is None for p in model.parameters())
     x, y = _batches(1)[0]
     nn.functional.cross_entropy(model(x), y).backward()
@@ -114,7 +115,7 @@ def test_without_pooling_it_is_set_to_none_and_the_per_tensor_norm():
 def test_clip_matches_clip_grad_norm(max_norm):
     reference, pooled = _model(), _model()
     opt_reference, opt_pooled = _sgd(reference), _sgd(pooled)
-    grads = StepGradients(list(pooled.parameters()), CPU, pool=True)
+    grads = StepGradients(list(pooled.parameters()), CPU, distributed=False)
     for x, y in _batches(5):
         nn.functional.cross_entropy(reference(x), y).backward()
         expected = float(nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm=max_norm))
@@ -137,7 +138,7 @@ def test_clip_matches_clip_grad_norm(max_norm):
 
 def test_clip_without_pooling_is_torchs():
     model = _model()
-    grads = StepGradients(list(model.parameters()), CPU, pool=False)
+    grads = StepGradients(list(model.parameters()), CPU, distributed=True)
     x, y = _batches(1)[0]
     nn.functional.cross_entropy(model(x), y).backward()
     norm = grads.clip_(0.01)
@@ -149,15 +150,15 @@ def test_clip_without_pooling_is_torchs():
 def test_cleared_before_backward_on_cpu_and_after_the_step_on_cuda():
     x, y = _batches(1)[0]
     model = _model()
-    on_cpu = StepGradients(list(model.parameters()), CPU, pool=True)
+    on_cpu = StepGradients(list(model.parameters()), CPU, distributed=False)
     nn.functional.cross_entropy(model(x), y).backward()
     on_cpu.after_step()  # on CPU the gradients stay until the next backward
     assert model[0].weight.grad is not None and float(model[2].bias.grad.abs().sum()) > 0
     on_cpu.before_backward()
     assert model[0].weight.grad is None and float(model[2].bias.grad.abs().sum()) == 0.0
 
-    model = _model()  # only the device's type is read here: no tensor is put on it
-    on_cuda = StepGradients(list(model.parameters()), torch.device("cuda", 0), pool=False)
+    model = _model()  # only the device's type is read here: nothing is pooled, so no tensor goes on it
+    on_cuda = StepGradients(list(model.parameters()), torch.device("cuda", 0), distributed=False)
     nn.functional.cross_entropy(model(x), y).backward()
     on_cuda.before_backward()
     assert all(p.grad is not None for p in model.parameters())
