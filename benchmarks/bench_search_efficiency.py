@@ -1,15 +1,20 @@
-"""Search efficiency: ``studies/lr_bs.yaml`` with its median pruner against the same study without
-pruning (``pruner: none``), over several sampler seeds.
+"""Search efficiency: ``studies/lr_bs.yaml`` with its own pruner against the same study without
+pruning (``pruner: none``), over several sampler seeds; other pruners are run beside them for
+comparison (not judged).
 
-For each seed both studies run through ``sweeps run`` on a copy of the spec in a temp folder
+For each seed every arm runs through ``sweeps run`` on a copy of the spec in a temp folder
 (only the name, ``sampler.seed``, the pruner and ``export_onnx: false`` change; ONNX export
 does not touch training). Per study: the best validation accuracy (best COMPLETE trial, as
 ``sweeps status`` reports it) and the epochs trained (sum over trials of the epochs each ran,
 from Optuna's intermediate values). Target: the pruned study reaches the same best accuracy
 within 0.5 points with at most half the epochs.
 
-The pruned and unpruned study of one seed run at the same time, each pinned to its own CPU
-(so each gets one worker with one thread): the results do not depend on speed.
+The studies run two at a time, each pinned to its own CPU (one worker with one thread): the
+results do not depend on speed, and a rerun of the same code gives the same figures.
+
+Options (``--opt KEY=JSON``): ``seeds`` (default ``[0, 1, 2]``) and ``compare``, the pruner
+sections run beside the spec's own (default: the median pruner with a 2-epoch warm-up, the
+study's pruner until its choice was measured on seeds 3-11; see benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -24,18 +29,25 @@ from benchmarks.common import ROOT, Context, arm, bench_main, error_row, make_ro
 from benchmarks.sweeps_runs import optuna_study, start_sweeps, wait_sweeps, write_spec
 
 NAME = "search_efficiency"
-TITLE = "Search efficiency: lr_bs with median pruning vs without, over sampler seeds"
+TITLE = "Search efficiency: lr_bs with its pruner vs without, over sampler seeds"
 SPEC = ROOT / "studies" / "lr_bs.yaml"
 ACC_TOL = 0.005
 EPOCH_FRACTION = 0.5
+COMPARE = [{"name": "median", "warmup_epochs": 2}]
+OWN, NONE = "own", "none"  # arm keys: the spec's pruner, no pruning; compared ones are "compare<i>"
 
 
-def variant(base: dict, seed: int, pruned: bool, quick: bool) -> dict:
+def pruner_label(pruner: dict) -> str:
+    """``asha (min_resource 1, reduction_factor 3)``: the section as a reader would write it."""
+    opts = ", ".join(f"{k} {v}" for k, v in pruner.items() if k != "name")
+    return f"{pruner['name']} ({opts})" if opts else pruner["name"]
+
+
+def variant(base: dict, seed: int, key: str, pruner: dict, quick: bool) -> dict:
     spec = copy.deepcopy(base)
-    spec["name"] = f"lr_bs_seed{seed}_{'median' if pruned else 'nopruner'}"
+    spec["name"] = f"lr_bs_seed{seed}_{key}"
     spec["sampler"] = {**spec.get("sampler", {}), "seed": seed}
-    if not pruned:
-        spec["pruner"] = {"name": "none"}
+    spec["pruner"] = dict(pruner)
     spec["train"] = {**spec.get("train", {}), "export_onnx": False}
     spec.pop("storage", None)  # the default journal in the temp folder's runs/
     spec["tracking"] = {"uri": "sqlite:///runs/mlflow.db"}
@@ -43,13 +55,13 @@ def variant(base: dict, seed: int, pruned: bool, quick: bool) -> dict:
     if quick:
         spec["train"]["epochs"] = 3
         spec["budget"] = {**spec["budget"], "n_trials": 3}
-        if pruned:
-            spec["pruner"] = {**spec["pruner"], "warmup_epochs": 1}
+        if "warmup_epochs" in pruner:
+            spec["pruner"]["warmup_epochs"] = 1
     return spec
 
 
 def summarise(folder, spec: dict, res: dict) -> dict:
-    out = {"name": spec["name"], "rc": res["rc"], "wall_s": res["wall_s"]}
+    out = {"name": spec["name"], "pruner": spec["pruner"], "rc": res["rc"], "wall_s": res["wall_s"]}
     if res["rc"] != 0:
         out["error"] = f"sweeps run exited {res['rc']}; log tail:\n{res['log_tail'][-1200:]}"
         return out
@@ -66,89 +78,121 @@ def summarise(folder, spec: dict, res: dict) -> dict:
     return out
 
 
+def run_studies(ctx: Context, jobs: list[tuple[int, str, dict]], timeout_s: float) -> dict[int, dict[str, dict]]:
+    """Run ``(seed, key, spec)`` jobs in order, one per CPU at a time; ``{seed: {key: summary}}``.
+    A job the time budget cannot fit (estimated from the slowest finished one) is left out."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    results: dict[int, dict[str, dict]] = {}
+    running: dict[int, tuple] = {}
+    slowest = 0.0
+    while jobs or running:
+        while jobs and len(running) < len(cpus):
+            seed, key, spec = jobs.pop(0)
+            if slowest and not ctx.can_afford(slowest / len(cpus), f"seed {seed} {pruner_label(spec['pruner'])}"):
+                continue
+            cpu = next(c for c in cpus if c not in running)
+            folder = ctx.workdir / spec["name"]
+            running[cpu] = (seed, key, spec, folder, start_sweeps(folder, write_spec(folder, spec), cpus=[cpu]))
+        time.sleep(0.2)
+        for cpu, (seed, key, spec, folder, handle) in list(running.items()):
+            if handle["proc"].poll() is None and time.perf_counter() - handle["t0"] < timeout_s:
+                continue
+            r = summarise(folder, spec, wait_sweeps(handle, 1))
+            results.setdefault(seed, {})[key] = r
+            slowest = max(slowest, r["wall_s"])
+            del running[cpu]
+            ctx.log(f"  seed {seed}, {pruner_label(spec['pruner'])}: " + (
+                r["error"].splitlines()[0] if "error" in r else
+                f"best val_acc {r['best_val_acc']:.4f}, {r['epochs_trained']} epochs, {r['counts']}, "
+                f"{r['wall_s']:.0f} s"))
+    return results
+
+
+def arm_row(case: str, label: str, seeds: dict[int, dict[str, dict]], key: str, judged: bool) -> dict:
+    """One pruner over every seed where both it and the unpruned study ran."""
+    missing = {"error": "did not run"}
+    good = {s: v for s, v in seeds.items()
+            if "error" not in v.get(key, missing) and "error" not in v.get(NONE, missing)}
+    gaps = [v[NONE]["best_val_acc"] - v[key]["best_val_acc"] for v in good.values()]
+    ep_p = sum(v[key]["epochs_trained"] for v in good.values())
+    ep_u = sum(v[NONE]["epochs_trained"] for v in good.values())
+    frac, gap_med = ep_p / ep_u, statistics.median(gaps)
+    target = f"epochs ratio <= {EPOCH_FRACTION}, accuracy gap <= {100 * ACC_TOL:.1f} points"
+    return make_row(
+        f"{case} ({len(good)})", metric="epochs trained (sum over trials and seeds)",
+        baseline=arm("pruner: none, epochs per seed", [v[NONE]["epochs_trained"] for v in good.values()]),
+        candidate=arm(f"{label}, epochs per seed", [v[key]["epochs_trained"] for v in good.values()]),
+        ratio={**stats([v[key]["epochs_trained"] / v[NONE]["epochs_trained"] for v in good.values()]),
+               "definition": "epochs with pruning / epochs without (per seed)"},
+        target=target if judged else None,
+        meets_target=(frac <= EPOCH_FRACTION and gap_med <= ACC_TOL) if judged else None,
+        headline=f"{label}: {frac:.2f}x the epochs ({ep_p} vs {ep_u}); best val_acc gap median "
+                 f"{100 * gap_med:+.2f} points (per seed {', '.join(f'{100 * g:+.2f}' for g in gaps)})",
+        details={"epochs_ratio_total": frac, "accuracy_gaps": gaps, "seeds": sorted(good)})
+
+
 def run(ctx: Context) -> dict:
     base = yaml.safe_load(SPEC.read_text())
     seeds = list(ctx.options.get("seeds", ctx.pick([0], [0, 1, 2])))
-    cpus = sorted(os.sched_getaffinity(0))
-    concurrent = len(cpus) >= 2
-    timeout_s = ctx.pick(300, 540)
-    per_seed: dict[int, dict] = {}
-    last = 0.0
-    for seed in seeds:
-        if per_seed and not ctx.can_afford(1.1 * last, f"seed {seed}"):
-            continue
-        t_seed = time.monotonic()
-        specs = {pruned: variant(base, seed, pruned, ctx.quick) for pruned in (True, False)}
-        folders = {pruned: ctx.workdir / specs[pruned]["name"] for pruned in specs}
-        ctx.log(f"{NAME}: seed {seed}: {specs[True]['budget']['n_trials']} trials x "
-                f"{specs[True]['train']['epochs']} epochs, pruned and unpruned "
-                f"{'side by side, one CPU each' if concurrent else 'one after the other'}")
-        results = {}
-        if concurrent:
-            handles = {p: start_sweeps(folders[p], write_spec(folders[p], specs[p]), cpus=[cpus[i]])
-                       for i, p in enumerate((True, False))}
-            for p, h in handles.items():
-                results[p] = summarise(folders[p], specs[p], wait_sweeps(h, timeout_s))
-        else:
-            for p in (True, False):
-                h = start_sweeps(folders[p], write_spec(folders[p], specs[p]))
-                results[p] = summarise(folders[p], specs[p], wait_sweeps(h, timeout_s))
-        per_seed[seed] = {"pruned": results[True], "unpruned": results[False]}
-        last = time.monotonic() - t_seed
-        for label, r in per_seed[seed].items():
-            ctx.log(f"  {label}: " + (r["error"].splitlines()[0] if "error" in r else
-                                      f"best val_acc {r['best_val_acc']:.4f}, {r['epochs_trained']} epochs, "
-                                      f"{r['counts']}, {r['wall_s']:.0f} s"))
+    compare = list(ctx.options.get("compare", ctx.pick([], COMPARE)))
+    own = base["pruner"]
+    own_label = pruner_label(own)
+    arms = {OWN: own, NONE: {"name": "none"}, **{f"compare{i}": p for i, p in enumerate(compare)}}
+    # The judged pair of every seed first; the compared pruners after, as the budget allows.
+    jobs = [(s, k, variant(base, s, k, arms[k], ctx.quick)) for s in seeds for k in (OWN, NONE)]
+    jobs += [(s, k, variant(base, s, k, arms[k], ctx.quick)) for k in arms if k not in (OWN, NONE) for s in seeds]
+    ctx.log(f"{NAME}: seeds {seeds}: {jobs[0][2]['budget']['n_trials']} trials x {jobs[0][2]['train']['epochs']} "
+            f"epochs; pruners: {', '.join(pruner_label(p) for p in arms.values())}; two studies at a time")
+    per_seed = run_studies(ctx, jobs, timeout_s=ctx.pick(300, 540))
 
     rows = []
-    good = {s: v for s, v in per_seed.items() if "error" not in v["pruned"] and "error" not in v["unpruned"]}
     for seed, v in per_seed.items():
-        p, u = v["pruned"], v["unpruned"]
-        if seed not in good:
+        p, u = v.get(OWN), v.get(NONE)
+        if p is None or u is None:
+            continue
+        if "error" in p or "error" in u:
             rows.append(error_row(f"seed {seed}", p.get("error") or u.get("error"), details=v))
             continue
         gap = u["best_val_acc"] - p["best_val_acc"]
         frac = p["epochs_trained"] / u["epochs_trained"]
         rows.append(make_row(
             f"seed {seed}", metric="epochs trained (sum over trials)",
-            baseline=arm("pruner: none", [u["epochs_trained"]]), candidate=arm("median pruner", [p["epochs_trained"]]),
+            baseline=arm("pruner: none", [u["epochs_trained"]]), candidate=arm(own_label, [p["epochs_trained"]]),
             ratio={**stats([frac]), "definition": "epochs with pruning / epochs without"},
             target=f"epochs ratio <= {EPOCH_FRACTION}, accuracy gap <= {100 * ACC_TOL:.1f} points",
             meets_target=frac <= EPOCH_FRACTION and gap <= ACC_TOL,
             headline=f"best val_acc {100 * p['best_val_acc']:.2f}% pruned vs {100 * u['best_val_acc']:.2f}% "
                      f"unpruned (gap {100 * gap:+.2f} points); epochs {p['epochs_trained']} vs {u['epochs_trained']}",
             details=v))
-    if not good:
+    judged_ok = [r for r in rows if r["status"] == "ok"]
+    if not judged_ok:
         first_error = next((r["error"] for r in rows if r.get("error")), "no seeds ran")
         summary = f"Search efficiency: failed ({first_error.splitlines()[0][:120]})"
     else:
-        gaps = [v["unpruned"]["best_val_acc"] - v["pruned"]["best_val_acc"] for v in good.values()]
-        ep_p = sum(v["pruned"]["epochs_trained"] for v in good.values())
-        ep_u = sum(v["unpruned"]["epochs_trained"] for v in good.values())
-        frac = ep_p / ep_u
-        gap_med = statistics.median(gaps)
-        rows.insert(0, make_row(
-            f"all seeds ({len(good)})", metric="epochs trained (sum over trials and seeds)",
-            baseline=arm("pruner: none, epochs per seed", [v["unpruned"]["epochs_trained"] for v in good.values()]),
-            candidate=arm("median pruner, epochs per seed", [v["pruned"]["epochs_trained"] for v in good.values()]),
-            ratio={**stats([v["pruned"]["epochs_trained"] / v["unpruned"]["epochs_trained"] for v in good.values()]),
-                   "definition": "epochs with pruning / epochs without (per seed)"},
-            target=f"epochs ratio <= {EPOCH_FRACTION}, accuracy gap <= {100 * ACC_TOL:.1f} points",
-            meets_target=frac <= EPOCH_FRACTION and gap_med <= ACC_TOL,
-            headline=f"{frac:.2f}x the epochs ({ep_p} vs {ep_u}); best val_acc gap median {100 * gap_med:+.2f} "
-                     f"points (per seed {', '.join(f'{100 * g:+.2f}' for g in gaps)})",
-            details={"epochs_ratio_total": frac, "accuracy_gaps": gaps}))
-        summary = (f"Search efficiency (lr_bs, median pruner vs none, {len(good)} seeds): {frac:.2f}x the epochs, "
-                   f"best val_acc gap {100 * gap_med:+.2f} points (target <= {EPOCH_FRACTION}x, "
+        rows.insert(0, arm_row("all seeds", own_label, per_seed, OWN, judged=True))
+        for i, key in enumerate(k for k in arms if k not in (OWN, NONE)):
+            if any(key in v for v in per_seed.values()):
+                rows.insert(1 + i, arm_row("compared, all seeds", pruner_label(arms[key]), per_seed, key, judged=False))
+        head = rows[0]["details"]
+        summary = (f"Search efficiency (lr_bs, {own_label} vs none, {len(head['seeds'])} seeds): "
+                   f"{head['epochs_ratio_total']:.2f}x the epochs, best val_acc gap "
+                   f"{100 * statistics.median(head['accuracy_gaps']):+.2f} points (target <= {EPOCH_FRACTION}x, "
                    f"<= {100 * ACC_TOL:.1f} points)")
+        summary += "".join(f"; {r['candidate']['label'].removesuffix(', epochs per seed')}: "
+                           f"{r['details']['epochs_ratio_total']:.2f}x, gap "
+                           f"{100 * statistics.median(r['details']['accuracy_gaps']):+.2f}"
+                           for r in rows if r["case"].startswith("compared"))
     return {
         "target": f"same best val_acc within {100 * ACC_TOL:.1f} points using <= {EPOCH_FRACTION:.0%} of the epochs",
         "summary": summary, "rows": rows,
         "notes": [f"Spec: {SPEC.relative_to(ROOT)} ({base['budget']['n_trials']} trials x {base['train']['epochs']} "
-                  f"epochs; pruner {base['pruner']}), copied with name, sampler.seed, pruner and "
+                  f"epochs; pruner {own_label}), copied with name, sampler.seed, pruner and "
                   "export_onnx: false changed." + (" Quick mode: 3 trials x 3 epochs." if ctx.quick else ""),
-                  "Accuracy gap = best val_acc without pruning - with pruning (positive: pruning lost accuracy)."],
-        "details": {"per_seed": per_seed},
+                  "Accuracy gap = best val_acc without pruning - with pruning (positive: pruning lost accuracy). "
+                  "One validation image is 0.28 points.",
+                  "Rows 'compared' are other pruners on the same seeds, for reference; only the spec's pruner "
+                  "is judged."],
+        "details": {"per_seed": per_seed, "pruners": arms},
     }
 
 

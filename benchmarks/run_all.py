@@ -31,7 +31,7 @@ BENCHMARKS: dict[str, tuple[int, int, int]] = {
     "tracking_overhead": (2, 100, 90),
     "orchestration": (3, 75, 150),
     "parallel": (4, 200, 150),
-    "search_efficiency": (5, 130, 150),
+    "search_efficiency": (5, 220, 150),
     "lr_finder": (6, 40, 90),
     "onnx_latency": (7, 100, 120),
     "gpu": (8, 5, 120),
