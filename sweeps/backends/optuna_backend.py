@@ -235,7 +235,10 @@ class OptunaBackend:
     def _go(self, w: _Worker, parent_id: str, started: float, deadline: float | None) -> None:
         """Tell a waiting worker which parent run and budget window it works for."""
         w.beat_file.parent.mkdir(parents=True, exist_ok=True)
-        w.beat_file.touch()  # the hang watchdog counts from now, not from the spawn
+        # The worker creates the file at its trial's first beat: the hang watchdog counts from
+        # there. Start-up (imports, opening the study) is not a trial; counting it made a fresh
+        # worker slower to start than budget.trial_timeout be killed again and again.
+        w.beat_file.unlink(missing_ok=True)
         try:
             w.proc.stdin.write(json.dumps({"parent_run_id": parent_id, "since": started, "deadline": deadline,
                                            "slot": w.slot.index, "beat_file": str(w.beat_file),
@@ -249,19 +252,26 @@ class OptunaBackend:
     def _stop_hung(self, spec, study, workers, trial_timeout, parent_id, started, deadline) -> None:
         """A worker whose trial made no progress for budget.trial_timeout is killed; its trial
         is failed with the reason (not requeued: it would likely hang again) and the slot,
-        with its devices, gets a fresh worker."""
+        with its devices, gets a fresh worker. A worker that has not begun a trial since its
+        go is left alone."""
         for i, w in enumerate(workers):
             if w.proc.poll() is not None:
                 continue
-            idle = time.time() - w.beat_file.stat().st_mtime
+            try:
+                idle = time.time() - w.beat_file.stat().st_mtime
+            except FileNotFoundError:
+                continue  # still starting: no trial yet
             if idle < trial_timeout:
                 continue
             w.proc.kill()
             w.proc.wait()
             worker_id = f"{os.uname().nodename}:{w.proc.pid}"
-            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                if t.user_attrs.get(os_.ATTR_WORKER) == worker_id:
-                    reason = f"hung: no progress for {idle:.0f} s (budget.trial_timeout={spec.budget.trial_timeout})"
-                    recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_store_uri())
+            reason = f"hung: no progress for {idle:.0f} s (budget.trial_timeout={spec.budget.trial_timeout})"
+            hung = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                    if t.user_attrs.get(os_.ATTR_WORKER) == worker_id]
+            for t in hung:
+                recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_store_uri())
+            log.warning("%s, %s: its worker was killed and a fresh one takes slot %d",
+                        ", ".join(f"trial {t.number} failed" for t in hung) or "no trial", reason, w.slot.index)
             workers[i] = self._spawn(spec, w.slot)
             self._go(workers[i], parent_id, started, deadline)
