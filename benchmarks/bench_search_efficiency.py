@@ -14,7 +14,7 @@ results do not depend on speed, and a rerun of the same code gives the same figu
 
 Options (``--opt KEY=JSON``): ``seeds`` (default ``[0, 1, 2]``) and ``compare``, the pruner
 sections run beside the spec's own (default: the median pruner with a 2-epoch warm-up, the
-study's pruner until its choice was measured on seeds 3-11; see benchmarks/README.md).
+study's pruner until its choice was measured on seeds 3-12; see benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ SPEC = ROOT / "studies" / "lr_bs.yaml"
 ACC_TOL = 0.005
 EPOCH_FRACTION = 0.5
 COMPARE = [{"name": "median", "warmup_epochs": 2}]
+TARGET = f"epochs ratio <= {EPOCH_FRACTION}, accuracy gap <= {100 * ACC_TOL:.1f} points"
 OWN, NONE = "own", "none"  # arm keys: the spec's pruner, no pruning; compared ones are "compare<i>"
 
 
@@ -109,7 +110,8 @@ def run_studies(ctx: Context, jobs: list[tuple[int, str, dict]], timeout_s: floa
 
 
 def arm_row(case: str, label: str, seeds: dict[int, dict[str, dict]], key: str, judged: bool) -> dict:
-    """One pruner over every seed where both it and the unpruned study ran."""
+    """One pruner over every seed where both it and the unpruned study ran (``{n}`` in ``case``
+    becomes their number); one seed's row is the same over a single seed."""
     missing = {"error": "did not run"}
     good = {s: v for s, v in seeds.items()
             if "error" not in v.get(key, missing) and "error" not in v.get(NONE, missing)}
@@ -117,71 +119,59 @@ def arm_row(case: str, label: str, seeds: dict[int, dict[str, dict]], key: str, 
     ep_p = sum(v[key]["epochs_trained"] for v in good.values())
     ep_u = sum(v[NONE]["epochs_trained"] for v in good.values())
     frac, gap_med = ep_p / ep_u, statistics.median(gaps)
-    target = f"epochs ratio <= {EPOCH_FRACTION}, accuracy gap <= {100 * ACC_TOL:.1f} points"
+    best_p = statistics.median(v[key]["best_val_acc"] for v in good.values())
+    best_u = statistics.median(v[NONE]["best_val_acc"] for v in good.values())
     return make_row(
-        f"{case} ({len(good)})", metric="epochs trained (sum over trials and seeds)",
+        case.format(n=len(good)), metric="epochs trained (sum over trials and seeds)",
         baseline=arm("pruner: none, epochs per seed", [v[NONE]["epochs_trained"] for v in good.values()]),
         candidate=arm(f"{label}, epochs per seed", [v[key]["epochs_trained"] for v in good.values()]),
         ratio={**stats([v[key]["epochs_trained"] / v[NONE]["epochs_trained"] for v in good.values()]),
                "definition": "epochs with pruning / epochs without (per seed)"},
-        target=target if judged else None,
+        target=TARGET if judged else None,
         meets_target=(frac <= EPOCH_FRACTION and gap_med <= ACC_TOL) if judged else None,
-        headline=f"{label}: {frac:.2f}x the epochs ({ep_p} vs {ep_u}); best val_acc gap median "
-                 f"{100 * gap_med:+.2f} points (per seed {', '.join(f'{100 * g:+.2f}' for g in gaps)})",
-        details={"epochs_ratio_total": frac, "accuracy_gaps": gaps, "seeds": sorted(good)})
+        headline=f"{label}: {frac:.2f}x the epochs ({ep_p} vs {ep_u}); best val_acc {100 * best_p:.2f}% vs "
+                 f"{100 * best_u:.2f}% unpruned (median), gap median {100 * gap_med:+.2f} points "
+                 f"(per seed {', '.join(f'{100 * g:+.2f}' for g in gaps)})",
+        details={"epochs_ratio_total": frac, "accuracy_gaps": gaps, "seeds": sorted(good),
+                 **({"studies": next(iter(good.values()))} if len(good) == 1 else {})})
 
 
 def run(ctx: Context) -> dict:
     base = yaml.safe_load(SPEC.read_text())
     seeds = list(ctx.options.get("seeds", ctx.pick([0], [0, 1, 2])))
     compare = list(ctx.options.get("compare", ctx.pick([], COMPARE)))
-    own = base["pruner"]
-    own_label = pruner_label(own)
-    arms = {OWN: own, NONE: {"name": "none"}, **{f"compare{i}": p for i, p in enumerate(compare)}}
+    arms = {OWN: base["pruner"], NONE: {"name": "none"}, **{f"compare{i}": p for i, p in enumerate(compare)}}
+    compared = [k for k in arms if k not in (OWN, NONE)]
     # The judged pair of every seed first; the compared pruners after, as the budget allows.
     jobs = [(s, k, variant(base, s, k, arms[k], ctx.quick)) for s in seeds for k in (OWN, NONE)]
-    jobs += [(s, k, variant(base, s, k, arms[k], ctx.quick)) for k in arms if k not in (OWN, NONE) for s in seeds]
+    jobs += [(s, k, variant(base, s, k, arms[k], ctx.quick)) for k in compared for s in seeds]
+    labels = {k: pruner_label(spec["pruner"]) for _, k, spec in jobs}  # as run (quick mode shortens warm-ups)
+    own_label = labels[OWN]
     ctx.log(f"{NAME}: seeds {seeds}: {jobs[0][2]['budget']['n_trials']} trials x {jobs[0][2]['train']['epochs']} "
-            f"epochs; pruners: {', '.join(pruner_label(p) for p in arms.values())}; two studies at a time")
+            f"epochs; pruners: {', '.join(labels.values())}; two studies at a time")
     per_seed = run_studies(ctx, jobs, timeout_s=ctx.pick(300, 540))
 
-    rows = []
-    for seed, v in per_seed.items():
-        p, u = v.get(OWN), v.get(NONE)
-        if p is None or u is None:
-            continue
-        if "error" in p or "error" in u:
-            rows.append(error_row(f"seed {seed}", p.get("error") or u.get("error"), details=v))
-            continue
-        gap = u["best_val_acc"] - p["best_val_acc"]
-        frac = p["epochs_trained"] / u["epochs_trained"]
-        rows.append(make_row(
-            f"seed {seed}", metric="epochs trained (sum over trials)",
-            baseline=arm("pruner: none", [u["epochs_trained"]]), candidate=arm(own_label, [p["epochs_trained"]]),
-            ratio={**stats([frac]), "definition": "epochs with pruning / epochs without"},
-            target=f"epochs ratio <= {EPOCH_FRACTION}, accuracy gap <= {100 * ACC_TOL:.1f} points",
-            meets_target=frac <= EPOCH_FRACTION and gap <= ACC_TOL,
-            headline=f"best val_acc {100 * p['best_val_acc']:.2f}% pruned vs {100 * u['best_val_acc']:.2f}% "
-                     f"unpruned (gap {100 * gap:+.2f} points); epochs {p['epochs_trained']} vs {u['epochs_trained']}",
-            details=v))
-    judged_ok = [r for r in rows if r["status"] == "ok"]
-    if not judged_ok:
-        first_error = next((r["error"] for r in rows if r.get("error")), "no seeds ran")
+    judged = {s: v for s, v in per_seed.items() if OWN in v and NONE in v}
+    errors = [error_row(f"seed {s}", v[OWN].get("error") or v[NONE].get("error"), details=v)
+              for s, v in judged.items() if "error" in v[OWN] or "error" in v[NONE]]
+    if len(errors) == len(judged):
+        first_error = errors[0]["error"] if errors else "no seeds ran"
         summary = f"Search efficiency: failed ({first_error.splitlines()[0][:120]})"
+        rows = errors
     else:
-        rows.insert(0, arm_row("all seeds", own_label, per_seed, OWN, judged=True))
-        for i, key in enumerate(k for k in arms if k not in (OWN, NONE)):
-            if any(key in v for v in per_seed.values()):
-                rows.insert(1 + i, arm_row("compared, all seeds", pruner_label(arms[key]), per_seed, key, judged=False))
-        head = rows[0]["details"]
-        summary = (f"Search efficiency (lr_bs, {own_label} vs none, {len(head['seeds'])} seeds): "
-                   f"{head['epochs_ratio_total']:.2f}x the epochs, best val_acc gap "
-                   f"{100 * statistics.median(head['accuracy_gaps']):+.2f} points (target <= {EPOCH_FRACTION}x, "
-                   f"<= {100 * ACC_TOL:.1f} points)")
-        summary += "".join(f"; {r['candidate']['label'].removesuffix(', epochs per seed')}: "
-                           f"{r['details']['epochs_ratio_total']:.2f}x, gap "
+        head = arm_row("all seeds ({n})", own_label, per_seed, OWN, judged=True)
+        others = [arm_row("compared, all seeds ({n})", labels[k], per_seed, k, judged=False)
+                  for k in compared if any(k in v for v in per_seed.values())]
+        per_seed_rows = [arm_row(f"seed {s}", own_label, {s: v}, OWN, judged=True)
+                         for s, v in judged.items() if "error" not in v[OWN] and "error" not in v[NONE]]
+        rows = [head, *others, *per_seed_rows, *errors]
+        summary = (f"Search efficiency (lr_bs, {own_label} vs none, {len(head['details']['seeds'])} seeds): "
+                   f"{head['details']['epochs_ratio_total']:.2f}x the epochs, best val_acc gap "
+                   f"{100 * statistics.median(head['details']['accuracy_gaps']):+.2f} points "
+                   f"(target <= {EPOCH_FRACTION}x, <= {100 * ACC_TOL:.1f} points)")
+        summary += "".join(f"; {labels[k]}: {r['details']['epochs_ratio_total']:.2f}x, gap "
                            f"{100 * statistics.median(r['details']['accuracy_gaps']):+.2f}"
-                           for r in rows if r["case"].startswith("compared"))
+                           for k, r in zip(compared, others))
     return {
         "target": f"same best val_acc within {100 * ACC_TOL:.1f} points using <= {EPOCH_FRACTION:.0%} of the epochs",
         "summary": summary, "rows": rows,

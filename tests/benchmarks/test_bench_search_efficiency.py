@@ -40,7 +40,7 @@ def test_rows_sum_epochs_over_seeds_and_judge_only_the_spec_pruner():
         1: {OWN: summary(56, 0.98), NONE: summary(96, 0.99), "compare0": {"error": "sweeps run exited 1"}},
         2: {OWN: summary(48, 1.0), NONE: {"error": "timed out"}},
     }
-    judged = arm_row("all seeds", "asha", seeds, OWN, judged=True)
+    judged = arm_row("all seeds ({n})", "asha", seeds, OWN, judged=True)
     assert judged["case"] == "all seeds (2)" and judged["details"]["seeds"] == [0, 1]  # seed 2 has no baseline
     assert judged["details"]["epochs_ratio_total"] == pytest.approx(96 / 192)
     assert judged["details"]["accuracy_gaps"] == pytest.approx([0.005, 0.01])
@@ -48,7 +48,7 @@ def test_rows_sum_epochs_over_seeds_and_judge_only_the_spec_pruner():
     assert judged["meets_target"] is False and judged["target"]
     assert judged["candidate"]["median"] == 48 and judged["baseline"]["median"] == 96
 
-    compared = arm_row("compared, all seeds", "median", seeds, "compare0", judged=False)
+    compared = arm_row("compared, all seeds ({n})", "median", seeds, "compare0", judged=False)
     assert compared["case"] == "compared, all seeds (1)"  # the failed study is left out, not counted as 0
     assert compared["details"]["epochs_ratio_total"] == pytest.approx(60 / 96)
     assert compared["meets_target"] is None and compared["target"] is None
