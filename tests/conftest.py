@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import sys
 from pathlib import Path
 
@@ -30,3 +32,12 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
 def pytest_configure(config):
     # Two cores on CI: keep torch from spawning more threads than there are cores.
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    # The digits split cache (core/tasks/digits.py) of this session, shared by its subprocesses:
+    # written by the first test that loads digits, never in the user's home folder.
+    if "SWEEPS_CACHE_DIR" not in os.environ:
+        config._sweeps_cache = os.environ["SWEEPS_CACHE_DIR"] = tempfile.mkdtemp(prefix="sweeps-cache-")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_sweeps_cache", None):
+        shutil.rmtree(config._sweeps_cache, ignore_errors=True)

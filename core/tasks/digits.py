@@ -2,8 +2,18 @@
 
 Nothing is downloaded. The train/val split is stratified and fixed by ``split_seed``
 (not by the run seed), so every trial of a study validates on the same images.
+
+The images and the split are cached in a small ``.npz`` (``SWEEPS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/sweeps``, else ``~/.cache/sweeps``), keyed by scikit-learn's version:
+importing scikit-learn costs 2 to 3 s of CPU in every fresh worker process, more than a
+short trial trains. Without a usable cache folder, scikit-learn is used every time.
 """
 from __future__ import annotations
+
+import importlib.metadata
+import os
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -63,19 +73,15 @@ class DigitsTask(Task):
         return DigitsMLP(self.width, self.dropout)
 
     def warm_up(self) -> None:
-        import sklearn.datasets  # noqa: F401 - the first datasets() call is then cheap (about 1 s)
-        import sklearn.model_selection  # noqa: F401
+        cached = split_cache_file(self.val_fraction, self.split_seed)
+        if cached is None or not cached.is_file():  # datasets() will need scikit-learn
+            import sklearn.datasets  # noqa: F401 - the first datasets() call is then cheap (about 1 s)
+            import sklearn.model_selection  # noqa: F401
 
     def datasets(self):
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        data = load_digits()
-        x = (data.images.astype(np.float32) / 16.0 - 0.5) / 0.5  # [0, 16] -> [-1, 1]
-        y = data.target.astype(np.int64)
-        idx_train, idx_val = train_test_split(
-            np.arange(len(y)), test_size=self.val_fraction, random_state=self.split_seed, stratify=y
-        )
+        images, labels, idx_train, idx_val = load_split(self.val_fraction, self.split_seed)
+        x = (images.astype(np.float32) / 16.0 - 0.5) / 0.5  # [0, 16] -> [-1, 1]
+        y = labels.astype(np.int64)
         x_t = torch.from_numpy(x).unsqueeze(1)  # N, 1, 8, 8
         y_t = torch.from_numpy(y)
         return (TensorPairDataset(x_t[idx_train], y_t[idx_train]),
@@ -84,6 +90,71 @@ class DigitsTask(Task):
     def describe(self):
         return {"task": self.name, "model": self.model, "width": self.width,
                 "val_fraction": self.val_fraction, "split_seed": self.split_seed}
+
+
+def split_cache_file(val_fraction: float, split_seed: int) -> Path | None:
+    """Where the split for these arguments is cached; None without scikit-learn's metadata."""
+    try:
+        version = importlib.metadata.version("scikit-learn")  # reads metadata: no import
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    root = os.environ.get("SWEEPS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sweeps")
+    return Path(root) / "digits" / f"split-sklearn{version}-val{val_fraction!r}-seed{split_seed}.npz"
+
+
+def load_split(val_fraction: float, split_seed: int) -> tuple[np.ndarray, ...]:
+    """``(images, labels, train indices, val indices)``: images as uint8 in [0, 16], N x 8 x 8,
+    exactly what ``load_digits`` and a stratified ``train_test_split`` give, from the cache
+    when it holds a sound copy, else computed with scikit-learn and cached."""
+    path = split_cache_file(val_fraction, split_seed)
+    if path is not None:
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = z["images"], z["labels"], z["train"], z["val"]
+            if _sound(*arrays):
+                return arrays
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+            pass  # absent or damaged: computed again below and the file replaced
+    arrays = _split_with_sklearn(val_fraction, split_seed)
+    if path is not None:
+        _write_atomically(path, arrays)
+    return arrays
+
+
+def _split_with_sklearn(val_fraction: float, split_seed: int) -> tuple[np.ndarray, ...]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    labels = data.target.astype(np.int64)
+    idx_train, idx_val = train_test_split(
+        np.arange(len(labels)), test_size=val_fraction, random_state=split_seed, stratify=labels)
+    return data.images.astype(np.uint8), labels, idx_train.astype(np.int64), idx_val.astype(np.int64)
+
+
+def _sound(images: np.ndarray, labels: np.ndarray, train: np.ndarray, val: np.ndarray) -> bool:
+    n = len(images)
+    return (n > 0 and images.shape == (n, 8, 8) and images.dtype == np.uint8 and labels.shape == (n,)
+            and int(labels.min()) >= 0 and int(labels.max()) < DigitsTask.num_classes
+            and len(train) + len(val) == n and len(np.union1d(train, val)) == n
+            and int(min(train.min(), val.min())) == 0 and int(max(train.max(), val.max())) == n - 1)
+
+
+def _write_atomically(path: Path, arrays: tuple[np.ndarray, ...]) -> None:
+    """Write to a temporary file, then rename: concurrent workers (or DDP ranks) never read
+    half a file. A cache that cannot be written (read-only home) is not an error."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            np.savez(fh, images=arrays[0], labels=arrays[1], train=arrays[2], val=arrays[3])
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 @register("digits")

@@ -1,0 +1,107 @@
+"""The digits task's cached split: the same arrays scikit-learn gives, rebuilt when damaged,
+and no scikit-learn import in a worker once the cache holds the split."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from core.tasks import digits
+from core.tasks.digits import DigitsTask, load_split, split_cache_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SWEEPS_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True))
+
+
+def test_cached_split_is_what_scikit_learn_gives(cache_dir):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    train, val = train_test_split(np.arange(1797), test_size=0.2, random_state=0, stratify=data.target)
+    first = load_split(0.2, 0)
+    path = split_cache_file(0.2, 0)
+    assert path.is_file() and path.parent.parent == cache_dir
+    again = load_split(0.2, 0)  # read back from the file
+    assert _same(first, again)
+    assert np.array_equal(again[0], data.images) and np.array_equal(again[1], data.target)
+    assert np.array_equal(again[2], train) and np.array_equal(again[3], val)
+    assert len(again[3]) == 360 and np.bincount(again[1][again[3]]).min() >= 35  # stratified
+
+
+def test_datasets_are_identical_with_and_without_the_cache(cache_dir, monkeypatch):
+    cold = DigitsTask("mlp").datasets()  # computes and writes the cache
+    warm = DigitsTask("mlp").datasets()
+    monkeypatch.setattr(digits, "split_cache_file", lambda *_: None)
+    none = DigitsTask("mlp").datasets()
+    for a, b, c in zip(cold, warm, none):
+        x = [torch.stack([a[i][0] for i in range(len(a))]) for a in (a, b, c)]
+        y = [torch.tensor([a[i][1] for i in range(len(a))]) for a in (a, b, c)]
+        assert torch.equal(x[0], x[1]) and torch.equal(x[0], x[2])
+        assert torch.equal(y[0], y[1]) and torch.equal(y[0], y[2])
+    assert float(x[0].min()) == -1.0 and float(x[0].max()) == 1.0
+
+
+def test_each_split_has_its_own_file(cache_dir):
+    a, b = load_split(0.2, 0), load_split(0.2, 1)
+    assert split_cache_file(0.2, 0) != split_cache_file(0.2, 1)
+    assert not np.array_equal(a[3], b[3])
+    assert len(load_split(0.3, 0)[3]) == 540
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong_arrays"])
+def test_a_damaged_cache_file_is_rebuilt(cache_dir, damage):
+    good = load_split(0.2, 0)
+    path = split_cache_file(0.2, 0)
+    if damage == "garbage":
+        path.write_bytes(b"not an npz file")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:  # a readable file whose arrays do not fit together
+        np.savez(path, images=good[0][:10], labels=good[1], train=good[2], val=good[3])
+    assert _same(load_split(0.2, 0), good)
+    assert _same(load_split(0.2, 0), good)  # the file was replaced with a sound one
+    assert not list(path.parent.glob(".*.tmp"))
+
+
+def test_an_unwritable_cache_folder_is_not_an_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("SWEEPS_CACHE_DIR", str(blocker))
+    first = load_split(0.2, 0)
+    assert len(first[0]) == 1797 and not split_cache_file(0.2, 0).exists()
+
+
+def _fresh_process(code: str, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "SWEEPS_CACHE_DIR": str(cache)})
+
+
+def test_a_worker_with_the_cache_never_imports_scikit_learn(tmp_path):
+    """A worker calls Task.warm_up while it waits for its go. Without the cache, digits imports
+    scikit-learn's loaders there; with it, neither warm_up nor datasets imports scikit-learn."""
+    code = ("import sys\n"
+            "from core.tasks.base import make_task\n"
+            "task = make_task('digits', model='mlp')\n"
+            "task.warm_up()\n"
+            "print('warm_up', 'sklearn.model_selection' in sys.modules)\n"
+            "task.datasets()\n"
+            "print('datasets', 'sklearn' in sys.modules)\n")
+    cold = _fresh_process(code, tmp_path / "cache")
+    assert cold.returncode == 0 and cold.stdout.split() == ["warm_up", "True", "datasets", "True"], cold.stderr
+    warm = _fresh_process(code, tmp_path / "cache")
+    assert warm.returncode == 0 and warm.stdout.split() == ["warm_up", "False", "datasets", "False"], warm.stderr
