@@ -339,7 +339,7 @@ def _warm_up_then_wait(spec: StudySpec) -> dict | None:
 
     tracker_for(spec).warm_up()
     try:
-        spec.make_task({}).warm_up()  # the task's own imports (sklearn for digits)
+        spec.make_task({}).warm_up()  # the task's own imports (sklearn for digits, until its cache is made)
     except Exception as exc:  # e.g. an argument only the search space gives: the first trial pays
         log.debug("task warm-up skipped: %s", exc)
     line = sys.stdin.readline()
