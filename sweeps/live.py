@@ -50,15 +50,19 @@ class LiveView:
         self.update_result(study_result(self.spec, study))
 
     def update_result(self, result: StudyResult) -> None:
-        done = result.finished()
-        for t in sorted(result.trials, key=lambda t: t.number):
-            if t.state in ("COMPLETE", "PRUNED", "FAIL") and t.number not in self._seen:
-                self._seen.add(t.number)
-                if self.plain:
-                    extra = f" ({t.reason})" if t.reason and t.state != "COMPLETE" else ""
-                    print(f"trial {t.number} {t.state} {result.metric}={_fmt(t.value)} "
-                          f"in {t.duration_s or 0:.1f}s [{len(done)}/{self.spec.budget.n_trials}] "
-                          f"{_fmt_params(t.params)}{extra}", flush=True)
+        new = [t for t in sorted(result.trials, key=lambda t: t.number)
+               if t.state in ("COMPLETE", "PRUNED", "FAIL") and t.number not in self._seen]
+        # [k/n] counts the trials that used the budget (complete or pruned), line by line: when
+        # several ended since the last poll, each gets its own k rather than all the total.
+        k = len(result.finished()) - sum(t.state != "FAIL" for t in new)
+        for t in new:
+            self._seen.add(t.number)
+            k += t.state != "FAIL"
+            if self.plain:
+                extra = f" ({t.reason})" if t.reason and t.state != "COMPLETE" else ""
+                print(f"trial {t.number} {t.state} {result.metric}={_fmt(t.value)} "
+                      f"in {t.duration_s or 0:.1f}s [{k}/{self.spec.budget.n_trials}] "
+                      f"{_fmt_params(t.params)}{extra}", flush=True)
         if self._live is not None:
             self._live.update(self._render(result))
 
