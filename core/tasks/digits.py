@@ -137,6 +137,7 @@ def _sound(images: np.ndarray, labels: np.ndarray, train: np.ndarray, val: np.nd
     n = len(images)
     return (n > 0 and images.shape == (n, 8, 8) and images.dtype == np.uint8 and labels.shape == (n,)
             and int(labels.min()) >= 0 and int(labels.max()) < DigitsTask.num_classes
+            and train.dtype.kind == val.dtype.kind == "i"  # indices, as they index tensors
             and len(train) + len(val) == n and len(np.union1d(train, val)) == n
             and int(min(train.min(), val.min())) == 0 and int(max(train.max(), val.max())) == n - 1)
 

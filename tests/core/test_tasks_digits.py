@@ -63,7 +63,7 @@ def test_each_split_has_its_own_file(cache_dir):
     assert len(load_split(0.3, 0)[3]) == 540
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong_arrays"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong_arrays", "float_indices"])
 def test_a_damaged_cache_file_is_rebuilt(cache_dir, damage):
     good = load_split(0.2, 0)
     path = split_cache_file(0.2, 0)
@@ -71,8 +71,10 @@ def test_a_damaged_cache_file_is_rebuilt(cache_dir, damage):
         path.write_bytes(b"not an npz file")
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:1000])
-    else:  # a readable file whose arrays do not fit together
+    elif damage == "wrong_arrays":  # a readable file whose arrays do not fit together
         np.savez(path, images=good[0][:10], labels=good[1], train=good[2], val=good[3])
+    else:  # the right numbers, but not as indices
+        np.savez(path, images=good[0], labels=good[1], train=good[2].astype(float), val=good[3].astype(float))
     assert _same(load_split(0.2, 0), good)
     assert _same(load_split(0.2, 0), good)  # the file was replaced with a sound one
     assert not list(path.parent.glob(".*.tmp"))
