@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest

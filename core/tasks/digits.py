@@ -10,6 +10,7 @@ short trial trains. Without a usable cache folder, scikit-learn is used every ti
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import zipfile
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from core.io_utils import atomic_write_bytes
 from core.tasks.base import Task, TensorPairDataset, check_model_name, register
 
 
@@ -118,7 +120,12 @@ def load_split(val_fraction: float, split_seed: int) -> tuple[np.ndarray, ...]:
             pass  # absent or damaged: computed again below and the file replaced
     arrays = _split_with_sklearn(val_fraction, split_seed)
     if path is not None:
-        _write_atomically(path, arrays)
+        # Atomic, so concurrent workers (or DDP ranks) never read half a file. A cache that
+        # cannot be written (a read-only home) is not an error: the next run computes it again.
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, lambda fh: np.savez(fh, images=arrays[0], labels=arrays[1],
+                                                         train=arrays[2], val=arrays[3]))
     return arrays
 
 
@@ -134,28 +141,13 @@ def _split_with_sklearn(val_fraction: float, split_seed: int) -> tuple[np.ndarra
 
 
 def _sound(images: np.ndarray, labels: np.ndarray, train: np.ndarray, val: np.ndarray) -> bool:
+    """Arrays that fit together: N 8x8 uint8 images, N labels, and indices (integers, as they
+    index tensors) that split 0..N-1 into train and val."""
     n = len(images)
     return (n > 0 and images.shape == (n, 8, 8) and images.dtype == np.uint8 and labels.shape == (n,)
             and int(labels.min()) >= 0 and int(labels.max()) < DigitsTask.num_classes
-            and train.dtype.kind == val.dtype.kind == "i"  # indices, as they index tensors
-            and len(train) + len(val) == n and len(np.union1d(train, val)) == n
-            and int(min(train.min(), val.min())) == 0 and int(max(train.max(), val.max())) == n - 1)
-
-
-def _write_atomically(path: Path, arrays: tuple[np.ndarray, ...]) -> None:
-    """Write to a temporary file, then rename: concurrent workers (or DDP ranks) never read
-    half a file. A cache that cannot be written (read-only home) is not an error."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            np.savez(fh, images=arrays[0], labels=arrays[1], train=arrays[2], val=arrays[3])
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+            and train.dtype.kind == val.dtype.kind == "i"
+            and np.array_equal(np.sort(np.concatenate([train, val])), np.arange(n)))
 
 
 @register("digits")
