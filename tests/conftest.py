@@ -29,9 +29,22 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+def _xdist_workers() -> int:
+    """How many pytest-xdist processes run tests (``make test`` runs 2); 1 without xdist."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def _is_xdist_controller(config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and "PYTEST_XDIST_WORKER" not in os.environ
+
+
 def pytest_configure(config):
-    # Two cores on CI: keep torch from spawning more threads than there are cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    # Two cores on CI: keep torch from spawning more threads than there are cores, counting the
+    # processes that run tests at once (two processes with two threads each would make torch's
+    # threads wait for each other's cores). The xdist controller runs no test: its workers decide.
+    if not _is_xdist_controller(config):
+        cores = len(os.sched_getaffinity(0))
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, cores // _xdist_workers()))))
     # The digits split cache (core/tasks/digits.py) of this session, shared by its subprocesses:
     # written by the first test that loads digits, never in the user's home folder.
     if "SWEEPS_CACHE_DIR" not in os.environ:
