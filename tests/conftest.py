@@ -43,8 +43,10 @@ def pytest_configure(config):
     # processes that run tests at once (two processes with two threads each would make torch's
     # threads wait for each other's cores). The xdist controller runs no test: its workers decide.
     if not _is_xdist_controller(config):
-        cores = len(os.sched_getaffinity(0))
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, cores // _xdist_workers()))))
+        from sweeps.pool import cpu_threads_available  # the pool's count: affinity mask, cgroup cpusets
+
+        threads = cpu_threads_available() // _xdist_workers()
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, threads))))
     # The digits split cache (core/tasks/digits.py) of this session, shared by its subprocesses:
     # written by the first test that loads digits, never in the user's home folder.
     if "SWEEPS_CACHE_DIR" not in os.environ:
