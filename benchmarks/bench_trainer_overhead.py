@@ -42,14 +42,17 @@ def cases(ctx: Context) -> dict[str, dict]:
         "digits_cnn": {"task": ("digits", {"model": "cnn"}), "batch_size": 32, "share": 0.35,
                        "epochs": ctx.pick(1, 3), "max_steps": ctx.pick(10, None), "repeats": ctx.n_repeats(7),
                        "lockstep": {"epochs": ctx.pick(1, 3), "max_steps": ctx.pick(4, None),
-                                    "runs": ctx.n_repeats(7)}},
+                                    "runs": ctx.n_repeats(7), "share": 0.25},
+                       # what breakdown() costs, in hand steps: blocks of 30 steps, and cheap calls
+                       "breakdown_steps": 400},
         # 1.2 s steps: lockstep only, tracked only (3 points a second cost it nothing measurable),
         # 12 step pairs a run; no whole runs, whose pairs of 6 steps spread +-8% on this VM.
         "resnet18_synthetic32": {"task": ("synthetic", {"model": "resnet18", "shape": [3, 32, 32],
                                                         "n_train": 512, "n_val": 32}),
                                  "batch_size": 32, "epochs": 1, "max_steps": ctx.pick(3, 13),
                                  "lockstep": {"epochs": 1, "max_steps": ctx.pick(3, 13), "runs": ctx.n_repeats(3),
-                                              "arms": ("tracked",)}},
+                                              "arms": ("tracked",)},
+                                 "breakdown_steps": 12},  # 1 warm-up + 3 timed steps, norms, loader passes
     }
 
 
@@ -89,10 +92,13 @@ def core_run(task, cfg, store, name: str) -> dict:
             "step_cpu_s": statistics.median(cpu_intervals) if cpu_intervals else float("nan")}
 
 
-def lockstep(task, case: dict, store, name: str, ctx: Context) -> dict:
+def lockstep(task, case: dict, store, name: str, ctx: Context, budget_s: float = float("inf"),
+             reserve_steps: int = 0) -> dict:
     """Core and the hand loop one step each in turn (see benchmarks/hand_loop.py), in runs that
     alternate tracking on (TrialReporter on the writer process, as in a sweep) and off
-    (NullReporter). Returns per-run ratios of core's samples/s over the hand loop's."""
+    (NullReporter). Returns per-run ratios of core's samples/s over the hand loop's.
+    Runs after the first stop once ``budget_s`` (this case's share) would be overrun, or the
+    benchmark's budget less ``reserve_steps`` hand steps (kept for the breakdown that follows)."""
     from core.reporting import NullReporter
     from core.train import train
 
@@ -103,7 +109,14 @@ def lockstep(task, case: dict, store, name: str, ctx: Context) -> dict:
     steps_s: dict[str, list[float]] = {"hand": [], **{arm_name: [] for arm_name in arms}}
     t0 = time.monotonic()
     for r in range(sizes["runs"]):
-        if r >= 2 and not ctx.can_afford(1.1 * (time.monotonic() - t0) / r, f"{name} lockstep runs {r + 1}-"):
+        # The first run always happens; the next only if it fits in this case's share of the budget.
+        per_run = (time.monotonic() - t0) / max(r, 1)
+        reserve_s = reserve_steps * statistics.median(steps_s["hand"]) if steps_s["hand"] else 0.0
+        if r >= 1 and (time.monotonic() - t0 + 1.1 * per_run > budget_s
+                       or not ctx.can_afford(1.1 * per_run + reserve_s, f"{name} lockstep runs {r + 1}-")):
+            if time.monotonic() - t0 + 1.1 * per_run > budget_s:
+                ctx.cut.append(f"{name} lockstep runs {r + 1}-{sizes['runs']} (about {1.1 * per_run:.0f} s each) "
+                               f"left out: this case's share of the time budget ({budget_s:.0f} s) was spent")
             break
         for arm_name in arms:
             reporter, run_ = (store.trial_reporter(f"{name}-lockstep-{r}") if arm_name == "tracked"
@@ -313,12 +326,19 @@ def run(ctx: Context) -> dict:
                 + (f"; whole runs: {case['repeats']} ABAB pairs)" if "repeats" in case else ")"))
         task = make_task(case["task"])
         cfg = train_config(case)
-        rows.append(lockstep_row(case_name, lockstep(task, case, store, case_name, ctx)))
+        paced = lockstep(task, case, store, case_name, ctx, budget_s=sizes.get("share", 1.0) * ctx.time_left(),
+                         reserve_steps=case["breakdown_steps"])
+        rows.append(lockstep_row(case_name, paced))
+        ctx.keep(rows)
         if "repeats" in case:
             rows.append(whole_runs_row(task, case_name, case, cfg, store, ctx))
-        ctx.log(f"{NAME}: {case_name} breakdown")
-        details[case_name] = breakdown(task, cfg, store, ctx)
-        rows[-1]["details"]["breakdown"] = details[case_name]
+            ctx.keep(rows)
+        hand_step_s = paced["step_ms"]["hand"]["median"] / 1e3
+        if ctx.can_afford(case["breakdown_steps"] * hand_step_s, f"{case_name} per-step breakdown"):
+            ctx.log(f"{NAME}: {case_name} breakdown")
+            details[case_name] = breakdown(task, cfg, store, ctx)
+            rows[-1]["details"]["breakdown"] = details[case_name]
+            ctx.keep(rows)
 
     summary_bits = [f"{r['case']} {r['ratio']['median']:.3f}x" for r in rows]
     return {

@@ -65,6 +65,13 @@ class Context:
     budget_s: float | None = None  # soft time budget: optional repeats are dropped to stay within it
     t_start: float = field(default_factory=time.monotonic)
     cut: list = field(default_factory=list)  # what was dropped for the budget (reported in the notes)
+    on_rows: Callable[[list], None] | None = None  # bench_main: saves the rows so far (see keep)
+
+    def keep(self, rows: list) -> None:
+        """Save the rows measured so far: if the suite stops this benchmark at its hard time limit
+        (run_all.py), they are reported instead of nothing. Call after each finished row."""
+        if self.on_rows is not None:
+            self.on_rows(list(rows))
 
     def time_left(self) -> float:
         if self.budget_s is None:
@@ -319,6 +326,20 @@ def execute(name: str, title: str, run: Callable[[Context], dict], ctx: Context)
     return result
 
 
+def interim_result(name: str, title: str, ctx: Context, rows: list[dict]) -> dict:
+    """What a benchmark has measured so far, saved while it runs (``Context.keep``). Replaced by
+    the final result; left in place (status "partial") if the process is stopped before that."""
+    result = new_result(name, title, ctx)
+    result.update(status="partial", machine=machine_info(), rows=rows,
+                  started_at=_dt.datetime.fromtimestamp(time.time() - (time.monotonic() - ctx.t_start),
+                                                        _dt.timezone.utc).isoformat(timespec="seconds"),
+                  error="stopped before it finished; the rows it had measured are kept",
+                  summary=f"{title}: stopped before it finished; measured: "
+                          + "; ".join(f"{r['case']}: {r.get('headline', '')}" for r in rows),
+                  notes=[f"Time budget: {c}." for c in ctx.cut])
+    return result
+
+
 def write_result(result: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
@@ -358,6 +379,7 @@ def bench_main(name: str, title: str, run: Callable[[Context], dict], argv: list
     out = a.out or (RESULTS_DIR / f"{name}.json")
     with tempfile.TemporaryDirectory(prefix=f"sweeps-bench-{name}-", dir=a.workdir) as tmp:
         ctx = Context(quick=a.quick, repeats=a.repeats, workdir=Path(tmp), options=options, budget_s=a.budget_s)
+        ctx.on_rows = lambda rows: write_result(interim_result(name, title, ctx, rows), out)
         result = execute(name, title, run, ctx)
     write_result(result, out)
     print(f"{name}: {result['status']}: {result.get('summary', '')}\nwrote {out}", flush=True)

@@ -61,8 +61,9 @@ class Job:
     """One benchmark in its own process (new session, so a time-out can stop its whole tree)."""
 
     def __init__(self, name: str, out: Path, quick: bool, repeats: int | None, timeout_s: float, extra: list[str],
-                 log_path: Path | None, budget_s: float | None = None) -> None:
-        cmd = [sys.executable, "-m", f"benchmarks.bench_{name}", "--out", str(out)] + (["--quick"] if quick else [])
+                 log_path: Path | None, budget_s: float | None = None, module: str | None = None) -> None:
+        cmd = [sys.executable, "-m", module or f"benchmarks.bench_{name}", "--out", str(out)]
+        cmd += ["--quick"] if quick else []
         if repeats is not None:
             cmd += ["--repeats", str(repeats)]
         if budget_s is not None:
@@ -102,7 +103,15 @@ class Job:
             problem = f"stopped after {self.timeout_s:.0f} s, its time limit in this suite (benchmarks/run_all.py)"
         elif not self.out.exists():
             problem = f"benchmark process exited {self.proc.returncode} without writing {self.out.name}"
-        if problem:  # the benchmark could not report: record that, in the same schema
+        elif self.proc.returncode != 0:  # bench_main exits 0 once it has written its final result
+            problem = f"benchmark process exited {self.proc.returncode} before it finished"
+        kept = json.loads(self.out.read_text()) if problem and self.out.exists() else None
+        if kept is not None and kept.get("rows"):  # stopped mid-way: keep what it had measured (Context.keep)
+            kept.update(status="partial", error=f"{problem}; the rows it had measured by then are kept",
+                        wall_s=round(time.perf_counter() - self.t0, 2),
+                        summary=kept["summary"].replace("stopped before it finished", problem, 1))
+            write_result(kept, self.out)
+        elif problem:  # the benchmark could not report: record that, in the same schema
             result = new_result(self.name, self.name, Context(quick=self.quick, workdir=Path(tempfile.gettempdir())))
             result.update(status="error", error=problem, summary=f"{self.name}: {problem}", machine=machine_info(),
                           wall_s=round(time.perf_counter() - self.t0, 2))

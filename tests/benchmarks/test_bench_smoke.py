@@ -4,6 +4,7 @@ GPU section (skipped at once without CUDA). Speed is never asserted."""
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 
@@ -148,3 +149,41 @@ def test_trainer_overhead_lockstep_with_tracked_runs_only(tmp_path):
     assert list(paced["ratios"]) == ["tracked"] and len(paced["ratios"]["tracked"]) == 2
     assert paced["step_pairs_per_run"] == 3  # the first step of a run has no pair
     assert all(0.5 < r < 2.0 for r in paced["ratios"]["tracked"])
+
+
+STALLING_BENCH = '''
+import time
+from benchmarks.common import arm, bench_main, make_row, paired_ratio
+
+def run(ctx):
+    rows = [make_row("first case", metric="s", baseline=arm("a", [1.0, 1.2]), candidate=arm("b", [2.0, 2.2]),
+                     ratio=paired_ratio([2.0, 2.2], [1.0, 1.2], "b / a"), headline="measured before the stall")]
+    ctx.keep(rows)
+    time.sleep(300)  # the second case never ends: the suite stops it at its time limit
+
+if __name__ == "__main__":
+    raise SystemExit(bench_main("stalling", "A benchmark that stalls", run))
+'''
+
+
+def test_a_benchmark_stopped_at_its_time_limit_keeps_the_rows_it_had_measured(tmp_path, monkeypatch):
+    """run_all stops an overrunning benchmark's process group; the rows it saved with ctx.keep are
+    reported (status partial, the limit named) instead of nothing."""
+    from benchmarks.run_all import Job
+
+    (tmp_path / "stalling_bench.py").write_text(STALLING_BENCH)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = tmp_path / "results" / "stalling.json"
+    job = Job("stalling", out, quick=True, repeats=None, timeout_s=8, extra=[], log_path=None,
+              module="stalling_bench")
+    deadline = time.monotonic() + 60
+    while not job.poll():
+        assert time.monotonic() < deadline, "the job was not stopped at its limit"
+        time.sleep(0.2)
+    result = job.finish()
+    assert result["status"] == "partial"
+    assert result["error"].startswith("stopped after 8 s, its time limit in this suite")
+    assert [r["case"] for r in result["rows"]] == ["first case"]
+    assert result["rows"][0]["ratio"]["median"] == pytest.approx((2.0 / 1.0 + 2.2 / 1.2) / 2)
+    assert "measured before the stall" in result["summary"] and "stopped after 8 s" in result["summary"]
+    assert job.proc.returncode is not None  # the process is gone
