@@ -1,7 +1,7 @@
 """The study's parent MLflow run: one per study, reused when the study resumes.
 
 It holds the spec file and its hash, the git commit and package versions, the best trial
-so far (kept current after every trial) and the end-of-run summary. Both backends use it.
+so far (kept current as trials finish) and the end-of-run summary. Both backends use it.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def find_or_create_parent(tracker: Tracker, spec: StudySpec, study_name: str, ba
 
 
 def update_parent_best(tracker: Tracker, parent: RunHandle, result: StudyResult) -> None:
-    """Keep the parent's best-trial tags and counts current (called after every trial)."""
+    """Keep the parent's best-trial tags and counts current: called by ``sweeps run`` whenever
+    it sees more finished trials in the study (Optuna), after every trial (Ray), and at the end."""
     best = result.best()
     counts = result.counts()
     metrics = {f"trials_{state.lower()}": float(n) for state, n in counts.items()}
@@ -118,19 +119,20 @@ def running_children(tracker, parent_run_id: str) -> list[str]:
     return [r.info.run_id for r in runs]
 
 
-def tracker_for(spec: StudySpec, writer_process: bool = False):
+def tracker_for(spec: StudySpec, writer_process: bool = False, served_by: tuple | None = None):
     """The spec's tracker. With a local SQLite store (the embedded default), artifacts go
     beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own.
     ``writer_process``: the store writes happen in a child process (for processes that train:
-    see ``sweeps.tracking.writer``)."""
+    see ``sweeps.tracking.writer``). ``served_by``: otherwise, the pipe ends to the ``sweeps
+    run`` that serves this worker's writes (``writer.served_pipe_from_env``)."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     uri = spec.tracking_store_uri()
     root = None
     if uri.startswith("sqlite:///"):
         root = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
-    if writer_process:
+    if writer_process or served_by is not None:
         from sweeps.tracking.writer import WriterProcessTracker
 
-        return WriterProcessTracker(uri, artifact_root=root)
+        return WriterProcessTracker(uri, artifact_root=root, served_by=None if writer_process else served_by)
     return MlflowTracker(uri, artifact_root=root)

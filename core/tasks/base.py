@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-from torch import nn
-from torch.utils.data import Dataset
+if TYPE_CHECKING:  # torch is imported where a model or data is built, not to name or check a task
+    from torch import nn
+    from torch.utils.data import Dataset
 
 
 class TaskError(ValueError):
@@ -130,17 +130,3 @@ def make_task(name: str | None = None, *, target: str | None = None, model: str 
 def check_model_name(task_name: str, model: str, models: tuple[str, ...]) -> None:
     if model not in models:
         raise TaskError(f"task.model: {model!r} is not offered by task {task_name!r}; choose one of {', '.join(models)}")
-
-
-class TensorPairDataset(Dataset):
-    """(inputs, labels) tensors as a Dataset; indexing returns (x, int label)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        assert len(x) == len(y)
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], int(self.y[i])

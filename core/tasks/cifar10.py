@@ -1,16 +1,18 @@
 """CIFAR-10 from a local copy, with ResNet-18 adapted to 32x32 images.
 
 Nothing is downloaded: the python-version archive must already be extracted under
-``root`` (``<root>/cifar-10-batches-py``). torchvision is imported inside functions so that
-loading the task registry (``core.tasks.base._load_builtins``) stays cheap.
+``root`` (``<root>/cifar-10-batches-py``). torch and torchvision are imported inside functions
+so that loading the task registry (``core.tasks.base._load_builtins``) stays cheap.
 """
 from __future__ import annotations
 
 import os
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from core.tasks.base import Task, TaskError, check_model_name, register
+
+if TYPE_CHECKING:  # imported where the model is built: checking a task needs no torch
+    from torch import nn
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_DIRNAME = "cifar-10-batches-py"  # what the archive extracts to; torchvision's base_folder
@@ -26,6 +28,7 @@ def resnet18_cifar(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
     block and costs several points of accuracy; a 3x3 stride-1 conv without pooling keeps
     the full resolution, the usual CIFAR variant.
     """
+    from torch import nn
     from torchvision.models import resnet18
 
     model = resnet18(weights=None, num_classes=num_classes)

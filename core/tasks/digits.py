@@ -15,41 +15,15 @@ import importlib.metadata
 import os
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
 
 from core.io_utils import atomic_write_bytes
-from core.tasks.base import Task, TensorPairDataset, check_model_name, register
+from core.tasks.base import Task, check_model_name, register
 
-
-class DigitsCNN(nn.Module):
-    """Two 3x3 conv blocks and a linear head; about 20k parameters at width 16."""
-
-    def __init__(self, width: int = 16, dropout: float = 0.1, num_classes: int = 10) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
-            nn.MaxPool2d(2),  # 8x8 -> 4x4
-        )
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * width * 16, num_classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
-
-class DigitsMLP(nn.Module):
-    def __init__(self, width: int = 64, dropout: float = 0.1, num_classes: int = 10) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Dropout(dropout),
-            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, num_classes),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class DigitsTask(Task):
@@ -70,6 +44,8 @@ class DigitsTask(Task):
         self.split_seed = split_seed
 
     def build_model(self) -> nn.Module:
+        from core.tasks.digits_models import DigitsCNN, DigitsMLP
+
         if self.model == "cnn":
             return DigitsCNN(self.width, self.dropout)
         return DigitsMLP(self.width, self.dropout)
@@ -81,6 +57,10 @@ class DigitsTask(Task):
             import sklearn.model_selection  # noqa: F401
 
     def datasets(self):
+        import torch
+
+        from core.tasks.tensor_data import TensorPairDataset
+
         images, labels, idx_train, idx_val = load_split(self.val_fraction, self.split_seed)
         x = (images.astype(np.float32) / 16.0 - 0.5) / 0.5  # [0, 16] -> [-1, 1]
         y = labels.astype(np.int64)

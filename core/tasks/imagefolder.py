@@ -16,12 +16,13 @@ a machine without the data -- so folder and weight errors surface in ``num_class
 from __future__ import annotations
 
 import os
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from core.tasks.base import Task, TaskError, register
+
+if TYPE_CHECKING:  # imported where models and weights are handled: checking a task needs no torch
+    import torch
+    from torch import nn
 
 # Models known to work end to end (head found, train-mode forward returns plain logits).
 # Other torchvision classification models are accepted too, except those below.
@@ -132,6 +133,8 @@ class ImageFolderTask(Task):
         """
         if self.pretrained_weights is None:
             return None
+        from torch import nn
+
         model = _unwrap(model)
         head = head_attr(model)
         return nn.ModuleDict({n: m for n, m in model.named_children() if n != head})
@@ -181,6 +184,8 @@ class ImageFolderTask(Task):
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The user model inside a torch.compile / DistributedDataParallel wrapper."""
+    from torch import nn
+
     model = getattr(model, "_orig_mod", model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
@@ -189,6 +194,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Load a state dict (or a checkpoint that nests one) from a local file, tensors only."""
+    import torch
+
     if not os.path.isfile(path):
         raise TaskError(
             f"task.args.pretrained_weights: file {os.path.abspath(path)} does not exist "

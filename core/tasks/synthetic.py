@@ -5,10 +5,12 @@ and a loss curve means something. Data depends only on ``data_seed``.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from core.tasks.base import Task, TensorPairDataset, check_model_name, register
+from core.tasks.base import Task, check_model_name, register
+
+if TYPE_CHECKING:  # imported where the model and data are built: checking a task needs no torch
+    from torch import nn
 
 
 class SyntheticTask(Task):
@@ -25,6 +27,8 @@ class SyntheticTask(Task):
         self.n_train, self.n_val, self.width, self.data_seed = n_train, n_val, width, data_seed
 
     def build_model(self) -> nn.Module:
+        from torch import nn
+
         numel = 1
         for s in self.input_shape:
             numel *= s
@@ -41,6 +45,10 @@ class SyntheticTask(Task):
         return resnet18_cifar(num_classes=self.num_classes, in_channels=self.input_shape[0])
 
     def datasets(self):
+        import torch
+
+        from core.tasks.tensor_data import TensorPairDataset
+
         gen = torch.Generator().manual_seed(self.data_seed)
         n = self.n_train + self.n_val
         x = torch.randn((n, *self.input_shape), generator=gen)

@@ -19,12 +19,15 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Mapping
 
 _PR_SET_PDEATHSIG = 1
 _MOST = 64  # more early workers than this are not started before the plan confirms them
-_started: list[tuple[Path, subprocess.Popen]] = []
+# A local worker's exit codes that `sweeps run` reads (besides 128 + a signal's number).
+EXIT_OK, EXIT_MAX_FAILURES = 0, 3
 
 
 def die_with_parent() -> None:
@@ -36,13 +39,37 @@ def die_with_parent() -> None:
         pass
 
 
-def spawn_worker(spec_path: str | Path, env: Mapping[str, str]) -> subprocess.Popen:
+@dataclass
+class LocalWorker:
+    """A worker process and this process's ends of the pipe that serves its MLflow writes
+    (``sweeps.tracking.writer.serve_in_thread``; unused if its go gives it a writer process)."""
+
+    proc: subprocess.Popen
+    tracking_ends: tuple[Connection, Connection]
+
+
+_started: list[tuple[Path, LocalWorker]] = []
+
+
+def spawn_worker(spec_path: str | Path, env: Mapping[str, str]) -> LocalWorker:
     """A local Optuna worker (``python -m sweeps.backends.optuna_worker SPEC``) with ``env`` on
     top of this process's environment. It validates the spec, warms up, then waits on its
     stdin for the go (``OptunaBackend._go``); it dies with this process."""
+    from sweeps.tracking.writer import PIPE_VAR, open_served_pipe
+
     cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker", str(spec_path)]
-    return subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.PIPE, text=True,
-                            preexec_fn=die_with_parent)
+    child_fds, ends = open_served_pipe()
+    try:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env, PIPE_VAR: ",".join(map(str, child_fds))},
+                                stdin=subprocess.PIPE, text=True, pass_fds=child_fds, preexec_fn=die_with_parent)
+    except BaseException:
+        for conn in ends:
+            conn.close()
+        raise
+    finally:
+        for fd in child_fds:
+            os.close(fd)
+    return LocalWorker(proc, ends)
 
 
 def start_early_workers(spec_path: str) -> None:
@@ -70,20 +97,23 @@ def start_early_workers(spec_path: str) -> None:
         _started.append((Path(spec_path).resolve(), spawn_worker(spec_path, {"CUDA_VISIBLE_DEVICES": ""})))
 
 
-def adopt_early_worker(spec_path: str | Path) -> subprocess.Popen | None:
+def adopt_early_worker(spec_path: str | Path) -> LocalWorker | None:
     """An early worker started for this spec file, still running, handed over once."""
     wanted = Path(spec_path).resolve()
-    for i, (path, proc) in enumerate(_started):
-        if path == wanted and proc.poll() is None:
+    for i, (path, worker) in enumerate(_started):
+        if path == wanted and worker.proc.poll() is None:
             del _started[i]
-            return proc
+            return worker
     return None
 
 
 def stop_early_workers() -> None:
     """Kill the early workers nobody adopted (the spec was invalid, or needs GPUs or Ray)."""
     while _started:
-        _, proc = _started.pop()
+        _, worker = _started.pop()
+        proc = worker.proc
+        for conn in worker.tracking_ends:
+            conn.close()
         if proc.stdin is not None:
             try:
                 proc.stdin.close()

@@ -12,8 +12,10 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import optuna
@@ -22,12 +24,13 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study as os_
 from sweeps.backends.base import StudyResult
-from sweeps.backends.early_worker import adopt_early_worker, spawn_worker
-from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
+from sweeps.backends.early_worker import EXIT_MAX_FAILURES, adopt_early_worker, spawn_worker
 from sweeps.errors import StudyStateError
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
 from sweeps.spec import StudySpec
-from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, write_summary
+from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
+from sweeps.tracking.mlflow_tracker import MlflowTracker
+from sweeps.tracking.writer import serve_in_thread
 
 log = logging.getLogger("sweeps")
 @dataclass
@@ -35,7 +38,9 @@ class _Worker:
     slot: WorkerSlot
     proc: subprocess.Popen
     beat_file: Path
+    tracking_ends: tuple[Connection, Connection]  # this process's ends of the pipe serving its MLflow writes
     started: bool = False  # sent its go
+    writer: threading.Thread | None = None  # the thread serving its writes (from the go on)
 
 
 def _close_stdin(w: _Worker) -> None:
@@ -86,6 +91,8 @@ class OptunaBackend:
                     _close_stdin(w)  # so it is stopped at once rather than waited for
                     w.proc.kill()
                     w.proc.wait()
+                    for conn in w.tracking_ends:
+                        conn.close()
 
     def _run(self, spec: StudySpec, workers: list[_Worker], fresh: bool, quiet: bool) -> StudyResult:
         from sweeps.live import LiveView
@@ -111,7 +118,8 @@ class OptunaBackend:
                 stopped, code = (f"nothing to run: all {spec.budget.n_trials} trials of budget.n_trials have run; "
                                  "raise it to run more"), 0
             else:
-                stopped, code = self._supervise(spec, study, workers, parent.run_id, started, deadline, view)
+                stopped, code = self._supervise(spec, study, workers, parent, started, deadline, view, tracker)
+                self._wait_for_writes(workers + self._replaced)
             result = os_.study_result(spec, optuna.load_study(study_name=study.study_name,
                                                               storage=os_.open_storage(spec)))
             result.stopped_reason = stopped
@@ -183,7 +191,13 @@ class OptunaBackend:
         recovery.close_orphan_runs(tracker, study)
         return recovered
 
-    def _supervise(self, spec, study, workers, parent_id, started, deadline, view) -> tuple[str, int]:
+    def _supervise(self, spec, study, workers, parent, started, deadline, view, tracker) -> tuple[str, int]:
+        """Send the go, then watch until every worker has exited: the live view and the parent
+        run's best-so-far (from the study, so every worker's trials count, in order, and no
+        worker waits on the store for it between trials), hung trials, signals."""
+        self._tracker = tracker  # serves the writes of workers with no writer process of their own
+        self._replaced: list[_Worker] = []  # hung workers killed and replaced
+        parent_id = parent.run_id
         for w in workers:
             self._go(w, parent_id, started, deadline)
         got_signal: list[int] = []
@@ -198,8 +212,13 @@ class OptunaBackend:
         trial_timeout = spec.trial_timeout_seconds()
         stopped, code = "", 0
         try:
+            finished = None
             while any(w.proc.poll() is None for w in workers):
-                view.update(study)
+                result = os_.study_result(spec, study)
+                view.update_result(result)
+                if len(result.finished()) != finished:
+                    finished = len(result.finished())
+                    update_parent_best(tracker, parent, result)
                 if trial_timeout:
                     self._stop_hung(spec, study, workers, trial_timeout, parent_id, started, deadline)
                 _wait_any(workers, 0.5)  # returns as soon as a worker exits: no idle tail at the end
@@ -227,10 +246,10 @@ class OptunaBackend:
         ``sweeps run`` started before validating the spec (early_worker.py) for a CPU slot.
         Nothing is written yet: if the set-up fails, the worker is killed and leaves no trace."""
         beat = _beat_dir(spec) / f"worker-{slot.index}.beat"
-        proc = adopt_early_worker(spec.path) if not slot.devices and spec.path is not None else None
-        if proc is None:
-            proc = spawn_worker(spec.path, slot.env())
-        return _Worker(slot, proc, beat)
+        local = adopt_early_worker(spec.path) if not slot.devices and spec.path is not None else None
+        if local is None:
+            local = spawn_worker(spec.path, slot.env())
+        return _Worker(slot, local.proc, beat, local.tracking_ends)
 
     def _go(self, w: _Worker, parent_id: str, started: float, deadline: float | None) -> None:
         """Tell a waiting worker which parent run and budget window it works for."""
@@ -248,6 +267,27 @@ class OptunaBackend:
             pass  # it died while warming up: _supervise sees its exit code
         w.started = True
         _close_stdin(w)
+        if not w.slot.writer_process:
+            # This process writes for it: MLflow is imported and the store open here already, so
+            # the worker saves their seconds of start-up (sweeps.tracking.writer).
+            tracker = self._tracker
+            w.writer = serve_in_thread(w.tracking_ends, lambda: MlflowTracker(
+                tracker.tracking_uri, spool_dir=tracker.spool.directory, artifact_root=tracker.artifact_root,
+                client=tracker.client), name=f"worker-{w.slot.index}")
+        else:  # it starts a writer process of its own and closes its end: nothing to serve
+            for conn in w.tracking_ends:
+                conn.close()
+
+    @staticmethod
+    def _wait_for_writes(workers: list[_Worker]) -> None:
+        """Every worker has exited: let the threads serving their writes write what they hold
+        (each ends when its worker's pipe closes) before the summary is written."""
+        for w in workers:
+            if w.writer is not None:
+                w.writer.join(timeout=120)
+                if w.writer.is_alive():
+                    log.warning("the MLflow writes of worker %d are still being written after 120 s; "
+                                "the summary is written without waiting for them", w.slot.index)
 
     def _stop_hung(self, spec, study, workers, trial_timeout, parent_id, started, deadline) -> None:
         """A worker whose trial made no progress for budget.trial_timeout is killed; its trial
@@ -273,5 +313,6 @@ class OptunaBackend:
                 recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_store_uri())
             log.warning("%s, %s: its worker was killed and a fresh one takes slot %d",
                         ", ".join(f"trial {t.number} failed" for t in hung) or "no trial", reason, w.slot.index)
+            self._replaced.append(w)  # its writes are still waited for
             workers[i] = self._spawn(spec, w.slot)
             self._go(workers[i], parent_id, started, deadline)

@@ -1,4 +1,6 @@
 """One Optuna worker: takes trials from the shared study until its total budget is met.
+(``sweeps run`` keeps the parent run's best-so-far current from the study: a worker writes
+only its trials' runs.)
 
 ``sweeps run`` starts one per pool slot on this machine; ``sweeps worker SPEC`` starts one
 on any machine that reaches a shared RDB storage. Both run this loop.
@@ -12,6 +14,7 @@ import sys
 import threading
 import time
 from datetime import datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import optuna
@@ -20,14 +23,15 @@ from optuna.trial import TrialState
 
 from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
+from sweeps.backends.early_worker import EXIT_MAX_FAILURES, EXIT_OK
 from sweeps.errors import BackendError, SpecError, StudyStateError, TrackingError
 from sweeps.objective import TrialSpec, run_trial, worker_name
 from sweeps.pool import worker_writes_from_a_process
 from sweeps.spec import StudySpec, redact_url
-from sweeps.study_run import tracker_for, update_parent_best
+from sweeps.study_run import tracker_for
 from sweeps.tracking.base import RunHandle
+from sweeps.tracking.writer import served_pipe_from_env
 
-EXIT_OK, EXIT_MAX_FAILURES = 0, 3
 log = logging.getLogger("sweeps")
 
 
@@ -70,13 +74,19 @@ def _failures_in_a_row(study: optuna.Study, since: datetime) -> int:
 
 def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None = None,
                deadline: float | None = None, since: float | None = None,
-               beat_file: Path | None = None, wait_s: float = 0.0) -> int:
+               beat_file: Path | None = None, wait_s: float = 0.0,
+               served_by: tuple[Connection, Connection] | None = None) -> int:
     """The worker loop. Returns the process exit code.
 
     Without ``parent_run_id`` (``sweeps worker``) it joins the study ``sweeps run`` created,
     waiting up to ``wait_s`` seconds for it to appear. Its tracker writes from a child process
-    where a core is left for one (``pool.worker_writes_from_a_process``)."""
-    tracker = tracker_for(spec, writer_process=worker_writes_from_a_process())
+    where a core is left for one (``pool.worker_writes_from_a_process``); otherwise through
+    ``served_by``, the pipe to the ``sweeps run`` that started it, if any; otherwise by itself."""
+    writer_process = worker_writes_from_a_process()
+    if writer_process and served_by is not None:
+        for conn in served_by:  # its own writer instead: the orchestrator's thread sees EOF and ends
+            conn.close()
+    tracker = tracker_for(spec, writer_process=writer_process, served_by=served_by)
     try:
         return _worker_loop(spec, worker_index, parent_run_id, deadline, since, beat_file, wait_s, tracker)
     finally:
@@ -238,7 +248,6 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
                     "this attempt's result is dropped and its retry counts instead", trial.number,
                     os_.ENV_GRACE, os_.heartbeat_settings()[1])
         exhausted = False
-    update_parent_best(tracker, parent, os_.study_result(spec, study))
     if outcome.state == "INTERRUPTED":
         return signals.exit_code()
     if exhausted:
@@ -318,26 +327,30 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(a.spec)
     except SpecError:
         return 2  # `sweeps run` validates the same file and reports every problem itself
-    go = _warm_up_then_wait(spec)
+    served_by = served_pipe_from_env()
+    go = _warm_up_then_wait(spec, served=served_by is not None)
     if go is None:
         return 0  # the orchestrator stopped before the study started (a bad store, a second run...)
     # Before anything reads them: run_worker sets torch's threads from SWEEPS_WORKER_THREADS, and
     # CUDA reads CUDA_VISIBLE_DEVICES when first used (the warm-up does not touch CUDA).
     os.environ.update(go["env"])
-    return run_worker(spec, go["slot"], go["parent_run_id"], go.get("deadline"), go["since"], Path(go["beat_file"]))
+    return run_worker(spec, go["slot"], go["parent_run_id"], go.get("deadline"), go["since"], Path(go["beat_file"]),
+                      served_by=served_by)
 
 
-def _warm_up_then_wait(spec: StudySpec) -> dict | None:
+def _warm_up_then_wait(spec: StudySpec, served: bool) -> dict | None:
     """``sweeps run`` starts its workers before it opens the tracking store, the study and the
     parent run, so the workers' start-up (seconds of imports) overlaps its own. Here the worker
     pays what its first trial would: torch.optim's first optimizer imports torch._dynamo (about
-    2 s on torch 2.14), MLflow's client (a writer process, if the go asks for one, imports its
-    own), the task what its datasets need. Then it waits for the orchestrator's go; EOF means stop."""
+    2 s on torch 2.14), the task what its datasets need, and MLflow's client unless ``served``
+    (``sweeps run`` serves its writes, or a writer process of its own, if the go asks for one,
+    imports MLflow there). Then it waits for the orchestrator's go; EOF means stop."""
     import json
 
     import torch._dynamo  # noqa: F401 - imported for its side effect: the first optimizer is then cheap
 
-    tracker_for(spec).warm_up()
+    if not served:
+        tracker_for(spec).warm_up()
     try:
         spec.make_task({}).warm_up()  # the task's own imports (sklearn for digits, until its cache is made)
     except Exception as exc:  # e.g. an argument only the search space gives: the first trial pays

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from core.evaluation import confusion_matrix, save_json_atomic
 from core.io_utils import atomic_write_bytes
-from core.tasks.base import TensorPairDataset
+from core.tasks.tensor_data import TensorPairDataset
 
 
 class _Lookup(nn.Module):

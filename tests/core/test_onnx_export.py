@@ -15,7 +15,8 @@ from core.io_utils import atomic_write_bytes
 from core.onnx_export import OnnxParityError, export_and_verify, write_report_json
 from core.results import OnnxReport
 from core.tasks.cifar10 import resnet18_cifar
-from core.tasks.digits import DigitsCNN, DigitsTask
+from core.tasks.digits import DigitsTask
+from core.tasks.digits_models import DigitsCNN
 
 
 def _leftovers(directory):

@@ -34,8 +34,10 @@ def test_started_for_an_optuna_cpu_study_each_adopted_once(tmp_path, workers, st
     spec = write_spec(tmp_path, seed_store=False, resources={"devices": "cpu", "workers": workers})
     early_worker.start_early_workers(str(spec))
     procs = []
-    while (proc := early_worker.adopt_early_worker(os.path.relpath(spec))) is not None:  # any path to it
-        procs.append(proc)
+    while (worker := early_worker.adopt_early_worker(os.path.relpath(spec))) is not None:  # any path to it
+        procs.append(worker.proc)
+        for conn in worker.tracking_ends:  # nobody serves its MLflow writes: it never gets a go
+            conn.close()
     # auto: as many as the plan makes on this machine's CPU threads
     assert len(procs) == (started or auto_cpu_workers(cpu_threads_available()))
     for proc in procs:

@@ -334,3 +334,34 @@ def test_bad_durations(value):
 
     with pytest.raises(ValueError, match="duration"):
         parse_duration(value)
+
+
+@pytest.mark.parametrize("task", ["task: {name: digits, model: cnn, args: {val_fraction: 0.2}}",
+                                  "task: {name: synthetic, model: resnet18, args: {shape: [3, 32, 32]}}",
+                                  "task: {name: cifar10, model: resnet18, args: {root: data}}",
+                                  "task: {name: imagefolder, model: resnet18, args: {root: data}}"])
+def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import_torch(tmp_path, task):
+    """`sweeps run` validates its spec and runs the study without torch (2 to 3 s of imports on
+    its critical path before the workers' go): only workers train. A bad value is still caught."""
+    import subprocess
+    import sys
+
+    spec = write(tmp_path, GOOD.replace("task: {name: digits, model: cnn, args: {val_fraction: 0.2}}", task))
+    bad = write(tmp_path, GOOD.replace("val_fraction: 0.2", "val_fraction: 1.5"), name="bad.yaml")
+    code = textwrap.dedent(f"""
+        import sys
+        from sweeps.errors import SpecError
+        from sweeps.spec import load_spec
+        import sweeps.backends.optuna_backend, sweeps.live, sweeps.study_run
+        load_spec({str(spec)!r})
+        try:
+            load_spec({str(bad)!r})
+        except SpecError as exc:
+            print("refused:", exc.problems)
+        print("torch imported:", "torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "val_fraction" in out.stdout
+    assert "torch imported: False" in out.stdout, out.stdout

@@ -83,7 +83,7 @@ def test_a_killed_writer_is_reported_and_the_trainer_writes_by_itself(store, tmp
     tracker.log_params(run, {"lr": 0.1})  # the first request after the kill finds it gone
     tracker.end_run(run, "FINISHED")
     assert tracker.writer_pid is None
-    assert "writer process" in caplog.text and "is gone" in caplog.text
+    assert "MLflow writer" in caplog.text and "is gone" in caplog.text
     got = store.client.get_run(run.run_id)
     assert got.info.status == "FINISHED" and got.data.params == {"lr": "0.1"}
     assert [m.value for m in store.client.get_metric_history(run.run_id, "val_acc")] == [0.5, 0.6]
@@ -154,5 +154,74 @@ def test_without_a_writer_process_the_trainer_writes_by_itself(store, tmp_path, 
     tracker.log_metrics(run, {"val_acc": 0.5}, 1)
     tracker.end_run(run, "FINISHED")
     tracker.close()
+    got = store.client.get_run(run.run_id)
+    assert got.info.status == "FINISHED" and got.data.metrics["val_acc"] == 0.5
+
+
+def test_a_worker_served_by_sweeps_run_writes_without_importing_mlflow(store, tmp_path):
+    """As `sweeps run` serves a local worker with no writer process of its own: the worker
+    (a real process, warmed up as optuna_worker does) ships its writes over the pipe to a
+    thread of this process and never imports MLflow. When it is killed, the thread writes
+    what it had shipped, then ends."""
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+    from sweeps.tracking.writer import PIPE_VAR, open_served_pipe, serve_in_thread
+    from tests.sweeps.study_helpers import write_spec
+
+    spec_path = write_spec(tmp_path, seed_store=False)
+    code = textwrap.dedent(f"""
+        import sys, time
+        from sweeps.backends.optuna_worker import _warm_up_then_wait
+        from sweeps.spec import load_spec
+        from sweeps.study_run import tracker_for
+        from sweeps.tracking.writer import served_pipe_from_env
+        spec = load_spec({str(spec_path)!r})
+        served = served_pipe_from_env()
+        assert _warm_up_then_wait(spec, served=served is not None) is None  # stdin at EOF: no go
+        t = tracker_for(spec, served_by=served)
+        run = t.start_run(t.get_or_create_experiment({store.experiment_name()!r}), "trial")
+        for step in range(1, 101):
+            t.log_metrics(run, {{"loss": 1.0 / step}}, step)
+        time.sleep(0.15)
+        t.log_metrics(run, {{"loss": 0.0}}, 101)  # ships: the buffer is older than 0.1 s
+        print(run.run_id, "mlflow" in sys.modules, flush=True)
+        time.sleep(60)
+    """)
+    child_fds, ends = open_served_pipe()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), PIPE_VAR: ",".join(map(str, child_fds))}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, env=env, pass_fds=child_fds, cwd=tmp_path)
+    for fd in child_fds:
+        os.close(fd)
+    server = serve_in_thread(ends, lambda: MlflowTracker(store.uri, spool_dir=tmp_path / "spool",
+                                                         artifact_root=store.artifact_root), name="test-worker")
+    try:
+        run_id, imported = proc.stdout.readline().split()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert imported == "False"
+    server.join(timeout=30)
+    assert not server.is_alive()  # the pipe closed with the worker: the thread wrote what it held and ended
+    assert sorted(m.step for m in store.client.get_metric_history(run_id, "loss")) == list(range(1, 102))
+    assert store.client.get_run(run_id).info.status == "RUNNING"  # the worker never ended it
+    assert not (tmp_path / "runs" / "mlflow.db").exists()  # nothing written by the worker itself
+
+
+def test_a_served_worker_whose_server_is_gone_writes_by_itself(store, tmp_path, caplog):
+    from multiprocessing.connection import Connection
+
+    from sweeps.tracking.writer import open_served_pipe
+
+    (req_w, rep_r), ends = open_served_pipe()
+    tracker = WriterProcessTracker(store.uri, spool_dir=tmp_path / "spool", artifact_root=store.artifact_root,
+                                   served_by=(Connection(req_w, readable=False), Connection(rep_r, writable=False)))
+    assert tracker.writer_pid == os.getppid()  # served by the process that started this one
+    for conn in ends:  # the serving side is gone (sweeps run stopped serving, or failed to)
+        conn.close()
+    run = _run(tracker, store)
+    tracker.log_metrics(run, {"val_acc": 0.5}, 1)
+    tracker.end_run(run, "FINISHED")
+    tracker.close()
+    assert tracker.writer_pid is None and "is gone" in caplog.text
     got = store.client.get_run(run.run_id)
     assert got.info.status == "FINISHED" and got.data.metrics["val_acc"] == 0.5
