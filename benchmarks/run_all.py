@@ -28,7 +28,7 @@ from benchmarks.common import (RESULTS_DIR, RESULTS_MD, ROOT, SHARED_THRESHOLD_C
 # name -> (section number, planned seconds in the full suite on 2 idle cores, time limit with --quick)
 BENCHMARKS: dict[str, tuple[int, int, int]] = {
     "trainer_overhead": (1, 150, 120),
-    "tracking_overhead": (2, 100, 90),
+    "tracking_overhead": (2, 120, 90),
     "orchestration": (3, 75, 150),
     "parallel": (4, 200, 150),
     "search_efficiency": (5, 220, 150),
