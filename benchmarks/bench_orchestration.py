@@ -70,7 +70,7 @@ def run(ctx: Context) -> dict:
     repeats = {"optuna": ctx.n_repeats(2), "ray": ctx.n_repeats(1)}
     timeout_s = ctx.pick(240, 480)
     ctx.log(f"{NAME}: worker start-up (fresh interpreter + imports)")
-    imports_s = python_start_s(WORKER_IMPORTS, repeats=ctx.pick(1, 3))
+    imports_s = python_start_s(WORKER_IMPORTS, repeats=1)  # a side figure: its 8 s go to a second study run
     rows, runs = [], {}
     backends = ctx.options.get("backends", ("optuna", "ray"))
     # Alternate backends (optuna, ray, optuna, ...) so drift hits both.

@@ -53,8 +53,10 @@ def one_study(ctx: Context, main_study: dict, workers: int, n_trials: int, index
 
 
 def run(ctx: Context) -> dict:
-    n_trials = int(ctx.options.get("n_trials", ctx.pick(2, 10)))
-    repeats = ctx.n_repeats(2)
+    # 8 trials a study: two rounds (1 worker, then 2) fit the suite's budget; one round alone
+    # is at the mercy of the VM's drift, which moves the ratio's ceiling from 1.3x to 2.3x.
+    n_trials = int(ctx.options.get("n_trials", ctx.pick(2, 8)))
+    repeats = ctx.n_repeats(3)
     timeout_s = ctx.pick(240, 360)
     main_study = yaml.safe_load((ROOT / "studies" / "lr_bs.yaml").read_text())
     runs: dict[int, list[dict]] = {1: [], 2: []}
