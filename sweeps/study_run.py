@@ -14,6 +14,7 @@ from sweeps.spec import StudySpec, dump_spec_dict
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, Tracker
 
+TRIAL_STATES_COUNTED = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")  # logged on the parent as trials_<state>
 PACKAGES = ("torch", "torchvision", "optuna", "mlflow", "ray", "onnxruntime", "numpy", "sweeps")
 
 
@@ -72,7 +73,8 @@ def update_parent_best(tracker: Tracker, parent: RunHandle, result: StudyResult)
     """Keep the parent's best-trial tags and counts current: called by ``sweeps run`` whenever
     it sees more finished trials in the study (Optuna), after every trial (Ray), and at the end."""
     best = result.best()
-    counts = result.counts()
+    # Every state every time: a count that drops to zero (the last RUNNING trial ends) must say so.
+    counts = {**dict.fromkeys(TRIAL_STATES_COUNTED, 0), **result.counts()}
     metrics = {f"trials_{state.lower()}": float(n) for state, n in counts.items()}
     tags = {}
     if best is not None:

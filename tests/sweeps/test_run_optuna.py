@@ -25,7 +25,7 @@ for r in runs:
     for top in list(arts):
         arts += [a.path for a in client.list_artifacts(r.info.run_id, top)]
     out.append({"id": r.info.run_id, "status": r.info.status, "tags": r.data.tags, "params": r.data.params,
-                "metrics": sorted(r.data.metrics),
+                "metrics": sorted(r.data.metrics), "metric_values": r.data.metrics,
                 "val_acc_steps": [m.step for m in client.get_metric_history(r.info.run_id, "val_acc")],
                 "train_loss_steps": len(client.get_metric_history(r.info.run_id, "step/train_loss")),
                 "artifacts": arts})
@@ -53,6 +53,9 @@ def test_four_trials_make_one_parent_and_four_nested_children(tmp_path):
     parent = parents[0]
     assert "spec/tiny.yaml" in parent["artifacts"] and "summary/summary.json" in parent["artifacts"]
     assert parent["tags"]["sweeps.best_trial"] in {c["tags"]["sweeps.trial_number"] for c in children}
+    # The counts sweeps run kept current while trials ran end with none running.
+    assert {k: v for k, v in parent["metric_values"].items() if k.startswith("trials_")} == {
+        "trials_complete": 4.0, "trials_pruned": 0.0, "trials_fail": 0.0, "trials_running": 0.0, "trials_waiting": 0.0}
     for child in children:
         assert child["tags"]["mlflow.parentRunId"] == parent["id"]
         assert child["status"] == "FINISHED" and child["tags"]["sweeps.state"] == "COMPLETE"
