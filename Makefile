@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(BIN)/sweeps run studies/lr_bs.yaml
 
 # Two test processes (pytest-xdist): many tests wait on subprocesses, signals and timeouts, so
-# one process kept 1.1 of 2 cores busy on average (17 min; 13.5 to 15.5 min with two).
+# one process kept 1.1 of 2 cores busy on average (17 min; 11 to 15.5 min with two).
 # TEST_PROCESSES=0 runs them in one.
 TEST_PROCESSES ?= 2
 
