@@ -38,17 +38,21 @@ ARMS = ("off", "writer", "inline", "naive")
 
 
 class CallTimer:
-    """Wraps a reporter and adds up the wall time spent inside its calls."""
+    """Wraps a reporter and adds up the wall time spent inside its calls, in all (``seconds``)
+    and per method (``by_method``)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.seconds, self.calls = inner, 0.0, 0
+        self.by_method: dict[str, float] = {"report_step": 0.0, "report_epoch": 0.0, "log_artifact": 0.0}
 
     def _timed(self, fn, *args):
         t0 = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            self.seconds += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.seconds += spent
+            self.by_method[fn.__name__] += spent
             self.calls += 1
 
     def report_step(self, step, metrics):
@@ -102,9 +106,8 @@ def lockstep_pairs(task, cfg, store, pairs: int, ctx: Context) -> dict:
         for arm_name in ("off", "writer"):
             reporter, run_ = (store.trial_reporter(f"lockstep-{r}") if arm_name == "writer"
                               else (NullReporter(), None))
-            timer = CallTimer(reporter)
-            epoch_timer = _EpochTimer(timer)
-            pace = Lockstep(epoch_timer, HandStepper(task, cfg))
+            timer = CallTimer(reporter)  # its report_epoch time (the epoch-end flush): Lockstep leaves it out
+            pace = Lockstep(timer, HandStepper(task, cfg))
             result = train(task, cfg, reporter=pace)
             t_end = time.perf_counter()
             if run_ is not None:
@@ -113,7 +116,7 @@ def lockstep_pairs(task, cfg, store, pairs: int, ctx: Context) -> dict:
             if run_ is not None:
                 found = sum(store.count_points(run_.run_id).values())
                 points.append({"expected": expected_points(result), "found": found})
-            core = sum(pace.core_s) + epoch_timer.seconds + end_s
+            core = sum(pace.core_s) + timer.by_method["report_epoch"] + end_s
             costs[arm_name].append(core / sum(pace.hand_s))
             per_step_us[arm_name].append(1e6 * sum(pace.core_s) / len(pace.core_s))
         ctx.log(f"  lockstep pair {r + 1}/{pairs}: tracked/untracked "
@@ -146,26 +149,6 @@ def lockstep_row(paced: dict) -> dict:
                  f"step pairs each, end_run and epoch reports included); points stored {last['found']}/"
                  f"{last['expected']} ({'all' if complete else 'MISSING POINTS'} of {len(paced['points'])} runs)",
         details=paced)
-
-
-class _EpochTimer:
-    """Adds up the time of ``report_epoch`` (the epoch-end flush), which Lockstep does not time."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.seconds = inner, 0.0
-
-    def report_step(self, step, metrics):
-        return self.inner.report_step(step, metrics)
-
-    def report_epoch(self, epoch, step, metrics):
-        t0 = time.perf_counter()
-        try:
-            return self.inner.report_epoch(epoch, step, metrics)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def log_artifact(self, path, kind):
-        return self.inner.log_artifact(path, kind)
 
 
 def run(ctx: Context) -> dict:

@@ -125,8 +125,8 @@ def tracker_for(spec: StudySpec, writer_process: bool = False, served_by: tuple 
     """The spec's tracker. With a local SQLite store (the embedded default), artifacts go
     beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own.
     ``writer_process``: the store writes happen in a child process (for processes that train:
-    see ``sweeps.tracking.writer``). ``served_by``: otherwise, the pipe ends to the ``sweeps
-    run`` that serves this worker's writes (``writer.served_pipe_from_env``)."""
+    see ``sweeps.tracking.writer``). ``served_by``: instead, the pipe ends to the ``sweeps run``
+    that serves this worker's writes (``writer.served_pipe_from_env``); give one or the other."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     uri = spec.tracking_store_uri()
@@ -136,5 +136,5 @@ def tracker_for(spec: StudySpec, writer_process: bool = False, served_by: tuple 
     if writer_process or served_by is not None:
         from sweeps.tracking.writer import WriterProcessTracker
 
-        return WriterProcessTracker(uri, artifact_root=root, served_by=None if writer_process else served_by)
+        return WriterProcessTracker(uri, artifact_root=root, served_by=served_by)
     return MlflowTracker(uri, artifact_root=root)

@@ -86,6 +86,7 @@ def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None
     if writer_process and served_by is not None:
         for conn in served_by:  # its own writer instead: the orchestrator's thread sees EOF and ends
             conn.close()
+        served_by = None
     tracker = tracker_for(spec, writer_process=writer_process, served_by=served_by)
     try:
         return _worker_loop(spec, worker_index, parent_run_id, deadline, since, beat_file, wait_s, tracker)
