@@ -13,12 +13,14 @@ so the model must be written under its final name from the start.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -30,7 +32,7 @@ from torch import nn
 from core.io_utils import fsync_dir, save_json_atomic
 from core.results import OnnxReport
 
-__all__ = ["OnnxParityError", "export_and_verify", "write_report_json"]
+__all__ = ["OnnxParityError", "export_and_verify", "warm_up", "write_report_json"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,14 @@ OUTPUT_NAME = "logits"
 MAX_CHECK_SAMPLES = 256  # enough to catch a wrong op, few enough to check in seconds on CPU
 LATENCY_BATCH = 64
 LATENCY_RUNS = 5
+
+# torch.onnx.export builds its registry of ATen -> ONNX functions anew on every call: about 500
+# torchlib functions, each parsed from its Python source. That is 0.3 to 0.4 s of the 0.7 s a
+# trial's export of the digits CNN takes on 2 CPU cores. Without a custom translation table
+# (we pass none) nothing changes the registry once built, so one per opset serves every export
+# of the process. Keyed by the opset the exporter asks for; guarded, as exports may run in threads.
+_registries: dict[object, object] = {}
+_export_lock = threading.Lock()
 
 
 class OnnxParityError(RuntimeError):
@@ -154,11 +164,12 @@ def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | Non
     example = inputs[:2] if len(inputs) >= 2 else inputs.repeat(2, *([1] * (inputs.ndim - 1)))
     batch = torch.export.Dim("batch")
     try:
-        torch.onnx.export(
-            model, (example,), str(dest), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-            opset_version=opset, dynamo=True, dynamic_shapes=({0: batch},), external_data=False,
-            verbose=False, artifacts_dir=str(dest.parent),
-        )
+        with _reused_registry():
+            torch.onnx.export(
+                model, (example,), str(dest), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                opset_version=opset, dynamo=True, dynamic_shapes=({0: batch},), external_data=False,
+                verbose=False, artifacts_dir=str(dest.parent),
+            )
         return
     except Exception as dynamo_exc:  # capture failures surface as many exception types
         log.warning("torch.onnx dynamo export failed (%s); retrying with the TorchScript exporter",
@@ -178,6 +189,56 @@ def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | Non
             raise RuntimeError(
                 f"ONNX export failed with both exporters: dynamo: {dynamo_exc}; torchscript: {legacy_exc}"
             ) from dynamo_exc
+
+
+def warm_up() -> None:
+    """For a process that will export later and can spare the time now (a sweep worker waiting
+    for its first trial): one export and check of a two-weight model, in a temporary folder. A
+    process's first export pays about 1.6 s more than the next ones on 2 CPU cores (imports of
+    onnx, onnxruntime and onnxscript, the exporter's registry, torch.export's first trace); after
+    this, the first trial's export costs what every other trial's does."""
+    tiny = nn.Sequential(nn.Flatten(), nn.Linear(2, 1))
+    with tempfile.TemporaryDirectory(prefix="sweeps-onnx-warm-up-") as folder:
+        export_and_verify(tiny, torch.zeros(2, 2), Path(folder) / "warm_up.onnx", latency_runs=1)
+
+
+def _registry_class():
+    """torch.onnx's ``ONNXRegistry`` and its ``from_torchlib`` classmethod, or None where this
+    torch has no such private API (then every export builds its own, as torch does)."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        return None
+    cls = _registration.ONNXRegistry
+    builder = cls.__dict__.get("from_torchlib")
+    return (cls, builder) if isinstance(builder, classmethod) else None
+
+
+def _cached_registry(cls, builder: classmethod, opset_version: int):
+    if opset_version not in _registries:
+        _registries[opset_version] = builder.__func__(cls, opset_version=opset_version)
+    return _registries[opset_version]
+
+
+@contextlib.contextmanager
+def _reused_registry():
+    """Within: ``ONNXRegistry.from_torchlib`` returns the registry it built for that opset before."""
+    found = _registry_class()
+    if found is None:
+        yield
+        return
+    cls, builder = found
+    from torch.onnx._internal.exporter import _constants
+
+    def from_torchlib(klass, opset_version=_constants.TORCHLIB_OPSET):
+        return _cached_registry(klass, builder, opset_version)
+
+    with _export_lock:
+        cls.from_torchlib = classmethod(from_torchlib)
+        try:
+            yield
+        finally:
+            cls.from_torchlib = builder
 
 
 def _check_dynamic_batch(proto) -> None:

@@ -118,6 +118,54 @@ def test_nan_output_fails_the_check(tmp_path, monkeypatch):
         export_and_verify(nn.Linear(4, 2), torch.randn(4, 4), tmp_path / "m.onnx", latency_runs=1)
 
 
+@pytest.fixture
+def registry_builds(monkeypatch):
+    """Counts the exporter's registry builds (torch's own builder, wrapped), from an empty cache."""
+    from torch.onnx._internal.exporter import _registration
+
+    real = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    built = []
+
+    def counting(cls, *args, **kwargs):
+        built.append(kwargs.get("opset_version"))
+        return real.__func__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", classmethod(counting))
+    monkeypatch.setattr(onnx_export, "_registries", {})
+    return built
+
+
+def test_exports_in_one_process_build_the_exporters_registry_once(tmp_path, registry_builds):
+    from torch.onnx._internal.exporter import _registration
+
+    wrapped = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    torch.manual_seed(0)
+    # Different ops in each model: the shared registry must serve them all.
+    models = [DigitsCNN(), nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.GELU(), nn.LayerNorm(16),
+                                         nn.Linear(16, 10)), DigitsCNN()]
+    reports = [export_and_verify(m, torch.randn(8, 1, 8, 8), tmp_path / f"m{i}.onnx", latency_runs=1)
+               for i, m in enumerate(models)]
+    assert [r.passed for r in reports] == [True, True, True]
+    assert len(registry_builds) == 1
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is wrapped  # torch's own, back in place
+    got = ort.InferenceSession(str(tmp_path / "m1.onnx")).run(None, {"input": np.ones((3, 1, 8, 8), np.float32)})[0]
+    with torch.inference_mode():
+        want = models[1].eval()(torch.ones(3, 1, 8, 8)).numpy()
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_warm_up_pays_the_first_exports_set_up_and_leaves_no_files(tmp_path, registry_builds, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    onnx_export.warm_up()
+    assert len(registry_builds) == 1 and list(tmp_path.iterdir()) == []
+    out = tmp_path / "out"
+    report = export_and_verify(DigitsCNN(), torch.randn(8, 1, 8, 8), out / "m.onnx", latency_runs=1)
+    assert report.passed and len(registry_builds) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["m.onnx"]
+
+
 def test_write_report_json(tmp_path):
     report = OnnxReport(path=tmp_path / "m.onnx", max_abs_diff=1e-6, tolerance=1e-4, passed=True,
                         n_inputs_checked=8, torch_latency_ms=1.5, ort_latency_ms=0.7, opset=20)
