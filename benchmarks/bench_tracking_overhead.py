@@ -161,7 +161,7 @@ def run(ctx: Context) -> dict:
     from core.train import train
 
     threads = ctx.torch_threads()
-    store = TrackingStore(ctx.workdir / "mlflow")
+    store = ctx.closing(TrackingStore(ctx.workdir / "mlflow"))
     # A trial of studies/lr_bs.yaml (the main study): 8 epochs of the digits CNN, here at batch 32.
     case = {"batch_size": 32, "epochs": ctx.pick(1, 8), "max_steps": ctx.pick(10, None)}
     case.update(ctx.options.get("case", {}))

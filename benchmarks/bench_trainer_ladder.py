@@ -69,7 +69,7 @@ def run(ctx: Context) -> dict:
     from benchmarks.sweeps_runs import TrackingStore
 
     threads = ctx.torch_threads()
-    store = TrackingStore(ctx.workdir / "mlflow")
+    store = ctx.closing(TrackingStore(ctx.workdir / "mlflow"))
     rows = []
     only = ctx.options.get("cases", ["digits_cnn", "resnet18_synthetic32"])
     for case_name, case in cases(ctx).items():

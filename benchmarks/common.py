@@ -66,6 +66,13 @@ class Context:
     t_start: float = field(default_factory=time.monotonic)
     cut: list = field(default_factory=list)  # what was dropped for the budget (reported in the notes)
     on_rows: Callable[[list], None] | None = None  # bench_main: saves the rows so far (see keep)
+    closers: list = field(default_factory=list)  # called before the scratch folder is removed
+
+    def closing(self, obj):
+        """Close ``obj`` when the benchmark ends, before its scratch folder goes (a tracker's
+        writer may still be writing the last run there: end_run does not wait for it)."""
+        self.closers.append(obj.close)
+        return obj
 
     def keep(self, rows: list) -> None:
         """Save the rows measured so far: if the suite stops this benchmark at its hard time limit
@@ -380,7 +387,11 @@ def bench_main(name: str, title: str, run: Callable[[Context], dict], argv: list
     with tempfile.TemporaryDirectory(prefix=f"sweeps-bench-{name}-", dir=a.workdir) as tmp:
         ctx = Context(quick=a.quick, repeats=a.repeats, workdir=Path(tmp), options=options, budget_s=a.budget_s)
         ctx.on_rows = lambda rows: write_result(interim_result(name, title, ctx, rows), out)
-        result = execute(name, title, run, ctx)
+        try:
+            result = execute(name, title, run, ctx)
+        finally:
+            for close in reversed(ctx.closers):
+                close()
     write_result(result, out)
     print(f"{name}: {result['status']}: {result.get('summary', '')}\nwrote {out}", flush=True)
     return 0

@@ -19,9 +19,11 @@ import time
 class HandStepper:
     """The hand loop, one optimizer step per call: a tutorial's loader (RandomSampler, in-process
     loading, no pinning) -> forward -> loss -> zero_grad -> backward -> SGD step, with core's
-    optimizer settings. Run whole by :func:`hand_loop`, or beside core by :class:`Lockstep`."""
+    optimizer settings. Run whole by :func:`hand_loop`, or beside core by :class:`Lockstep`.
+    ``fused``: SGD's fused kernel, as core uses on CPU (core/optim.py), instead of the default
+    a tutorial gets; the baseline for core's own overhead, with the same kernels on both sides."""
 
-    def __init__(self, task, cfg) -> None:
+    def __init__(self, task, cfg, fused: bool = False) -> None:
         import torch
         from torch import nn
         from torch.utils.data import DataLoader
@@ -34,7 +36,7 @@ class HandStepper:
                                  pin_memory=False, drop_last=False,
                                  generator=torch.Generator().manual_seed(cfg.seed))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                         weight_decay=cfg.weight_decay)
+                                         weight_decay=cfg.weight_decay, **({"fused": True} if fused else {}))
         self.criterion = nn.CrossEntropyLoss()
         self._batches, self._left = iter(()), 0
 

@@ -172,6 +172,10 @@ class TrackingStore:
                                  interrupt=threading.Event(), heartbeat=self.beat_file.touch)
         return reporter, run
 
+    def close(self) -> None:
+        """Wait for the writer to write everything handed to it, then end it."""
+        self.tracker.close()
+
     def count_points(self, run_id: str) -> dict[str, int]:
         """Points stored per metric key (every point, not just the latest), once the writer has
         written everything handed to it (end_run does not wait for that)."""
