@@ -297,13 +297,18 @@ class MlflowTracker:
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
         """Once per run: flush, then set the terminal status. Never raises for the store:
         whatever it cannot take now stays in the spool, with a warning saying how to send it."""
+        with self._send_lock:
+            self._end(run, status, *self._take_last(run, status))
+
+    def _take_last(self, run: RunHandle, status: RunStatus) -> tuple[list[list[Any]], int]:
+        """end_run's first half, under the send lock: check ``status``, take the run's buffered
+        points out of the buffer, and stamp the run's end time (ms)."""
         check_status(status)
         end_ms = int(time.time() * 1000)
-        with self._send_lock:
-            with self._lock:
-                points = self._buffer.pop(run.run_id, [])
-                self._n_buffered -= len(points)
-            self._end(run, status, points, end_ms)
+        with self._lock:
+            points = self._buffer.pop(run.run_id, [])
+            self._n_buffered -= len(points)
+        return points, end_ms
 
     def _end(self, run: RunHandle, status: RunStatus, points: list[list[Any]], end_ms: int) -> None:
         """The run's last points and its status (set at ``end_ms``), sent as end_run sends them."""

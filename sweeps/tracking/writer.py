@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from sweeps.errors import TrackingError
 from sweeps.tracking.base import RunHandle, RunStatus
-from sweeps.tracking.mlflow_tracker import MlflowTracker, check_status
+from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,8 @@ class WriterProcessTracker(MlflowTracker):
         (one submission after everything shipped before it; what the store cannot take is
         spooled, with the warning), while the caller goes on to its next trial. On SQLite that
         wait was 12 to 18 ms a run, 1.5% of a one-second trial. :meth:`flush` waits for it."""
-        check_status(status)
-        end_ms = int(time.time() * 1000)
         with self._send_lock:
-            with self._lock:
-                points = self._buffer.pop(run.run_id, [])
-                self._n_buffered -= len(points)
+            points, end_ms = self._take_last(run, status)
             with self._pipe_lock:
                 if self._proc is not None:
                     try:

@@ -131,6 +131,17 @@ def _trainer(store, tmp_path: Path, body: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
 
 
+def _kill_once_it_says(proc: subprocess.Popen, line: str) -> str:
+    """SIGKILL a :func:`_trainer` once it prints ``line``; wait until its writer has left (the
+    pipe closed: it writes what it holds, then goes). Returns the trainer's run id."""
+    writer_pid, run_id = proc.stdout.readline().split()
+    assert proc.stdout.readline().strip() == line
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _gone(int(writer_pid), 20)
+    return run_id
+
+
 def test_points_shipped_before_the_trainer_is_killed_are_written(store, tmp_path):
     proc = _trainer(store, tmp_path, """
         for step in range(1, 201):
@@ -141,11 +152,7 @@ def test_points_shipped_before_the_trainer_is_killed_are_written(store, tmp_path
         print("shipped", flush=True)
         time.sleep(60)
     """)
-    writer_pid, run_id = proc.stdout.readline().split()
-    assert proc.stdout.readline().strip() == "shipped"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert _gone(int(writer_pid), 20)  # the pipe closed: the writer wrote what it held, then left
+    run_id = _kill_once_it_says(proc, "shipped")
     steps = sorted(m.step for m in store.client.get_metric_history(run_id, "loss"))
     assert steps == list(range(1, 202))
     assert store.client.get_run(run_id).info.status == "RUNNING"  # the trainer never ended it
@@ -159,11 +166,7 @@ def test_a_run_ended_just_before_the_trainer_is_killed_is_written_with_its_statu
         print("ended", flush=True)
         time.sleep(60)
     """)
-    writer_pid, run_id = proc.stdout.readline().split()
-    assert proc.stdout.readline().strip() == "ended"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert _gone(int(writer_pid), 20)  # the pipe closed: the writer wrote what it held, then left
+    run_id = _kill_once_it_says(proc, "ended")
     assert store.client.get_run(run_id).info.status == "FINISHED"
     assert sorted(m.step for m in store.client.get_metric_history(run_id, "loss")) == list(range(1, 51))
 
