@@ -20,8 +20,8 @@ overhead is the tracked run's cost over the untracked one's, pair by pair. The h
 yardstick taken milliseconds from each core step, so the VM's drift in speed (10-15% within
 seconds, more than the 2% to resolve) cancels. Whole runs are timed too, as a cross-check:
 the ``train()`` call plus the run's ``end_run`` / ``set_terminated``. Creating the run is
-per-trial set-up, timed separately. Rounds alternate the arms (ABAB...); each ratio is taken
-inside one round. After each tracked run the store is read back: every step's points must be
+per-trial set-up, timed separately. Rounds alternate the arms' order (ABC, CBA, ...); each
+ratio is taken inside one round. After each tracked run the store is read back: every step's points must be
 there. Also reported: the time spent inside the reporter's calls, and the writer process's CPU
 time (the cost moved off the trainer, not removed).
 """
@@ -242,6 +242,8 @@ def run(ctx: Context) -> dict:
             break
         t_round = time.monotonic()
         arms = [("off", off), ("writer", lambda: tracked("writer")), ("inline", lambda: tracked("inline"))]
+        if (r - warmup) % 2:  # ABC CBA ...: an arm's place in the round (what ran before it) alternates
+            arms.reverse()
         if warmup <= r < warmup + naive_repeats:  # 16 s a run: no warm-up run of its own
             arms.append(("naive", naive))
         for name, fn in arms:
