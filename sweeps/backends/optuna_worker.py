@@ -357,13 +357,13 @@ def _warm_up_then_wait(spec: StudySpec, served: bool) -> dict | None:
         spec.make_task({}).warm_up()  # the task's own imports (sklearn for digits, until its cache is made)
     except Exception as exc:  # e.g. an argument only the search space gives: the first trial pays
         log.debug("task warm-up skipped: %s", exc)
-    if spec.resolved_train_config().export_onnx:
-        from core.onnx_export import warm_up as onnx_warm_up
+    try:
+        if spec.resolved_train_config().export_onnx:
+            from core.onnx_export import warm_up as onnx_warm_up
 
-        try:
             onnx_warm_up()  # the first trial's export then costs what the others' do (1.6 s less)
-        except Exception as exc:  # noqa: BLE001 - the trial's own export reports any real problem
-            log.debug("ONNX export warm-up skipped: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - the trial's own export reports any real problem
+        log.debug("ONNX export warm-up skipped: %s", exc)
     line = sys.stdin.readline()
     return json.loads(line) if line.strip() else None
 

@@ -2,7 +2,9 @@
 can be chosen later, each adopted once by the Optuna backend, killed when nobody adopts them."""
 from __future__ import annotations
 
+import io
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -66,3 +68,17 @@ def test_an_invalid_spec_is_reported_once_and_leaves_no_worker(tmp_path):
     time.sleep(0.2)
     assert not [c for c in _command_lines() if "optuna_worker" in c and str(spec) in c]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("export_onnx", [True, False])
+def test_a_worker_warms_the_onnx_exporter_up_where_its_trials_export(tmp_path, monkeypatch, export_onnx):
+    """Before its go: the first trial's export then costs what the others' do."""
+    import core.onnx_export as onnx_export
+    from sweeps.backends import optuna_worker
+    from sweeps.spec import load_spec
+
+    spec = load_spec(write_spec(tmp_path, seed_store=False, train={"export_onnx": export_onnx}))
+    monkeypatch.setattr(onnx_export, "_registries", {})  # as in a fresh worker
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # EOF instead of a go
+    assert optuna_worker._warm_up_then_wait(spec, served=True) is None
+    assert bool(onnx_export._registries) is export_onnx
