@@ -43,6 +43,16 @@ class _Worker:
     writer: threading.Thread | None = None  # the thread serving its writes (from the go on)
 
 
+@dataclass(frozen=True)
+class _Go:
+    """What every worker's go says (the parent run, the budget window), and the tracker whose
+    store this process serves the writes of workers that have no writer process of their own."""
+    parent_id: str
+    started: float
+    deadline: float | None
+    tracker: MlflowTracker
+
+
 def _close_stdin(w: _Worker) -> None:
     if w.proc.stdin is not None and not w.proc.stdin.closed:
         try:
@@ -118,8 +128,9 @@ class OptunaBackend:
                 stopped, code = (f"nothing to run: all {spec.budget.n_trials} trials of budget.n_trials have run; "
                                  "raise it to run more"), 0
             else:
-                stopped, code = self._supervise(spec, study, workers, parent, started, deadline, view, tracker)
-                self._wait_for_writes(workers + self._replaced)
+                stopped, code, replaced = self._supervise(spec, study, workers, parent, started, deadline, view,
+                                                          tracker)
+                self._wait_for_writes(workers + replaced)
             result = os_.study_result(spec, optuna.load_study(study_name=study.study_name,
                                                               storage=os_.open_storage(spec)))
             result.stopped_reason = stopped
@@ -191,15 +202,17 @@ class OptunaBackend:
         recovery.close_orphan_runs(tracker, study)
         return recovered
 
-    def _supervise(self, spec, study, workers, parent, started, deadline, view, tracker) -> tuple[str, int]:
+    def _supervise(self, spec, study, workers, parent, started, deadline, view,
+                   tracker) -> tuple[str, int, list[_Worker]]:
         """Send the go, then watch until every worker has exited: the live view and the parent
         run's best-so-far (from the study, so every worker's trials count, in order, and no
-        worker waits on the store for it between trials), hung trials, signals."""
-        self._tracker = tracker  # serves the writes of workers with no writer process of their own
-        self._replaced: list[_Worker] = []  # hung workers killed and replaced
-        parent_id = parent.run_id
+        worker waits on the store for it between trials), hung trials, signals. Returns why it
+        stopped, the exit code, and the hung workers it killed and replaced (their writes are
+        still to be waited for)."""
+        go = _Go(parent.run_id, started, deadline, tracker)
+        replaced: list[_Worker] = []
         for w in workers:
-            self._go(w, parent_id, started, deadline)
+            self._go(w, go)
         got_signal: list[int] = []
 
         def forward(signum, _frame):
@@ -220,7 +233,7 @@ class OptunaBackend:
                     finished = len(result.finished())
                     update_parent_best(tracker, parent, result)
                 if trial_timeout:
-                    self._stop_hung(spec, study, workers, trial_timeout, parent_id, started, deadline)
+                    replaced += self._stop_hung(spec, study, workers, trial_timeout, go)
                 _wait_any(workers, 0.5)  # returns as soon as a worker exits: no idle tail at the end
             codes = [w.proc.returncode for w in workers]
         finally:
@@ -239,7 +252,7 @@ class OptunaBackend:
         elif any(c not in (0, None) for c in codes):
             stopped = f"workers exited with codes {codes}"
             code = 1
-        return stopped, code
+        return stopped, code, replaced
 
     def _spawn(self, spec: StudySpec, slot: WorkerSlot) -> _Worker:
         """Start a worker that warms up, then waits on its stdin for :meth:`_go`, or adopt one
@@ -251,7 +264,7 @@ class OptunaBackend:
             local = spawn_worker(spec.path, slot.env())
         return _Worker(slot, local.proc, beat, local.tracking_ends)
 
-    def _go(self, w: _Worker, parent_id: str, started: float, deadline: float | None) -> None:
+    def _go(self, w: _Worker, go: _Go) -> None:
         """Tell a waiting worker which parent run and budget window it works for."""
         w.beat_file.parent.mkdir(parents=True, exist_ok=True)
         # The worker creates the file at its trial's first beat: the hang watchdog counts from
@@ -259,7 +272,7 @@ class OptunaBackend:
         # worker slower to start than budget.trial_timeout be killed again and again.
         w.beat_file.unlink(missing_ok=True)
         try:
-            w.proc.stdin.write(json.dumps({"parent_run_id": parent_id, "since": started, "deadline": deadline,
+            w.proc.stdin.write(json.dumps({"parent_run_id": go.parent_id, "since": go.started, "deadline": go.deadline,
                                            "slot": w.slot.index, "beat_file": str(w.beat_file),
                                            "env": w.slot.env()}) + "\n")
             w.proc.stdin.flush()
@@ -270,7 +283,7 @@ class OptunaBackend:
         if not w.slot.writer_process:
             # This process writes for it: MLflow is imported and the store open here already, so
             # the worker saves their seconds of start-up (sweeps.tracking.writer).
-            tracker = self._tracker
+            tracker = go.tracker
             w.writer = serve_in_thread(w.tracking_ends, lambda: MlflowTracker(
                 tracker.tracking_uri, spool_dir=tracker.spool.directory, artifact_root=tracker.artifact_root,
                 client=tracker.client), name=f"worker-{w.slot.index}")
@@ -289,11 +302,12 @@ class OptunaBackend:
                     log.warning("the MLflow writes of worker %d are still being written after 120 s; "
                                 "the summary is written without waiting for them", w.slot.index)
 
-    def _stop_hung(self, spec, study, workers, trial_timeout, parent_id, started, deadline) -> None:
+    def _stop_hung(self, spec, study, workers, trial_timeout, go: _Go) -> list[_Worker]:
         """A worker whose trial made no progress for budget.trial_timeout is killed; its trial
         is failed with the reason (not requeued: it would likely hang again) and the slot,
         with its devices, gets a fresh worker. A worker that has not begun a trial since its
-        go is left alone."""
+        go is left alone. Returns the killed workers."""
+        killed = []
         for i, w in enumerate(workers):
             if w.proc.poll() is not None:
                 continue
@@ -313,6 +327,7 @@ class OptunaBackend:
                 recovery.fail_trial(study, t, reason, requeue=False, tracking_uri=spec.tracking_store_uri())
             log.warning("%s, %s: its worker was killed and a fresh one takes slot %d",
                         ", ".join(f"trial {t.number} failed" for t in hung) or "no trial", reason, w.slot.index)
-            self._replaced.append(w)  # its writes are still waited for
+            killed.append(w)
             workers[i] = self._spawn(spec, w.slot)
-            self._go(workers[i], parent_id, started, deadline)
+            self._go(workers[i], go)
+        return killed
