@@ -64,6 +64,12 @@ def bench_rows(report: dict) -> list[dict]:
                              ratio=_one(tp["throughput_ratio"], "2 processes / 1 process"),
                              headline=f"{tp['throughput_ratio']:.2f}x summed throughput, GPU util "
                                       f"{tp['one']['gpu_util_pct']}% -> {tp['two']['gpu_util_pct']}% ({tp['what']})"))
+    if (o := sections.get("optimizer")) and "sgd" in o:
+        rows.append(make_row("gpu_bench: fused optimizer step vs PyTorch's default", metric="step time ratio",
+                             ratio=_one(o["sgd"]["speedup"], "SGD: default ms / fused ms"),
+                             headline=f"SGD {o['sgd']['default_ms']:.2f} -> {o['sgd']['fused_ms']:.2f} ms "
+                                      f"({o['sgd']['speedup']:.2f}x), AdamW {o['adamw']['default_ms']:.2f} -> "
+                                      f"{o['adamw']['fused_ms']:.2f} ms ({o['adamw']['speedup']:.2f}x); {o['what']}"))
     for name, sec in sections.items():
         if "error" in sec:
             rows.append(error_row(f"gpu_bench: {name}", sec["error"]))

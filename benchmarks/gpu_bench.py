@@ -14,6 +14,9 @@ sweeps stack. Every figure is a ratio against a baseline measured in the same ru
   samples/s and the mean GPU utilisation NVML reports while the second epoch trains.
 * ``trials_per_gpu``: one trial process alone on the GPU against two at once on the same GPU
   (what ``resources.gpus_per_trial: 0.5`` does): the pair's summed samples/s over the single's.
+* ``optimizer``: one optimizer step of ResNet-18's parameters, PyTorch's default implementation
+  (foreach on CUDA) against the fused one, for SGD with momentum and AdamW. core uses the fused
+  kernels on CPU only (core/optim.py); this is the measurement that would move them to GPUs.
 
 Each section catches its own errors (a row with the error, the others still run) and the JSON is
 rewritten after every section, so a run cut short still leaves what it measured.
@@ -47,9 +50,9 @@ from core.train import train  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 SIZES = {  # (CUDA, dry run on CPU)
     "gpu": dict(n_train=16384, batch=256, epochs=3, repeats=3, images=4096, image_px=80, image_size=64,
-                img_batch=128, workers=(0, 4, 8), trial_epochs=4),
+                img_batch=128, workers=(0, 4, 8), trial_epochs=4, optimizer_steps=50),
     "dry": dict(n_train=64, batch=16, epochs=2, repeats=1, images=48, image_px=40, image_size=32,
-                img_batch=16, workers=(0, 2), trial_epochs=2),
+                img_batch=16, workers=(0, 2), trial_epochs=2, optimizer_steps=2),
 }
 
 
@@ -255,6 +258,34 @@ def section_trials_per_gpu(size: dict, on_gpu: bool, sampler: UtilSampler) -> di
 # --------------------------------------------------------------------------- main
 
 
+def section_optimizer(size: dict, on_gpu: bool) -> dict:
+    from core.tasks.cifar10 import resnet18_cifar
+
+    device = torch.device("cuda" if on_gpu else "cpu")
+    params = [p.to(device) for p in resnet18_cifar(10).parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    kinds = {"sgd": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}),
+             "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 1e-2})}
+    steps, out = size["optimizer_steps"], {}
+    for name, (cls, kw) in kinds.items():
+        ms: dict[str, list[float]] = {"default": [], "fused": []}
+        optimizers = {"default": cls(params, **kw), "fused": cls(params, fused=True, **kw)}
+        for _ in range(size["repeats"] + 1):  # ABAB; the first round (state allocation) discarded
+            for arm, opt in optimizers.items():
+                opt.step()
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    opt.step()
+                _sync(device)
+                ms[arm].append(1e3 * (time.perf_counter() - t0) / steps)
+        default_ms, fused_ms = (statistics.median(v[1:]) for v in ms.values())
+        out[name] = {"default_ms": default_ms, "fused_ms": fused_ms, "speedup": default_ms / fused_ms}
+    return {"what": f"one step over ResNet-18's {sum(p.numel() for p in params) / 1e6:.1f}M parameters on "
+                    f"{device.type}, median of {size['repeats']} blocks of {steps} steps", **out}
+
+
 def environment(on_gpu: bool) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
            "cuda_available": torch.cuda.is_available(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -267,7 +298,7 @@ def environment(on_gpu: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
-    p.add_argument("--only", default="trainer,dataloader,trials_per_gpu", help="comma-separated sections")
+    p.add_argument("--only", default="trainer,dataloader,trials_per_gpu,optimizer", help="comma-separated sections")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--trial-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -286,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler = UtilSampler()
     sections = {"trainer": lambda: section_trainer(size, on_gpu),
                 "dataloader": lambda: section_dataloader(size, on_gpu, sampler),
-                "trials_per_gpu": lambda: section_trials_per_gpu(size, on_gpu, sampler)}
+                "trials_per_gpu": lambda: section_trials_per_gpu(size, on_gpu, sampler),
+                "optimizer": lambda: section_optimizer(size, on_gpu)}
     failed = False
     for name in [s.strip() for s in args.only.split(",") if s.strip()]:
         print(f"gpu_bench: {name} ...", flush=True)
