@@ -25,6 +25,12 @@ RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 RUN_STATUSES: tuple[str, ...] = ("FINISHED", "FAILED", "KILLED")
 
 
+def check_status(status: str) -> None:
+    """What ``end_run`` takes: one of RUN_STATUSES, or a ValueError naming them."""
+    if status not in RUN_STATUSES:
+        raise ValueError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}")
+
+
 @dataclass(frozen=True)
 class RunHandle:
     """Names one run in the tracking store. Cheap to copy, safe to pass between threads

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from sweeps.errors import TrackingError
 from sweeps.safe_names import safe_component, safe_subpath
-from sweeps.tracking.base import RUN_STATUSES, RunHandle, RunStatus
+from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.spool import Spool, drain, is_transient, send_records
 from sweeps.tracking.sync import (apply_fast_fail_http_defaults, check_store, is_database_uri, is_http_uri,
@@ -435,11 +435,6 @@ class MlflowTracker:
             if is_transient(exc) else "The store refused the request: see the reason above."
         )
         return TrackingError(f"MLflow {what} failed for {subject!r} at {self.tracking_uri}: {exc}. {hint}")
-
-
-def check_status(status: str) -> None:
-    if status not in RUN_STATUSES:
-        raise ValueError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}")
 
 
 def _artifact_root(root: str | Path | None) -> str | None:
