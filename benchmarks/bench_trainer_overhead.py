@@ -135,8 +135,7 @@ def lockstep(task, case: dict, store, name: str, ctx: Context, budget_s: float =
             ctx.log(f"  lockstep run {r + 1}/{sizes['runs']} {arm_name}: core/hand {pace.ratio():.4f} "
                     f"over {len(pace.core_s)} step pairs")
     return {"ratios": ratios, "step_ms": {k: stats(1e3 * v for v in vs) for k, vs in steps_s.items()},
-            "step_pairs_per_run": len(steps_s["hand"]) // max(1, len([a for a in arms if a != "fused hand"])
-                                                              * len(ratios["tracked"])),
+            "step_pairs_per_run": len(pace.core_s),  # every run has as many (same config)
             "config": {"epochs": sizes["epochs"], "max_steps": sizes["max_steps"]}}
 
 

@@ -36,7 +36,7 @@ class HandStepper:
                                  pin_memory=False, drop_last=False,
                                  generator=torch.Generator().manual_seed(cfg.seed))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                         weight_decay=cfg.weight_decay, **({"fused": True} if fused else {}))
+                                         weight_decay=cfg.weight_decay, fused=fused or None)
         self.criterion = nn.CrossEntropyLoss()
         self._batches, self._left = iter(()), 0
 
