@@ -24,7 +24,7 @@ NAME = "orchestration"
 TITLE = "Orchestration overhead per trial: sweeps run, 1 worker, short digits trials (Optuna, Ray)"
 TARGET_S = 0.3
 
-# What a worker's warm-up imports (optuna_worker._warm_up_then_wait) for the digits task, whose
+# What a worker imports before its first digits trial (the task module, the trainer), whose
 # split comes from its cache (core/tasks/digits.py) once any run has made it.
 WORKER_IMPORTS = ("import sweeps.backends.optuna_worker, sweeps.objective, mlflow.tracking, "
                   "torch._dynamo, core.tasks.digits")

@@ -72,14 +72,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 @args(_run_args)
 def cmd_run(a: argparse.Namespace) -> int:
     from sweeps.backends import get_backend
-    from sweeps.backends.early_worker import start_early_workers, stop_early_workers
 
-    start_early_workers(a.spec)  # they import while the spec is validated; the backend adopts them
-    try:
-        spec = _load(a.spec)
-        result = get_backend(spec.backend).run(spec, fresh=a.fresh, quiet=a.quiet)
-    finally:
-        stop_early_workers()  # any nobody adopted: a bad spec, or a study they cannot serve
+    spec = _load(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
+    result = get_backend(spec.backend).run(spec, fresh=a.fresh, quiet=a.quiet)
     return result.exit_code
 
 

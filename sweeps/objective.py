@@ -8,6 +8,7 @@ artifacts and status mapping) is decided here, once, so both backends write the 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -55,9 +56,22 @@ class TrialSpec:
     number: int
     params: dict
     out_dir: Path
-    resume: bool = False
+    resume: bool = False  # without ``owner``: whether to resume from a checkpoint in out_dir
     tags: dict = field(default_factory=dict)  # extra tags: retry_of, worker slot, backend ids
     overrides: dict = field(default_factory=dict)  # train fields forced by the backend (OOM retry)
+    # "<study uid>:<trial folder>": out_dir is claimed for it (sweeps.trial_folder) and a
+    # checkpoint there is resumed only if it is this owner's; anything else is moved aside.
+    owner: str | None = None
+
+
+class TrialInterrupted(BaseException):
+    """Raised by a worker's signal handler while a trial is still setting up (imports, the
+    task's datasets and model), where there is no step to stop at. A BaseException, so a
+    user task's ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def worker_name() -> str:
@@ -89,6 +103,7 @@ class TrialReporter:
         self._last_beat = 0.0
 
     def report_step(self, step: int, metrics: dict[str, float]) -> Decision:
+        self.interrupt.abortable = False  # type: ignore[attr-defined]  # stepping: stop at a step from now on
         # Buffered by the tracker: no I/O on this path.
         self.tracker.log_metrics(self.run, {layout.STEP_METRIC_PREFIX + k: v for k, v in metrics.items()}, step)
         now = time.monotonic()
@@ -167,16 +182,35 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
     run = start_trial_run(spec, tracker, parent, trial, backend)
     if on_start is not None:
         on_start(run)
+    resume = trial.resume
+    if trial.owner is not None:
+        from sweeps import trial_folder
+
+        moved = trial_folder.claim(trial.out_dir, trial.owner, trial.params)
+        if moved is not None:
+            tracker.set_tags(run, {"sweeps.moved_aside": str(moved)})
+        resume = True  # only this trial's own checkpoint can be there now
     reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat)
     try:
+        # Until the first step, a signal aborts the set-up at once (see TrialInterrupted).
+        interrupt.abortable = True  # type: ignore[attr-defined]
+        if interrupt.is_set():
+            raise TrialInterrupted(0)
         task = spec.make_task(trial.params)  # also checks the task section before any rank starts
         cfg = trial_config(spec, trial.params, trial.overrides)
         if cfg.distributed.nproc > 1:  # N rank processes; this process keeps the reporter
             result = train_distributed(task_spec(spec, trial.params), cfg, reporter=reporter,
-                                       out_dir=trial.out_dir, resume=trial.resume)
+                                       out_dir=trial.out_dir, resume=resume, owner=trial.owner)
         else:
-            result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=trial.resume)
+            result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=resume, owner=trial.owner)
+        interrupt.abortable = False  # type: ignore[attr-defined]
         outcome = _outcome_of(result, run)
+    except TrialInterrupted as exc:
+        name = signal.Signals(exc.signum).name if exc.signum else "a stop request"
+        outcome = TrialOutcome("INTERRUPTED", None, f"stopped by {name} while the trial was setting up "
+                               "(imports, the task's datasets or model), before its first step", run)
+    except SystemExit as exc:  # the task called sys.exit(): the trial fails, the worker goes on
+        outcome = TrialOutcome("FAIL", None, f"the task called sys.exit({exc.code!r})", run)
     except Exception as exc:  # noqa: BLE001 - a failing trial is data, not a crash of the study
         oom = _is_oom(exc)
         reason = "out of memory: " + _first_line(exc) if oom else f"{type(exc).__name__}: {_first_line(exc)}"
@@ -184,6 +218,8 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
         outcome = TrialOutcome("FAIL", None, reason, run, oom=oom)
         if oom:
             _release_cuda_memory()
+    finally:
+        interrupt.abortable = False  # type: ignore[attr-defined]
     outcome.seconds = time.monotonic() - started
     finish_trial_run(tracker, run, outcome)
     return outcome

@@ -26,9 +26,7 @@ from dataclasses import dataclass
 
 from sweeps.errors import SweepsError
 
-# The worker reads this and calls torch.set_num_threads() with it: OMP_NUM_THREADS alone
-# is not enough once torch has started its intra-op pool.
-WORKER_THREADS_VAR = "SWEEPS_WORKER_THREADS"
+# A user's override of where trainers write to MLflow from (see tracking_writer_process).
 TRACKING_WRITER_VAR = "SWEEPS_TRACKING_WRITER"  # "process" or "inline": see tracking_writer_process
 
 
@@ -349,12 +347,11 @@ class WorkerSlot:
         """Environment to start the worker with. OPENBLAS_* is left alone on purpose:
         the machine sets OPENBLAS_CORETYPE for correctness and we must not disturb it."""
         n = str(self.threads)
+        # Only what libraries read at start-up, before the worker reads its go (worker_protocol).
         return {
             "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in self.devices),
             "OMP_NUM_THREADS": n,
             "MKL_NUM_THREADS": n,
-            WORKER_THREADS_VAR: n,
-            TRACKING_WRITER_VAR: "process" if self.writer_process else "inline",
         }
 
 
@@ -418,13 +415,13 @@ def tracking_writer_process(on_gpu: bool, training_threads: int, cpu_threads: in
 
 
 def worker_writes_from_a_process() -> bool:
-    """In a worker: what ``sweeps run`` decided (it sets ``SWEEPS_TRACKING_WRITER``), or for a
-    ``sweeps worker`` started by hand, the same rule on this machine for one worker."""
+    """For a ``sweeps worker`` started by hand (``sweeps run`` decides for its own workers and
+    says so in their go): ``SWEEPS_TRACKING_WRITER`` if set, else the rule above for one worker
+    using every thread of this machine."""
     forced = _writer_chosen_in_env()
     if forced is not None:  # decided: no torch import for the GPU count
         return forced
-    threads = int(os.environ.get(WORKER_THREADS_VAR) or cpu_threads_available())
-    return tracking_writer_process(visible_gpu_count() > 0, threads, cpu_threads_available())
+    return tracking_writer_process(visible_gpu_count() > 0, cpu_threads_available(), cpu_threads_available())
 
 
 def _writer_chosen_in_env() -> bool | None:

@@ -27,7 +27,7 @@ from sweeps.durations import parse_duration
 from sweeps.errors import SpecError
 from sweeps.search_space import SearchParam
 from sweeps.tracking.sync import RDB_DIALECTS
-from sweeps.yaml_loader import load_yaml_with_lines
+from sweeps.yaml_loader import mapping_from_text, read_spec_text
 
 if TYPE_CHECKING:
     from core.tasks.base import Task
@@ -198,6 +198,7 @@ class StudySpec(_Section):
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     storage: str | None = None  # default runs/<name>.journal
     _path: Path | None = PrivateAttr(default=None)
+    _text: str | None = PrivateAttr(default=None)
 
     @field_validator("name", mode="before")
     @classmethod
@@ -219,6 +220,12 @@ class StudySpec(_Section):
     def path(self) -> Path | None:
         """The spec file this was loaded from (None when built from a dict)."""
         return self._path
+
+    @property
+    def text(self) -> str | None:
+        """The file's text as it was read and validated: the study's one snapshot of its spec,
+        handed to every worker and logged with the study (None when built from a dict)."""
+        return self._text
 
     def storage_url(self) -> str:
         """What Optuna opens: a journal-file path (default ``runs/<name>.journal``) or an RDB URL."""
@@ -324,8 +331,15 @@ def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None
 
 def load_spec(path: str | Path) -> StudySpec:
     """Read, parse and validate a study spec file. Raises SpecError listing every problem."""
-    data, lines = load_yaml_with_lines(path)
-    return spec_from_dict(data, path, lines)
+    return spec_from_text(read_spec_text(path), path)
+
+
+def spec_from_text(text: str, path: str | Path) -> StudySpec:
+    """Validate a spec file's text, read earlier from ``path`` (``sweeps run``'s snapshot)."""
+    data, lines = mapping_from_text(text, str(path))
+    spec = spec_from_dict(data, path, lines)
+    spec._text = text
+    return spec
 
 
 def redact_url(url: str) -> str:

@@ -40,15 +40,21 @@ def package_versions(names=PACKAGES) -> dict[str, str]:
     return out
 
 
-def find_parent(tracker: Tracker, spec: StudySpec, study_name: str) -> RunHandle | None:
+def find_parent(tracker: Tracker, spec: StudySpec, study_name: str, study_uid: str | None = None) -> RunHandle | None:
+    """The parent run of the study ``study_name`` (of identity ``study_uid``, when given: a
+    study of the same name whose journal was deleted, or in another storage, is another study)."""
     experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
-    return tracker.find_run(experiment_id, {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name})
+    tags = {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name}
+    if study_uid is not None:
+        tags[layout.TAG_STUDY_UID] = study_uid
+    return tracker.find_run(experiment_id, tags)
 
 
-def find_or_create_parent(tracker: Tracker, spec: StudySpec, study_name: str, backend: str) -> RunHandle:
-    """The study's parent run, created on first use with the spec, commit and versions.
+def find_or_create_parent(tracker: Tracker, spec: StudySpec, study_name: str, backend: str,
+                          study_uid: str | None = None) -> RunHandle:
+    """The study's parent run, created on first use with the spec snapshot, commit and versions.
     A resumed study reopens its parent (RUNNING again until this invocation ends)."""
-    existing = find_parent(tracker, spec, study_name)
+    existing = find_parent(tracker, spec, study_name, study_uid)
     if existing is not None:
         tracker.client.update_run(existing.run_id, status="RUNNING")
         tracker.set_tags(existing, {layout.TAG_GIT_COMMIT: git_commit()})
@@ -57,16 +63,31 @@ def find_or_create_parent(tracker: Tracker, spec: StudySpec, study_name: str, ba
     tags = {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name, layout.TAG_BACKEND: backend,
             layout.TAG_SPEC_HASH: spec.spec_hash(), layout.TAG_GIT_COMMIT: git_commit(),
             "mlflow.note.content": spec.description or f"Study {study_name}"}
+    if study_uid is not None:
+        tags[layout.TAG_STUDY_UID] = study_uid
     parent = tracker.start_run(experiment_id, study_name, parent=None, tags=tags)
     tracker.log_params(parent, {"objective.metric": spec.objective.metric,
                                 "objective.direction": spec.objective.direction,
                                 "sampler": spec.sampler.name, "pruner": spec.pruner.name,
                                 "n_trials": spec.budget.n_trials, "backend": backend,
                                 **{f"version.{k}": v for k, v in package_versions().items()}})
-    if spec.path is not None and Path(spec.path).is_file():
-        tracker.log_artifact(parent, spec.path, layout.ART_SPEC_DIR)
+    _log_spec_snapshot(tracker, parent, spec)
     tracker.log_dict(parent, dump_spec_dict(spec), f"{layout.ART_SPEC_DIR}/resolved_spec.json")
     return parent
+
+
+def _log_spec_snapshot(tracker: Tracker, parent: RunHandle, spec: StudySpec) -> None:
+    """The spec as it was read and validated (never the file again: it may have been edited
+    since), under its own file name."""
+    if spec.text is None or spec.path is None:
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sweeps-spec-") as folder:
+        copy = Path(folder) / Path(spec.path).name
+        copy.write_text(spec.text, encoding="utf-8")
+        tracker.log_artifact(parent, copy, layout.ART_SPEC_DIR)
+        tracker.flush(parent)  # the writer may read the file later: write it before it goes
 
 
 def update_parent_best(tracker: Tracker, parent: RunHandle, result: StudyResult) -> None:
@@ -126,7 +147,7 @@ def tracker_for(spec: StudySpec, writer_process: bool = False, served_by: tuple 
     beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own.
     ``writer_process``: the store writes happen in a child process (for processes that train:
     see ``sweeps.tracking.writer``). ``served_by``: instead, the pipe ends to the ``sweeps run``
-    that serves this worker's writes (``writer.served_pipe_from_env``); give one or the other."""
+    that serves this worker's writes (its go message names them); give one or the other."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     uri = spec.tracking_store_uri()

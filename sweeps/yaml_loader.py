@@ -195,8 +195,9 @@ def parse_yaml_text(text: str, path: str = "<string>") -> tuple[Any, Lines]:
     return data, lines
 
 
-def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], Lines]:
-    """Read a spec file: a top-level mapping and the line of each key. Raises SpecError."""
+def read_spec_text(path: str | Path) -> str:
+    """The text of a spec file (read once: ``sweeps run`` hands this snapshot to its workers).
+    Raises SpecError."""
     shown = str(path)
     p = Path(path)
     try:
@@ -204,11 +205,15 @@ def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], Lines]:
             raise SpecError(shown, ["no such file" if not p.exists() else "not a regular file"])
         if p.stat().st_size > MAX_BYTES:
             raise SpecError(shown, [f"the file is larger than {MAX_BYTES} bytes; a study spec is a short YAML file"])
-        text = p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise SpecError(shown, [f"not UTF-8 text (byte {exc.start}); save the spec as UTF-8"]) from None
     except OSError as exc:
         raise SpecError(shown, [f"cannot read the file: {exc.strerror or exc}"]) from None
+
+
+def mapping_from_text(text: str, shown: str) -> tuple[dict[str, Any], Lines]:
+    """A spec's text -> its top-level mapping and the line of each key. Raises SpecError."""
     data, lines = parse_yaml_text(text, shown)
     if data is None:
         raise SpecError(shown, ["the file is empty; a study spec is a YAML mapping with at least 'name' and 'task'"])
@@ -216,6 +221,11 @@ def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], Lines]:
         raise SpecError(shown, [f"the top level is a {type(data).__name__}, not a mapping; "
                                 "a study spec starts with keys such as 'name:' and 'task:'"])
     return data, lines
+
+
+def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], Lines]:
+    """Read a spec file: a top-level mapping and the line of each key. Raises SpecError."""
+    return mapping_from_text(read_spec_text(path), str(path))
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -60,9 +60,13 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
 
 
 def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, tracker=None,
-               tracking_uri: str | None = None) -> None:
-    """Fail another process's RUNNING trial with a reason; optionally requeue its parameters."""
+               tracking_uri: str | None = None, interrupted: bool = False) -> None:
+    """Fail another process's RUNNING trial with a reason, close its MLflow run, and
+    optionally requeue its parameters. ``interrupted``: stopped by the user or the timeout,
+    not the trial's fault (it does not count toward budget.max_failures)."""
     study._storage.set_trial_user_attr(t._trial_id, ATTR_REASON, reason)
+    if interrupted:
+        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
     study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     frozen = study._storage.get_trial(t._trial_id)
     if requeue:

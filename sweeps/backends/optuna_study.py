@@ -13,7 +13,9 @@ import importlib.util
 import logging
 import os
 import re
+import uuid
 import warnings
+from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
@@ -39,6 +41,7 @@ ATTR_RUN_ID = "mlflow_run_id"
 ATTR_WORKER = "worker"
 ATTR_REASON = "fail_reason"
 ATTR_BATCH_OVERRIDES = "train_overrides"
+ATTR_STUDY_UID = "study_uid"  # a UUID made when the study is created: its identity beyond its name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # The retry callback and its helpers are marked experimental since Optuna 2.8 but are stable
@@ -212,6 +215,8 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
     else:  # read-only: create_study(load_if_exists) would append a create record to a journal
         study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(spec, worker_index),
                                   pruner=make_pruner(spec))
+    if create and ATTR_STUDY_UID not in study.user_attrs:  # new (or made before identities existed)
+        study.set_user_attr(ATTR_STUDY_UID, uuid.uuid4().hex)
     stored = study.user_attrs.get(ATTR_SEARCH)
     wanted = ss.signature(spec.search)
     if stored is None and create:
@@ -323,6 +328,22 @@ def study_result(spec: StudySpec, study: optuna.Study) -> StudyResult:
     return StudyResult(name=study.study_name, backend="optuna", direction=spec.objective.direction,
                        metric=spec.objective.metric, trials=trials,
                        parent_run_id=study.user_attrs.get(ATTR_PARENT_RUN))
+
+
+def failures_in_a_row(study: optuna.Study, since: float) -> int:
+    """FAIL trials at the end of the trials finished since ``since`` (a time.time() instant);
+    trials stopped by a signal or the timeout are not the trials' fault and are skipped."""
+    since_dt = datetime.fromtimestamp(since)
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                 TrialState.FAIL))
+            if t.datetime_complete and t.datetime_complete >= since_dt and not t.user_attrs.get("interrupted")]
+    done.sort(key=lambda t: t.datetime_complete)
+    n = 0
+    for t in reversed(done):
+        if t.state != TrialState.FAIL:
+            break
+        n += 1
+    return n
 
 
 def budget_left(study: optuna.Study, n_trials: int) -> int:

@@ -8,12 +8,10 @@ on any machine that reaches a shared RDB storage. Both run this loop.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
 import time
-from datetime import datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -23,21 +21,25 @@ from optuna.trial import TrialState
 
 from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
-from sweeps.backends.early_worker import EXIT_MAX_FAILURES, EXIT_OK
-from sweeps.errors import BackendError, SpecError, StudyStateError, TrackingError
-from sweeps.objective import TrialSpec, run_trial, worker_name
+from sweeps.backends.worker_protocol import WorkerGo
+from sweeps.errors import BackendError, StudyStateError, TrackingError
+from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
 from sweeps.pool import worker_writes_from_a_process
 from sweeps.spec import StudySpec, redact_url
 from sweeps.study_run import tracker_for
+from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
-from sweeps.tracking.writer import served_pipe_from_env
 
 log = logging.getLogger("sweeps")
+EXIT_OK, EXIT_MAX_FAILURES = 0, 3  # `sweeps worker`'s exit codes (besides 128 + a signal's number)
 
 
 class _Signals:
-    """SIGTERM / SIGINT set an event the running trial polls at every optimizer step:
-    it then saves a checkpoint and stops; the worker marks it FAIL and requeues it."""
+    """SIGTERM / SIGINT set an event the running trial polls at every optimizer step: it then
+    saves a checkpoint and stops; the worker marks it FAIL and requeues it. While the trial is
+    still setting up (the task's imports, datasets and model: nothing to checkpoint yet, and
+    no step to poll at), ``run_trial`` marks the event ``abortable`` and the handler raises
+    :class:`TrialInterrupted` instead, so a hang there stops as well."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -48,6 +50,9 @@ class _Signals:
     def _handle(self, signum, _frame) -> None:
         self.signum = signum
         self.event.set()
+        if getattr(self.event, "abortable", False):
+            self.event.abortable = False  # type: ignore[attr-defined]
+            raise TrialInterrupted(signum)
 
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else EXIT_OK
@@ -58,38 +63,22 @@ def trial_dir(spec: StudySpec, study_name: str, number: int) -> Path:
     return base / study_name / f"trial-{number:04d}"
 
 
-def _failures_in_a_row(study: optuna.Study, since: datetime) -> int:
-    """FAIL trials at the end of this invocation's finished trials (signals excluded)."""
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                                 TrialState.FAIL))
-            if t.datetime_complete and t.datetime_complete >= since and not t.user_attrs.get("interrupted")]
-    done.sort(key=lambda t: t.datetime_complete)
-    n = 0
-    for t in reversed(done):
-        if t.state != TrialState.FAIL:
-            break
-        n += 1
-    return n
-
-
-def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None = None,
-               deadline: float | None = None, since: float | None = None,
-               beat_file: Path | None = None, wait_s: float = 0.0,
-               served_by: tuple[Connection, Connection] | None = None) -> int:
+def run_worker(spec: StudySpec, worker_index: int = 0, go: WorkerGo | None = None, wait_s: float = 0.0) -> int:
     """The worker loop. Returns the process exit code.
 
-    Without ``parent_run_id`` (``sweeps worker``) it joins the study ``sweeps run`` created,
-    waiting up to ``wait_s`` seconds for it to appear. Its tracker writes from a child process
-    where a core is left for one (``pool.worker_writes_from_a_process``); otherwise through
-    ``served_by``, the pipe to the ``sweeps run`` that started it, if any; otherwise by itself."""
-    writer_process = worker_writes_from_a_process()
-    if writer_process and served_by is not None:
-        for conn in served_by:  # its own writer instead: the orchestrator's thread sees EOF and ends
-            conn.close()
-        served_by = None
+    With ``go`` (a worker of ``sweeps run``): the study, parent run, budget window and tracking
+    route it says. Without (``sweeps worker``): it joins the study ``sweeps run`` created,
+    waiting up to ``wait_s`` seconds for it to appear, and writes to MLflow from a child
+    process where a core is left for one (``pool.worker_writes_from_a_process``), else itself."""
+    served_by = None
+    if go is not None and go.served_fds is not None and not go.writer_process:
+        served_by = (Connection(go.served_fds[0], readable=False), Connection(go.served_fds[1], writable=False))
+    writer_process = go.writer_process if go is not None else worker_writes_from_a_process()
     tracker = tracker_for(spec, writer_process=writer_process, served_by=served_by)
     try:
-        return _worker_loop(spec, worker_index, parent_run_id, deadline, since, beat_file, wait_s, tracker)
+        return _worker_loop(spec, worker_index, go, wait_s, tracker)
+    except TrialInterrupted as exc:  # a signal between trials: nothing to checkpoint
+        return 128 + exc.signum
     finally:
         try:
             tracker.close()
@@ -97,30 +86,29 @@ def run_worker(spec: StudySpec, worker_index: int = 0, parent_run_id: str | None
             log.error("%s", exc)
 
 
-def _worker_loop(spec: StudySpec, worker_index: int, parent_run_id: str | None, deadline: float | None,
-                 since: float | None, beat_file: Path | None, wait_s: float, tracker) -> int:
-    threads = os.environ.get("SWEEPS_WORKER_THREADS")
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
+def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s: float, tracker) -> int:
     signals = _Signals()
-    if parent_run_id is None:
+    if go is None:
         study = join_study(spec, worker_index, wait_s, signals.event)
         if study is None:
             return signals.exit_code()
     else:
         study = os_.open_study(spec, worker_index=worker_index)
-    since_dt = datetime.fromtimestamp(since or time.time())
+        if study.user_attrs.get(os_.ATTR_STUDY_UID) != go.study_uid:  # never work for another study
+            raise StudyStateError(f"study {study.study_name!r} in {redact_url(spec.storage_url())} is not the one "
+                                  f"`sweeps run` started (its identity changed); run `sweeps run {spec.path}` again")
+    since = go.since if go is not None else time.time()
+    deadline = go.deadline if go is not None else None
+    beat_file = Path(go.beat_file) if go is not None else None
     experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
-    parent_id = parent_run_id or study.user_attrs[os_.ATTR_PARENT_RUN]
+    parent_id = go.parent_run_id if go is not None else study.user_attrs[os_.ATTR_PARENT_RUN]
     parent = RunHandle(parent_id, experiment_id, spec.name)
     n_trials = spec.budget.n_trials
 
     while not signals.event.is_set():
         if deadline is not None and time.time() >= deadline:
             break
-        if _failures_in_a_row(study, since_dt) >= spec.budget.max_failures:
+        if os_.failures_in_a_row(study, since) >= spec.budget.max_failures:
             log.error("stopping: %d trials failed in a row (budget.max_failures=%d); see the reasons with "
                       "sweeps status %s", spec.budget.max_failures, spec.budget.max_failures, spec.path)
             return EXIT_MAX_FAILURES
@@ -129,6 +117,8 @@ def _worker_loop(spec: StudySpec, worker_index: int, parent_run_id: str | None, 
             os_.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
         with os_.ask_lock(spec):
             trial = study.ask() if os_.budget_left(study, n_trials) > 0 else None
+            if trial is not None:  # named at once: if this process dies, its supervisor finds the trial
+                trial.set_user_attr(os_.ATTR_WORKER, worker_name())
         if trial is None:
             # The budget is taken. On RDB storage another machine's trial may still die and be
             # requeued: stay until no trial runs, so someone is there to retry it (and so
@@ -217,8 +207,8 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     out_dir = Path(trial.user_attrs.get(os_.ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
     overrides = dict(trial.user_attrs.get(os_.ATTR_BATCH_OVERRIDES) or {})
     trial.set_user_attr(os_.ATTR_OUT_DIR, str(out_dir))
-    trial.set_user_attr(os_.ATTR_WORKER, worker_name())
-    tags = {"sweeps.worker_slot": worker_index, "sweeps.optuna_trial_id": trial._trial_id}
+    uid = study.user_attrs[os_.ATTR_STUDY_UID]
+    tags = {"sweeps.worker_slot": worker_index, "sweeps.optuna_trial_id": trial._trial_id, layout.TAG_STUDY_UID: uid}
     if retry_of is not None:
         tags["sweeps.retry_of_trial"] = retry_of
     beat = _heartbeat(study, trial, beat_file)
@@ -227,9 +217,10 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
         trial.report(value, epoch)
         return trial.should_prune()
 
-    # A retry (crash, SIGTERM) reuses the original's folder and resumes from its last checkpoint.
-    resume = (out_dir / "last.pt").exists() or (out_dir / "last.prev.pt").exists()
-    spec_trial = TrialSpec(trial.number, params, out_dir, resume=resume, tags=tags, overrides=overrides)
+    # The folder is this trial's (the study's identity and its original number): a retry (crash,
+    # SIGTERM) resumes from the checkpoint there, and anything else found there is moved aside.
+    owner = f"{uid}:{out_dir.name}"
+    spec_trial = TrialSpec(trial.number, params, out_dir, tags=tags, overrides=overrides, owner=owner)
 
     def on_start(run) -> None:
         trial.set_user_attr(os_.ATTR_RUN_ID, run.run_id)
@@ -311,61 +302,23 @@ def _heartbeat(study: optuna.Study, trial: optuna.Trial, beat_file: Path | None)
     return beat
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of a local worker started by ``sweeps run`` (``early_worker.spawn_worker``):
-    it validates the spec, warms up, then waits on stdin for one JSON line, the go: the parent
-    run, the budget window (since, deadline) and its slot (index, beat file, environment:
-    CUDA_VISIBLE_DEVICES, threads, tracking writer). EOF instead means stop."""
-    import argparse
+def main() -> int:
+    """Entry point of a local worker started by ``sweeps run`` (``supervisor.Supervisor``): it
+    reads its go (:class:`WorkerGo`: the spec snapshot, the study, its slot) from stdin, then
+    runs the worker loop. EOF instead means stop."""
+    from sweeps.spec import spec_from_text
 
-    from sweeps.spec import load_spec
-
-    p = argparse.ArgumentParser(prog="sweeps-worker")
-    p.add_argument("spec")
-    a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    try:
-        spec = load_spec(a.spec)
-    except SpecError:
-        return 2  # `sweeps run` validates the same file and reports every problem itself
-    served_by = served_pipe_from_env()
-    go = _warm_up_then_wait(spec, served=served_by is not None)
-    if go is None:
-        return 0  # the orchestrator stopped before the study started (a bad store, a second run...)
-    # Before anything reads them: run_worker sets torch's threads from SWEEPS_WORKER_THREADS, and
-    # CUDA reads CUDA_VISIBLE_DEVICES when first used (the warm-up does not touch CUDA).
-    os.environ.update(go["env"])
-    return run_worker(spec, go["slot"], go["parent_run_id"], go.get("deadline"), go["since"], Path(go["beat_file"]),
-                      served_by=served_by)
-
-
-def _warm_up_then_wait(spec: StudySpec, served: bool) -> dict | None:
-    """``sweeps run`` starts its workers before it opens the tracking store, the study and the
-    parent run, so the workers' start-up (seconds of imports) overlaps its own. Here the worker
-    pays what its first trial would: torch.optim's first optimizer imports torch._dynamo (about
-    2 s on torch 2.14), the task what its datasets need, the first ONNX export's set-up where
-    the trials export, and MLflow's client unless ``served``
-    (``sweeps run`` serves its writes, or a writer process of its own, if the go asks for one,
-    imports MLflow there). Then it waits for the orchestrator's go; EOF means stop."""
-    import json
-
-    import torch._dynamo  # noqa: F401 - imported for its side effect: the first optimizer is then cheap
-
-    if not served:
-        tracker_for(spec).warm_up()
-    try:
-        spec.make_task({}).warm_up()  # the task's own imports (sklearn for digits, until its cache is made)
-    except Exception as exc:  # e.g. an argument only the search space gives: the first trial pays
-        log.debug("task warm-up skipped: %s", exc)
-    try:
-        if spec.resolved_train_config().export_onnx:
-            from core.onnx_export import warm_up as onnx_warm_up
-
-            onnx_warm_up()  # the first trial's export then costs what the others' do (1.6 s less)
-    except Exception as exc:  # noqa: BLE001 - the trial's own export reports any real problem
-        log.debug("ONNX export warm-up skipped: %s", exc)
     line = sys.stdin.readline()
-    return json.loads(line) if line.strip() else None
+    if not line.strip():
+        return 0  # the orchestrator stopped before sending the go
+    go = WorkerGo.from_line(line)
+    spec = spec_from_text(go.spec_text, go.spec_path)  # validated by `sweeps run` already: the same text
+    import torch
+
+    # OMP_NUM_THREADS alone is not enough once torch has started its intra-op pool.
+    torch.set_num_threads(go.threads)
+    return run_worker(spec, go.slot, go=go)
 
 
 if __name__ == "__main__":

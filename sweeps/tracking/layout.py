@@ -22,6 +22,7 @@ TAG_SEED = "sweeps.seed"
 TAG_DEVICE = "sweeps.device"
 TAG_WORKER = "sweeps.worker"  # host:pid of the worker that ran the trial
 TAG_SPEC_HASH = "sweeps.spec_hash"
+TAG_STUDY_UID = "sweeps.study_uid"  # the study's identity (a UUID stored in the study), on parent and trials
 TAG_GIT_COMMIT = "sweeps.git_commit"
 TAG_RERUN_OF = "rerun_of"  # run id of the original, on a rerun
 TAG_ONNX_PASSED = "sweeps.onnx_parity_passed"  # "true" | "false"

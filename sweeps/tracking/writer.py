@@ -18,7 +18,7 @@ and raised by the next ``flush`` of that run (or of all runs).
 
 The writer can also be a thread of another process: ``sweeps run`` serves the writes of its
 local workers that have no core to spare for a writer of their own (:func:`open_served_pipe`,
-:func:`serve_in_thread`; the worker finds its ends in ``SWEEPS_TRACKING_PIPE``). The worker
+:func:`serve_in_thread`; the worker finds its ends in its go message). The worker
 then never imports MLflow, which ``sweeps run`` has imported already: 3 to 4 s less CPU
 before its first trial.
 
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 _PIPE_BYTES = 1 << 20  # room for seconds of points, so a busy writer does not stall the trainer
 _F_SETPIPE_SZ = 1031  # Linux fcntl
-PIPE_VAR = "SWEEPS_TRACKING_PIPE"  # "<requests fd>,<replies fd>": a worker's pipe to the process serving its writes
 
 
 class WriterProcessTracker(MlflowTracker):
@@ -58,7 +57,7 @@ class WriterProcessTracker(MlflowTracker):
 
     ``ship_every_s`` / ``ship_every_points``: ``log_metrics`` ships its buffer to the writer
     once it is this old or holds this many points. ``served_by``: the pipe ends (requests,
-    replies) to a writer the parent process already runs (:func:`served_pipe_from_env`)
+    replies) to a writer the parent process already runs (:func:`serve_in_thread`)
     instead of a child of this process. The other arguments are MlflowTracker's;
     ``client`` serves only reads made through ``.client`` in this process. Call
     :meth:`close` when done (the writer also ends by itself when this process ends).
@@ -219,8 +218,8 @@ class _ServingProcess:
 
 def open_served_pipe() -> tuple[tuple[int, int], tuple[Connection, Connection]]:
     """A pipe pair for a child process whose writes this process will serve: the child's fds
-    (requests out, replies in; pass them with ``pass_fds`` and name them in ``PIPE_VAR``, then
-    close them here) and this process's ends (requests in, replies out) for
+    (requests out, replies in; pass them with ``pass_fds`` and name them in the child's go
+    message, then close them here) and this process's ends (requests in, replies out) for
     :func:`serve_in_thread`."""
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
@@ -229,18 +228,6 @@ def open_served_pipe() -> tuple[tuple[int, int], tuple[Connection, Connection]]:
     except OSError:
         pass
     return (req_w, rep_r), (Connection(req_r, writable=False), Connection(rep_w, readable=False))
-
-
-def served_pipe_from_env() -> tuple[Connection, Connection] | None:
-    """In a child started with :func:`open_served_pipe`'s fds: its ends (requests, replies),
-    taken out of the environment so that no process it starts believes they are its own."""
-    value = os.environ.pop(PIPE_VAR, "")
-    try:
-        req_w, rep_r = (int(fd) for fd in value.split(","))
-        os.fstat(req_w), os.fstat(rep_r)
-    except (ValueError, OSError):
-        return None
-    return Connection(req_w, readable=False), Connection(rep_r, writable=False)
 
 
 def serve_in_thread(ends: tuple[Connection, Connection], make_tracker: Callable[[], MlflowTracker],

@@ -387,9 +387,7 @@ def test_worker_env_leaves_openblas_alone():
         "CUDA_VISIBLE_DEVICES": "2,3",
         "OMP_NUM_THREADS": "4",
         "MKL_NUM_THREADS": "4",
-        "SWEEPS_WORKER_THREADS": "4",
-        "SWEEPS_TRACKING_WRITER": "inline",
-    }
+    }  # what else a worker needs is in its typed go message (worker_protocol), not the environment
     assert not any(key.startswith("OPENBLAS") for key in env)
     assert plan_workers([], 1, 1, 2)[0].env()["CUDA_VISIBLE_DEVICES"] == ""
 
@@ -406,18 +404,16 @@ def test_trainers_write_from_a_process_when_a_core_is_left_for_it(devices, worke
     monkeypatch.delenv("SWEEPS_TRACKING_WRITER", raising=False)
     slots = plan_workers(devices, 1, workers, threads)
     assert {s.writer_process for s in slots} == {writer}
-    assert {s.env()["SWEEPS_TRACKING_WRITER"] for s in slots} == {"process" if writer else "inline"}
     monkeypatch.setenv("SWEEPS_TRACKING_WRITER", "inline" if writer else "process")  # the user's choice wins
     assert {s.writer_process for s in plan_workers(devices, 1, workers, threads)} == {not writer}
 
 
-def test_a_worker_follows_the_orchestrators_decision_else_decides_alone(monkeypatch):
+def test_a_worker_started_by_hand_follows_the_users_choice_else_decides_alone(monkeypatch):
     monkeypatch.setenv("SWEEPS_TRACKING_WRITER", "process")
     assert pool_mod.worker_writes_from_a_process()
     monkeypatch.setenv("SWEEPS_TRACKING_WRITER", "inline")
     assert not pool_mod.worker_writes_from_a_process()
     monkeypatch.delenv("SWEEPS_TRACKING_WRITER")  # `sweeps worker` by hand, all threads, no GPU
-    monkeypatch.delenv("SWEEPS_WORKER_THREADS", raising=False)
     monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 0)
     assert not pool_mod.worker_writes_from_a_process()
     monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 1)

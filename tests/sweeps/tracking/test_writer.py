@@ -206,23 +206,23 @@ def test_without_a_writer_process_the_trainer_writes_by_itself(store, tmp_path, 
 
 def test_a_worker_served_by_sweeps_run_writes_without_importing_mlflow(store, tmp_path):
     """As `sweeps run` serves a local worker with no writer process of its own: the worker
-    (a real process, warmed up as optuna_worker does) ships its writes over the pipe to a
+    (a real process, with the worker module imported) ships its writes over the pipe to a
     thread of this process and never imports MLflow. When it is killed, the thread writes
     what it had shipped, then ends."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
-    from sweeps.tracking.writer import PIPE_VAR, open_served_pipe, serve_in_thread
+    from sweeps.tracking.writer import open_served_pipe, serve_in_thread
     from tests.sweeps.study_helpers import write_spec
 
     spec_path = write_spec(tmp_path, seed_store=False)
+    child_fds, ends = open_served_pipe()
     code = textwrap.dedent(f"""
         import sys, time
-        from sweeps.backends.optuna_worker import _warm_up_then_wait
+        from multiprocessing.connection import Connection
+        import sweeps.backends.optuna_worker
         from sweeps.spec import load_spec
         from sweeps.study_run import tracker_for
-        from sweeps.tracking.writer import served_pipe_from_env
         spec = load_spec({str(spec_path)!r})
-        served = served_pipe_from_env()
-        assert _warm_up_then_wait(spec, served=served is not None) is None  # stdin at EOF: no go
+        served = (Connection({child_fds[0]}, readable=False), Connection({child_fds[1]}, writable=False))
         t = tracker_for(spec, served_by=served)
         run = t.start_run(t.get_or_create_experiment({store.experiment_name()!r}), "trial")
         for step in range(1, 101):
@@ -232,8 +232,7 @@ def test_a_worker_served_by_sweeps_run_writes_without_importing_mlflow(store, tm
         print(run.run_id, "mlflow" in sys.modules, flush=True)
         time.sleep(60)
     """)
-    child_fds, ends = open_served_pipe()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), PIPE_VAR: ",".join(map(str, child_fds))}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             text=True, env=env, pass_fds=child_fds, cwd=tmp_path)
     for fd in child_fds:

@@ -1,0 +1,299 @@
+"""The owner of ``sweeps run``'s local Optuna workers, from their start to their exit.
+
+One worker process per pool slot. Whatever ends a worker (a clean exit, an exit code, a
+signal such as the OOM killer's SIGKILL), the trial it was running is failed with the true
+cause, its MLflow run closed, its parameters requeued to resume from their checkpoint, and
+the slot gets a fresh worker while the budget has trials left. Signals and the study's
+timeout stop every worker in every phase of a trial: each is asked to checkpoint and stop
+(SIGTERM), and one that has not stopped after a grace period is killed and its trial
+requeued the same way. The exit code says whether the budget finished.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from sweeps.backends import optuna_recovery as recovery
+from sweeps.backends import optuna_study
+from sweeps.backends.worker_protocol import WorkerGo
+from sweeps.pool import WorkerSlot
+from sweeps.spec import StudySpec
+from sweeps.tracking.writer import open_served_pipe, serve_in_thread
+
+log = logging.getLogger("sweeps")
+_PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 60.0  # how long a stopped worker may take to checkpoint before it is killed
+ENV_STOP_GRACE = "SWEEPS_STOP_GRACE_S"
+CRASH_LOOP = 3  # workers in a row that die before their first trial stop the study
+
+
+def stop_grace_seconds() -> float:
+    text = os.environ.get(ENV_STOP_GRACE, "").strip()
+    try:
+        return max(0.0, float(text)) if text else STOP_GRACE_S
+    except ValueError:
+        return STOP_GRACE_S
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if ``sweeps run`` dies (even by SIGKILL), so do its
+    workers, and the next ``sweeps run`` finds their trials orphaned and requeues them."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def describe_exit(returncode: int) -> str:
+    """Why a worker process ended, in a user's words."""
+    if returncode < 0:
+        sig = signal.Signals(-returncode)
+        if sig is signal.SIGKILL:
+            return "its worker was killed by SIGKILL (the kernel's out-of-memory killer, a kill -9, or a crash)"
+        return f"its worker was killed by {sig.name}"
+    if returncode == 0:
+        return ("its worker process exited with code 0 in the middle of the trial (the task, or a library it "
+                "calls, ended the process, e.g. with os._exit)")
+    return f"its worker process exited with code {returncode} in the middle of the trial"
+
+
+@dataclass
+class LocalWorker:
+    slot: WorkerSlot
+    proc: subprocess.Popen
+    beat_file: Path
+    writer: threading.Thread | None  # the thread of this process serving its MLflow writes
+    kill_reason: str = ""  # set when the supervisor kills it (hung trial, stop grace over)
+    requeue_on_kill: bool = True
+    handled: bool = False
+
+    @property
+    def name(self) -> str:
+        """How its trials name it (``objective.worker_name`` in the worker)."""
+        return f"{socket.gethostname()}:{self.proc.pid}"
+
+    def began_a_trial(self) -> bool:
+        return self.beat_file.exists()
+
+
+@dataclass
+class Supervisor:
+    spec: StudySpec
+    study: optuna.Study
+    go_for: Callable[[WorkerSlot, Path, tuple[int, int] | None], WorkerGo]  # a slot's go message
+    serve_writes: Callable[[tuple], threading.Thread]  # serves a worker's MLflow writes on a thread
+    beat_dir: Path
+    since: float
+    deadline: float | None
+    on_progress: Callable[[], None]  # live view and parent run, about twice a second
+    workers: list[LocalWorker] = field(default_factory=list)
+    stopping: str = ""  # why the workers were told to stop ("" while they run)
+    signum: int | None = None
+    stop_at: float = 0.0
+    early_deaths: int = 0
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
+        """Start a worker per slot and watch them until all have exited and none is to be
+        replaced. Returns why it stopped ("" when the budget finished) and the exit code."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for slot in slots:
+                self._start(slot)
+            while True:
+                for w in list(self.workers):
+                    if w.proc.poll() is not None and not w.handled:
+                        self._handle_exit(w)
+                if not any(w.proc.poll() is None for w in self.workers):
+                    break
+                self.on_progress()
+                self._check_hung()
+                self._check_deadline()
+                self._check_stop_grace()
+                self._wait_any(0.5)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            for w in self.workers:  # an error above: nobody may be left behind
+                if w.proc.poll() is None:
+                    w.proc.kill()
+                    w.proc.wait()
+        self._fail_orphans()
+        return self._verdict()
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signum is not None:  # a second Ctrl-C / SIGTERM: stop now, not at the next checkpoint
+            for w in self.workers:
+                self._kill(w, f"stopped by a second {signal.Signals(signum).name} before it checkpointed")
+            return
+        self.signum = signum
+        self._stop(f"stopped by {signal.Signals(signum).name}")
+
+    def _stop(self, why: str) -> None:
+        """Ask every worker to checkpoint its trial and exit (their trials are requeued)."""
+        if self.stopping:
+            return
+        self.stopping, self.stop_at = why, time.monotonic()
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and not self.stopping and time.time() >= self.deadline:
+            self._stop(f"budget.timeout ({self.spec.budget.timeout}) reached")
+
+    def _check_stop_grace(self) -> None:
+        if self.stopping and time.monotonic() - self.stop_at > stop_grace_seconds():
+            for w in self.workers:
+                self._kill(w, f"{self.stopping}; it did not stop within {stop_grace_seconds():.0f} s "
+                              f"({ENV_STOP_GRACE}), so it was killed")
+
+    def _check_hung(self) -> None:
+        """A trial with no progress for budget.trial_timeout: its worker is killed and the trial
+        failed with the reason, not requeued (it would likely hang again)."""
+        limit = self.spec.trial_timeout_seconds()
+        if not limit or self.stopping:
+            return
+        for w in self.workers:
+            try:
+                idle = time.time() - w.beat_file.stat().st_mtime
+            except FileNotFoundError:
+                continue  # still starting: no trial yet
+            if idle >= limit and w.proc.poll() is None:
+                self._kill(w, f"hung: no progress for {idle:.0f} s (budget.trial_timeout="
+                              f"{self.spec.budget.trial_timeout})", requeue=False)
+
+    def _kill(self, w: LocalWorker, reason: str, requeue: bool = True) -> None:
+        if w.proc.poll() is None:
+            w.kill_reason, w.requeue_on_kill = reason, requeue
+            w.proc.kill()
+            w.proc.wait()
+
+    # ---- a worker ended ----------------------------------------------------------------------
+    def _handle_exit(self, w: LocalWorker) -> None:
+        """Fail and requeue the trial it left RUNNING (with the true cause), then replace it
+        while the budget has trials left."""
+        w.handled = True
+        code = w.proc.returncode
+        orphans = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                   if t.user_attrs.get(optuna_study.ATTR_WORKER) == w.name]
+        cause = w.kill_reason or describe_exit(code)
+        for t in orphans:
+            reason = f"trial {t.number} failed: {cause}"
+            interrupted = bool(self.stopping)  # stopped by the user or the timeout: not the trial's fault
+            recovery.fail_trial(self.study, t, reason, requeue=w.requeue_on_kill,
+                                tracking_uri=self.spec.tracking_store_uri(), interrupted=interrupted)
+            log.warning("%s%s", reason, "; requeued to resume from its last checkpoint" if w.requeue_on_kill else "")
+        if w.writer is not None:
+            w.writer.join(timeout=120)  # its last writes land before anything reads the run
+        if self.stopping:
+            return
+        if not orphans and code == 0:
+            return  # a clean end: the budget is taken, or the grid exhausted
+        if not w.began_a_trial():
+            self.early_deaths += 1
+            if self.early_deaths >= CRASH_LOOP:
+                self.stopping = (f"stopped: {CRASH_LOOP} workers in a row exited before their first trial "
+                                 f"(last: {describe_exit(code)}); see the messages above")
+                return
+        else:
+            self.early_deaths = 0
+        if optuna_study.failures_in_a_row(self.study, self.since) >= self.spec.budget.max_failures:
+            return  # the other workers see it too and stop; _verdict says why
+        if optuna_study.budget_left(self.study, self.spec.budget.n_trials) > 0:
+            log.warning("a fresh worker takes slot %d", w.slot.index)
+            self._start(w.slot)
+
+    def _fail_orphans(self) -> None:
+        """Every worker has exited: on a journal study (this process holds its run lock) a trial
+        still RUNNING belongs to none of them (a worker died between asking for it and naming
+        itself on it); it is failed and requeued so that no trial stays RUNNING."""
+        if self.spec.is_rdb_storage():
+            return
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            recovery.fail_trial(self.study, t, f"trial {t.number} failed: its worker died before it began",
+                                requeue=True, tracking_uri=self.spec.tracking_store_uri(),
+                                interrupted=bool(self.stopping))
+
+    def _verdict(self) -> tuple[str, int]:
+        study, spec = self.study, self.spec
+        if self.signum is not None:
+            return f"{self.stopping}; running trials were checkpointed and requeued", 128 + self.signum
+        if optuna_study.failures_in_a_row(study, self.since) >= spec.budget.max_failures:
+            return f"stopped: {spec.budget.max_failures} trials failed in a row (budget.max_failures)", 1
+        if self.stopping.startswith("budget.timeout"):
+            return f"stopped: {self.stopping}; run the command again to continue", 0
+        if self.stopping:
+            return self.stopping, 1
+        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+        if done >= spec.budget.n_trials:
+            return "", 0
+        if spec.sampler.name == "grid" and optuna_study.budget_left(study, spec.budget.n_trials) > 0:
+            return f"stopped: the grid of search values is exhausted after {done} trials", 0
+        return (f"stopped with {done} of {spec.budget.n_trials} trials finished: the workers exited; see the "
+                "messages above and `sweeps status`", 1)
+
+    # ---- starting ----------------------------------------------------------------------------
+    def _start(self, slot: WorkerSlot) -> LocalWorker:
+        """A worker for ``slot``: it reads its go (the spec snapshot, the study, its slot) from
+        stdin. A trial's beat file is made at its first beat: the hang watchdog counts from there."""
+        beat = self.beat_dir / f"worker-{slot.index}-{len(self.workers)}.beat"
+        beat.parent.mkdir(parents=True, exist_ok=True)
+        beat.unlink(missing_ok=True)
+        served = None if slot.writer_process else open_served_pipe()
+        child_fds = served[0] if served else ()
+        cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker"]
+        try:
+            proc = subprocess.Popen(cmd, env={**os.environ, **slot.env()}, stdin=subprocess.PIPE, text=True,
+                                    pass_fds=child_fds, preexec_fn=_die_with_parent)
+        except BaseException:
+            for conn in (served[1] if served else ()):
+                conn.close()
+            raise
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        writer = self.serve_writes(served[1]) if served else None
+        try:
+            proc.stdin.write(self.go_for(slot, beat, served[0] if served else None).to_line())
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass  # it died at once: the loop sees its exit code
+        worker = LocalWorker(slot, proc, beat, writer)
+        self.workers.append(worker)
+        return worker
+
+    def _wait_any(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` seconds, less if the first live worker exits meanwhile."""
+        alive = [w for w in self.workers if w.proc.poll() is None]
+        if alive:
+            try:
+                alive[0].proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def serve_writes_with(tracker) -> Callable[[tuple], threading.Thread]:
+    """Serve a worker's MLflow writes on a thread of this process, which has MLflow imported
+    and the store open already (``sweeps.tracking.writer``)."""
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+    def serve(ends: tuple) -> threading.Thread:
+        return serve_in_thread(ends, lambda: MlflowTracker(
+            tracker.tracking_uri, spool_dir=tracker.spool.directory, artifact_root=tracker.artifact_root,
+            client=tracker.client), name="worker")
+
+    return serve

@@ -1,0 +1,43 @@
+"""What ``sweeps run`` tells a local Optuna worker: one typed message, serialized here only.
+
+The orchestrator starts each worker (``python -m sweeps.backends.optuna_worker``) and writes
+one JSON line to its stdin: :class:`WorkerGo`. It carries the spec *snapshot* that
+``sweeps run`` read and validated (a worker never reads the spec file again, so an edit made
+while the study runs cannot split it), the study it works for and the slot it owns.
+Only what a library reads before the worker can parse a message travels in the environment:
+``CUDA_VISIBLE_DEVICES`` and the OpenMP/MKL thread counts (``pool.WorkerSlot.env``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class WorkerGo:
+    spec_text: str  # the spec file's text as ``sweeps run`` read and validated it
+    spec_path: str  # where it was read from: for messages and commands shown to the user
+    study_name: str  # the Optuna study (``name`` or ``name-vN`` after --fresh)
+    study_uid: str  # the study's identity (trial folders and checkpoints carry it)
+    parent_run_id: str  # the study's MLflow run
+    since: float  # this invocation's start (failures in a row count from here)
+    deadline: float | None  # budget.timeout as a time.time() instant, or None
+    slot: int  # the pool slot this worker owns
+    threads: int  # torch intra-op threads
+    beat_file: str  # touched about once a second while a trial makes progress
+    writer_process: bool  # MLflow writes from a child process of the worker (else served)
+    served_fds: tuple[int, int] | None = None  # the pipe to the ``sweeps run`` thread serving its writes
+
+    def to_line(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def from_line(cls, line: str) -> "WorkerGo":
+        """Parse one line; raises ValueError naming what is missing or unexpected."""
+        data = json.loads(line)
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) - names:
+            raise ValueError(f"not a WorkerGo message: {line[:200]!r}")
+        if data.get("served_fds") is not None:
+            data["served_fds"] = tuple(data["served_fds"])
+        return cls(**data)
