@@ -98,6 +98,7 @@ class OptunaBackend:
                 finished[0] = len(result.finished())
                 update_parent_best(tracker, parent, result)
 
+        tracker.set_tags(parent, {"sweeps.workers": len(slots)})  # this invocation's local workers
         supervisor = Supervisor(spec, study, go_for, serve_writes_with(tracker), _beat_dir(spec), started,
                                 deadline, on_progress)
         stopped, code = supervisor.run(slots)

@@ -140,16 +140,16 @@ class Supervisor:
                 self._kill(w, f"stopped by a second {signal.Signals(signum).name} before it checkpointed")
             return
         self.signum = signum
-        self._stop(f"stopped by {signal.Signals(signum).name}")
+        self._stop(f"stopped by {signal.Signals(signum).name}", signum)
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, signum: int = signal.SIGTERM) -> None:
         """Ask every worker to checkpoint its trial and exit (their trials are requeued)."""
         if self.stopping:
             return
         self.stopping, self.stop_at = why, time.monotonic()
         for w in self.workers:
             if w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGTERM)
+                w.proc.send_signal(signum)
 
     def _check_deadline(self) -> None:
         if self.deadline is not None and not self.stopping and time.time() >= self.deadline:
