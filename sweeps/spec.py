@@ -32,7 +32,7 @@ from sweeps.yaml_loader import load_yaml_with_lines
 if TYPE_CHECKING:
     from core.tasks.base import Task
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")  # always fullmatch: "$" would let "tiny\n" through
 NAME_MAX = 100
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"  # relative to the working directory, like storage
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
@@ -44,6 +44,18 @@ _SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", 
                            "lr_finder", "tracking")
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 _ENCODED_RE = re.compile(r"%(?:25)*(?:2e|2f|5c)", re.I)  # %2e = '.', %2f = '/', %5c = '\', also double-encoded
+
+
+def _safe_name(value: str, what: str) -> str:
+    """The checks `sweeps run` applies to a name that becomes a folder (sweeps.safe_names), as
+    a ValueError, so pydantic reports it at its field while the spec is validated."""
+    from sweeps.errors import UnsafeNameError
+    from sweeps.safe_names import safe_component
+
+    try:
+        return safe_component(value, what)
+    except UnsafeNameError as exc:
+        raise ValueError(str(exc)) from None
 
 
 class _Section(BaseModel):
@@ -178,6 +190,14 @@ class TrackingSection(_Section):
     uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else DEFAULT_TRACKING_URI
     experiment: str | None = None  # default: the study name
 
+    @field_validator("experiment", mode="after")
+    @classmethod
+    def _experiment(cls, v: str | None) -> str | None:
+        # With a local store the experiment names its artifact folder (runs/mlartifacts/<experiment>),
+        # where `sweeps run` refuses an unsafe one; refused here for every store, so that
+        # `sweeps validate` says so and a run stops before it creates anything.
+        return None if v is None else _safe_name(v, "experiment name")
+
 
 class StudySpec(_Section):
     """A validated study. Build it with :func:`load_spec` or :func:`spec_from_dict`, which also
@@ -202,10 +222,10 @@ class StudySpec(_Section):
     @field_validator("name", mode="before")
     @classmethod
     def _name(cls, v: Any) -> Any:
-        if not isinstance(v, str) or not NAME_RE.match(v) or v in (".", "..") or len(v) > NAME_MAX:
+        if not isinstance(v, str) or not NAME_RE.fullmatch(v) or v in (".", "..") or len(v) > NAME_MAX:
             raise ValueError(f"{v!r} is not allowed; use 1-{NAME_MAX} of A-Z a-z 0-9 _ . - (not '.' or '..'), "
                              "e.g. lr_bs; it names the Optuna study, the MLflow experiment and files under runs/")
-        return v
+        return _safe_name(v, "study name")
 
     @field_validator("storage", mode="before")
     @classmethod

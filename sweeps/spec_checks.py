@@ -247,6 +247,19 @@ def _resource_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Pro
     if cfg is not None and cfg.distributed.nproc > 1 and res.gpus_per_trial < 1:
         out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is a GPU share but train.distributed.nproc "
                                                      f"= {cfg.distributed.nproc}; DDP needs whole GPUs per process"))
+    # What OptunaBackend._plan would refuse from the spec alone, so `sweeps validate` says it too.
+    if s["backend"] != "optuna" or not isinstance(res.workers, int):
+        return
+    g = res.gpus_per_trial
+    if isinstance(res.devices, list) and g <= len(res.devices):
+        fits = len(res.devices) // int(g) if g >= 1 else len(res.devices) * round(1 / g)
+        if res.workers > fits:
+            out.append((("resources", "workers"), f"{res.workers} workers do not fit on devices {res.devices} with "
+                                                  f"gpus_per_trial {g!r} (at most {fits} at once); use {fits} or auto"))
+    storage = s["storage"]
+    if isinstance(storage, str) and storage.startswith("sqlite") and res.workers > 1:
+        out.append((("storage",), f"{storage!r} is SQLite, which {res.workers} parallel workers would lock ('database "
+                                  "is locked'); remove storage (a journal file) or use postgresql://..., or workers: 1"))
 
 
 def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:
