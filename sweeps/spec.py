@@ -27,7 +27,7 @@ from sweeps.durations import parse_duration
 from sweeps.errors import SpecError
 from sweeps.search_space import SearchParam
 from sweeps.tracking.sync import RDB_DIALECTS
-from sweeps.yaml_loader import load_yaml_with_lines
+from sweeps.yaml_loader import check_size, load_yaml_with_lines
 
 if TYPE_CHECKING:
     from core.tasks.base import Task
@@ -333,6 +333,7 @@ def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None
     shown = str(path) if path is not None else "<spec>"
     if not isinstance(data, dict):
         raise SpecError(shown, [f"the spec is a {type(data).__name__}, not a mapping"])
+    check_size(data, shown)  # data not read by load_spec (a dumped spec) may nest deeper than validation recurses
     # An empty section (`train:` with every line commented out) is YAML null: read it as "all defaults".
     data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS_WITH_DEFAULTS)}
     spec, problems = collect_problems(data, lines or {})

@@ -51,3 +51,20 @@ def test_worker_plans_the_run_would_refuse_are_spec_errors(tmp_path):
     _validate_and_run_refuse(tmp_path, spec, "- resources.workers: 3 workers do not fit on devices [0]")
     spec = _save(tmp_path, tiny_spec(storage="sqlite:///runs/optuna.db", resources={"devices": "cpu", "workers": 2}))
     _validate_and_run_refuse(tmp_path, spec, "- storage: 'sqlite:///runs/optuna.db' is SQLite")
+
+
+def _deep_list(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("body", [
+    f"train: {{x: {_deep_list(500)}}}\n",  # about 1 KB: PyYAML alone would end in a RecursionError
+    f"x: {_deep_list(500)}\n",
+    "- " * 400 + "a\n",  # block style nests just as deep
+    # Aliases nesting a small anchor deeper at each step: a short file, a deep document.
+    "a0: &a0 [1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 60)),
+])
+def test_deeply_nested_yaml_is_a_spec_error(tmp_path, body):
+    spec = tmp_path / "study.yaml"
+    spec.write_text("name: deep\ntask: {name: digits}\n" + body if not body.startswith("- ") else body)
+    _validate_and_run_refuse(tmp_path, spec, "nesting deeper than 32 levels")
