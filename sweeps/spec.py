@@ -27,12 +27,12 @@ from sweeps.durations import parse_duration
 from sweeps.errors import SpecError
 from sweeps.search_space import SearchParam
 from sweeps.tracking.sync import RDB_DIALECTS
-from sweeps.yaml_loader import mapping_from_text, read_spec_text
+from sweeps.yaml_loader import check_size, mapping_from_text, read_spec_text
 
 if TYPE_CHECKING:
     from core.tasks.base import Task
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")  # always fullmatch: "$" would let "tiny\n" through
 NAME_MAX = 100
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"  # relative to the working directory, like storage
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
@@ -44,6 +44,18 @@ _SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", 
                            "lr_finder", "tracking")
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 _ENCODED_RE = re.compile(r"%(?:25)*(?:2e|2f|5c)", re.I)  # %2e = '.', %2f = '/', %5c = '\', also double-encoded
+
+
+def _safe_name(value: str, what: str) -> str:
+    """The checks `sweeps run` applies to a name that becomes a folder (sweeps.safe_names), as
+    a ValueError, so pydantic reports it at its field while the spec is validated."""
+    from sweeps.errors import UnsafeNameError
+    from sweeps.safe_names import safe_component
+
+    try:
+        return safe_component(value, what)
+    except UnsafeNameError as exc:
+        raise ValueError(str(exc)) from None
 
 
 class _Section(BaseModel):
@@ -178,6 +190,14 @@ class TrackingSection(_Section):
     uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else DEFAULT_TRACKING_URI
     experiment: str | None = None  # default: the study name
 
+    @field_validator("experiment", mode="after")
+    @classmethod
+    def _experiment(cls, v: str | None) -> str | None:
+        # With a local store the experiment names its artifact folder (runs/mlartifacts/<experiment>),
+        # where `sweeps run` refuses an unsafe one; refused here for every store, so that
+        # `sweeps validate` says so and a run stops before it creates anything.
+        return None if v is None else _safe_name(v, "experiment name")
+
 
 class StudySpec(_Section):
     """A validated study. Build it with :func:`load_spec` or :func:`spec_from_dict`, which also
@@ -203,10 +223,10 @@ class StudySpec(_Section):
     @field_validator("name", mode="before")
     @classmethod
     def _name(cls, v: Any) -> Any:
-        if not isinstance(v, str) or not NAME_RE.match(v) or v in (".", "..") or len(v) > NAME_MAX:
+        if not isinstance(v, str) or not NAME_RE.fullmatch(v) or v in (".", "..") or len(v) > NAME_MAX:
             raise ValueError(f"{v!r} is not allowed; use 1-{NAME_MAX} of A-Z a-z 0-9 _ . - (not '.' or '..'), "
                              "e.g. lr_bs; it names the Optuna study, the MLflow experiment and files under runs/")
-        return v
+        return _safe_name(v, "study name")
 
     @field_validator("storage", mode="before")
     @classmethod
@@ -320,6 +340,7 @@ def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None
     shown = str(path) if path is not None else "<spec>"
     if not isinstance(data, dict):
         raise SpecError(shown, [f"the spec is a {type(data).__name__}, not a mapping"])
+    check_size(data, shown)  # data not read by load_spec (a dumped spec) may nest deeper than validation recurses
     # An empty section (`train:` with every line commented out) is YAML null: read it as "all defaults".
     data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS_WITH_DEFAULTS)}
     spec, problems = collect_problems(data, lines or {})

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from functools import cache
-from typing import Any, Iterator, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -28,6 +27,7 @@ from sweeps import search_space as ss
 from sweeps.search_space import CategoricalParam, FloatParam, Problem, SearchParam
 from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudySpec
 from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
+from sweeps.spec_task_checks import TaskInfo, instantiate_checks, representatives, task_problems
 
 LOWER_IS_BETTER = ("train_loss", "val_loss", "grad_norm", "epoch_time_s", "peak_mem_mb", "skipped_steps")
 
@@ -76,84 +76,6 @@ def _valid_sections(data: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ cross-field rules
-class _TaskInfo:
-    def __init__(self, label: str, accepted: list[str] | None, hints: dict[str, Any], models: tuple[str, ...],
-                 builtin: bool) -> None:
-        self.label, self.accepted, self.hints, self.models, self.builtin = label, accepted, hints, models, builtin
-
-
-@contextlib.contextmanager
-def _no_bytecode() -> Iterator[None]:
-    # Importing a task.target must not write __pycache__ next to the user's module: loading creates no files.
-    old, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try:
-        yield
-    finally:
-        sys.dont_write_bytecode = old
-
-
-def _declared_models(factory: Any) -> tuple[str, ...]:
-    """``models`` of the Task class a factory is or declares it returns, without calling it."""
-    from core.tasks.base import Task
-
-    cls = factory
-    if not isinstance(factory, type):
-        try:
-            cls = get_type_hints(factory).get("return")
-        except Exception:  # unresolvable annotations in a user's module: no cheap check possible
-            return ()
-    return tuple(cls.models) if isinstance(cls, type) and issubclass(cls, Task) else ()
-
-
-def _task_problems(s: dict[str, Any], out: list[Problem]) -> _TaskInfo | None:
-    from core.tasks.base import TaskError, builtin_task_names, factory_arg_names, resolve_factory
-
-    task = s["task"]
-    if task is None:
-        return None
-    if (task.name is None) == (task.target is None):
-        out.append((("task",), "give exactly one of name (a built-in task: "
-                               f"{', '.join(builtin_task_names())}) or target (module:callable)"))
-        return None
-    which = "name" if task.name is not None else "target"
-    try:
-        with _no_bytecode():
-            factory = resolve_factory(task.name, task.target)
-    except TaskError as exc:
-        hint = did_you_mean(task.name, builtin_task_names()) if task.name else ""
-        loc, text = foreign(str(exc), ("task", which))
-        out.append((loc, text + hint))
-        return None
-    except Exception as exc:  # a user's module failing at import time: report, don't crash the loader
-        out.append((("task", which), f"{getattr(task, which)!r} could not be loaded: {type(exc).__name__}: {exc}"))
-        return None
-    accepted = factory_arg_names(factory)
-    try:
-        hints = get_type_hints(factory)
-    except Exception:
-        hints = {}
-    info = _TaskInfo(getattr(task, which), accepted, hints, _declared_models(factory), task.name is not None)
-    takes = ", ".join(a for a in accepted or [] if a != "model") or "no arguments"
-    for arg in task.args:
-        if arg == "model":
-            out.append((("task", "args", "model"), "set the model with task.model, not in task.args"))
-        elif accepted is not None and arg not in accepted:
-            out.append((("task", "args", arg), f"task {info.label!r} has no argument {arg!r}"
-                                               f"{did_you_mean(arg, accepted)}; it takes {takes}"))
-    # Built-in tasks check their model when built (_instantiate_checks): imagefolder takes any
-    # torchvision model, more than its `models` lists. A user's task is not built, so read `models`.
-    if not info.builtin and task.model is not None and info.models and task.model not in info.models:
-        out.append((("task", "model"), f"{task.model!r} is not offered by task {info.label!r}"
-                                       f"{did_you_mean(task.model, list(info.models))}; use one of {', '.join(info.models)}"))
-    return info
-
-
-def _representatives(p: Any) -> list[tuple[str, Any]]:
-    if isinstance(p, CategoricalParam):
-        return [("choices", c) for c in p.choices]
-    return [("low", p.low), ("high", p.high)]
-
-
 def _kind(hint: Any) -> str:
     hint = unwrap(hint)
     if get_origin(hint) is Literal:
@@ -172,31 +94,7 @@ def _type_mismatch(key: str, p: Any, hint: Any, owner: str) -> str | None:
     return None
 
 
-def _instantiate_checks(s: dict[str, Any], info: _TaskInfo, out: list[Problem]) -> None:
-    """Build built-in tasks with the fixed args and each searched bound/choice: their constructors
-    are cheap and touch no data by contract, and they know their own argument ranges."""
-    from core.tasks.base import make_task
-
-    task = s["task"]
-    # Arguments already reported as unknown are left out, so the rest (model, values) still gets checked.
-    fixed = {k: v for k, v in task.args.items() if k != "model" and (info.accepted is None or k in info.accepted)}
-    attempts: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = [((), fixed, None)]
-    for key, p in (s["search"] or {}).items():
-        arg = key[len(ss.TASK_PREFIX):]
-        if key.startswith(ss.TASK_PREFIX) and (info.accepted is None or arg in info.accepted):
-            attempts += [(("search", key, which), {**fixed, arg: v}, v) for which, v in _representatives(p)]
-    for loc, args, value in attempts:
-        model = args.pop("model", task.model)
-        try:
-            make_task(task.name, model=model, args=args)
-        except Exception as exc:  # TaskError, or ValueError/TypeError from a task's own checks
-            if not loc:
-                out.append(foreign(str(exc), ("task",)))
-                return  # every searched value would fail the same way
-            out.append((loc, f"{show(value)} is refused by task {info.label!r}: {exc}"))
-
-
-def _search_problems(s: dict[str, Any], info: _TaskInfo | None, cfg: TrainConfig | None, out: list[Problem]) -> None:
+def _search_problems(s: dict[str, Any], info: TaskInfo | None, cfg: TrainConfig | None, out: list[Problem]) -> None:
     search, train, task = s["search"] or {}, s["train"] or {}, s["task"]
     fields = config_fields()
     for key, p in search.items():
@@ -237,7 +135,7 @@ def _search_problems(s: dict[str, Any], info: _TaskInfo | None, cfg: TrainConfig
         if problem:
             out.append((at, problem))
             continue
-        for which, value in _representatives(p):
+        for which, value in representatives(p):
             if any(loc == at + (which,) for loc, _ in own):
                 continue  # already explained (e.g. low <= 0 with log); one message per value
             try:
@@ -246,7 +144,7 @@ def _search_problems(s: dict[str, Any], info: _TaskInfo | None, cfg: TrainConfig
                 text = re.sub(rf"^train\.{re.escape(key)}: ", "", str(exc))
                 out.append((at + (which,), f"{show(value)} is not valid for train.{key}: {text}"))
     if info is not None and info.builtin:
-        _instantiate_checks(s, info, out)
+        instantiate_checks(s, info, out)
 
 
 def _train_problems(s: dict[str, Any], out: list[Problem]) -> TrainConfig | None:
@@ -349,6 +247,19 @@ def _resource_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Pro
     if cfg is not None and cfg.distributed.nproc > 1 and res.gpus_per_trial < 1:
         out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is a GPU share but train.distributed.nproc "
                                                      f"= {cfg.distributed.nproc}; DDP needs whole GPUs per process"))
+    # What OptunaBackend._plan would refuse from the spec alone, so `sweeps validate` says it too.
+    if s["backend"] != "optuna" or not isinstance(res.workers, int):
+        return
+    g = res.gpus_per_trial
+    if isinstance(res.devices, list) and g <= len(res.devices):
+        fits = len(res.devices) // int(g) if g >= 1 else len(res.devices) * round(1 / g)
+        if res.workers > fits:
+            out.append((("resources", "workers"), f"{res.workers} workers do not fit on devices {res.devices} with "
+                                                  f"gpus_per_trial {g!r} (at most {fits} at once); use {fits} or auto"))
+    storage = s["storage"]
+    if isinstance(storage, str) and storage.startswith("sqlite") and res.workers > 1:
+        out.append((("storage",), f"{storage!r} is SQLite, which {res.workers} parallel workers would lock ('database "
+                                  "is locked'); remove storage (a journal file) or use postgresql://..., or workers: 1"))
 
 
 def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:
@@ -369,7 +280,7 @@ def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:
 def cross_problems(sections: dict[str, Any]) -> list[Problem]:
     """The rules spanning several fields, on whichever sections validated."""
     out: list[Problem] = []
-    info = _task_problems(sections, out)
+    info = task_problems(sections, out)
     cfg = _train_problems(sections, out)
     _search_problems(sections, info, cfg, out)
     _objective_problems(sections, out)

@@ -28,6 +28,9 @@ wrote should use :func:`load_yaml` too, so every file is read by the same rules:
 - A key repeated in one mapping is an error (YAML says keys are unique; PyYAML would
   keep the last one silently).
 - Syntax errors name the line and column (1-based).
+- Nesting deeper than :data:`MAX_DEPTH` levels is refused (PyYAML composes and Python
+  compares nested values recursively: a 1 KB file of 500 nested lists would otherwise end
+  in a RecursionError), also where aliases build the depth up.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from sweeps.errors import SpecError
 
 MAX_BYTES = 1 << 20  # a spec is a few hundred bytes; anything this big is a mistake
 MAX_VALUES = 100_000  # after alias expansion: stops "billion laughs" documents and recursion
+MAX_DEPTH = 32  # levels of nested mappings/lists; a spec needs about 5 (search.x.choices[i][j])
 
 _DROPPED_TAGS = {
     "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
@@ -54,6 +58,18 @@ _REFUSED_TAGS = ("binary", "set", "omap", "pairs", "timestamp", "value")
 Lines = dict[tuple[str, ...], int]  # field path (keys as strings) -> 1-based line
 
 
+class _TooDeep(yaml.YAMLError):
+    def __init__(self, mark: yaml.Mark | None) -> None:
+        super().__init__()
+        self.mark = mark
+
+
+def too_deep(path: str, where: str = "") -> SpecError:
+    """More than MAX_DEPTH mappings and lists inside each other."""
+    return SpecError(path, [f"{where}nesting deeper than {MAX_DEPTH} levels (mappings and lists inside each "
+                            "other); a study spec needs only a few, so flatten it"])
+
+
 class _SpecLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 scalar resolution, unique keys and no exotic types."""
 
@@ -62,6 +78,18 @@ class _SpecLoader(yaml.SafeLoader):
         first: [(tag, rx) for tag, rx in entries if tag not in _DROPPED_TAGS]
         for first, entries in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
+
+    _depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        # Counted while composing, before PyYAML's recursion (a few frames per level) runs out.
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH + 1:  # + 1: the innermost node may be a scalar
+                raise _TooDeep(self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: Node, deep: bool = False) -> dict:  # noqa: D401
         if isinstance(node, MappingNode):
@@ -136,7 +164,7 @@ def _line_map(root: Node | None) -> Lines:
     """Field path -> line of its key (mappings) or item (lists), to point problems at the file.
 
     An aliased node is the same object as its anchor: it is mapped once, at the anchor, so
-    repeated or recursive aliases cost nothing here (``_check_size`` refuses those later).
+    repeated or recursive aliases cost nothing here (``check_size`` refuses those later).
     """
     out: Lines = {}
     seen: set[int] = set()
@@ -160,21 +188,26 @@ def _line_map(root: Node | None) -> Lines:
     return out
 
 
-def _check_size(data: Any, path: str) -> None:
-    """Walk the constructed document with a budget: aliases may repeat (or recurse into) a subtree."""
-    budget = MAX_VALUES
-    stack = [data]
+def check_size(data: Any, path: str) -> None:
+    """Walk the data with a budget of values and of depth: aliases may repeat (or recurse into)
+    a subtree, and each alias of a nested anchor nests it deeper. Raises SpecError."""
+    budget, deep = MAX_VALUES, False
+    stack = [(data, 0)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         budget -= 1
         if budget < 0:
             raise SpecError(path, [f"the document expands to more than {MAX_VALUES} values "
                                    "(YAML aliases repeating or recursing); write the spec out plainly"])
+        # Reported after the walk: an alias recursing into itself is deep too, but that is its lesser fault.
+        deep = deep or (isinstance(item, (dict, list)) and depth >= MAX_DEPTH)
         if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            stack.extend((k, depth + 1) for k in item.keys())
+            stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, list):
-            stack.extend(item)
+            stack.extend((v, depth + 1) for v in item)
+    if deep:
+        raise too_deep(path)
 
 
 def parse_yaml_text(text: str, path: str = "<string>") -> tuple[Any, Lines]:
@@ -187,11 +220,15 @@ def parse_yaml_text(text: str, path: str = "<string>") -> tuple[Any, Lines]:
         node = loader.get_single_node()
         lines = _line_map(node)  # before construction: merges (`<<`) rewrite the node tree
         data = loader.construct_document(node) if node is not None else None
+    except _TooDeep as exc:
+        raise too_deep(path, f"{_where(exc.mark)}: ") from None
     except yaml.YAMLError as exc:
         raise SpecError(path, [_yaml_problem(exc)]) from None
+    except RecursionError:  # a guard: the depth limit should stop every document before this
+        raise too_deep(path) from None
     finally:
         loader.dispose()
-    _check_size(data, path)
+    check_size(data, path)
     return data, lines
 
 

@@ -7,6 +7,7 @@ initialises weights randomly is reproducible from the run's seed.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -52,11 +53,48 @@ class Task:
 
 TaskFactory = Callable[..., Task]
 _REGISTRY: dict[str, TaskFactory] = {}
+ENTRY_POINT_GROUP = "sweeps.tasks"
+# Declared tasks by id, holding the object so its id cannot be reused by another one. An
+# identity table, not an attribute: getattr on an arbitrary object (a proxy whose __getattr__
+# answers every name) could fake a mark, and a subclass would inherit one.
+_DECLARED: dict[int, tuple[Any, str | None]] = {}
+_DECLARE_HOW = ("declare it in its module with `from core.tasks import task` and `@task` on the factory "
+                f"(or Task subclass), or install it as a {ENTRY_POINT_GROUP!r} entry point and use task.name")
+
+
+def _declare(obj: Any, name: str | None) -> Any:
+    if isinstance(obj, type) and not issubclass(obj, Task):
+        raise TypeError(f"@task on class {obj.__qualname__}: only core.tasks.Task subclasses are tasks")
+    if not callable(obj):
+        raise TypeError(f"@task on {obj!r}: a task is a factory function or a core.tasks.Task subclass")
+    _DECLARED[id(obj)] = (obj, name)
+    return obj
+
+
+def task(arg: Any = None) -> Any:
+    """Declare a task: a factory returning a :class:`Task`, or a Task subclass. Only declared
+    callables may be named by a spec's ``task.target`` (a spec picks among tasks, it never
+    calls arbitrary code). ``@task``, or ``@task("name")`` to call it ``name`` in messages."""
+    if arg is None or isinstance(arg, str):
+        return lambda obj: _declare(obj, arg)
+    return _declare(arg, None)
+
+
+def is_declared(obj: Any) -> bool:
+    """Whether ``obj`` itself (not an equal or a subclass) was declared with :func:`task` or :func:`register`."""
+    entry = _DECLARED.get(id(obj))
+    return entry is not None and entry[0] is obj
+
+
+def declared_name(obj: Any) -> str | None:
+    """The name given with ``@task("name")`` (or :func:`register`), else None."""
+    return _DECLARED[id(obj)][1] if is_declared(obj) else None
 
 
 def register(name: str) -> Callable[[TaskFactory], TaskFactory]:
+    """A built-in task under ``name`` (``task.name``); it is declared as well."""
     def deco(factory: TaskFactory) -> TaskFactory:
-        _REGISTRY[name] = factory
+        _REGISTRY[name] = _declare(factory, name)
         return factory
 
     return deco
@@ -67,23 +105,50 @@ def builtin_task_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def entry_point_task_names() -> list[str]:
+    """Names of the installed ``sweeps.tasks`` entry points (read from metadata, nothing imported)."""
+    return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def task_names() -> list[str]:
+    """Every name ``task.name`` accepts: the built-in tasks and the installed entry points."""
+    return sorted(set(builtin_task_names()) | set(entry_point_task_names()))
+
+
 def _load_builtins() -> None:
     # Imported lazily so `import core` stays cheap and torchvision is loaded only when needed.
     from core.tasks import cifar10, digits, imagefolder, synthetic  # noqa: F401
 
 
+def _from_entry_point(name: str) -> TaskFactory:
+    found = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).select(name=name))
+    if not found:
+        raise TaskError(
+            f"task.name: unknown task {name!r}; tasks are {', '.join(task_names())}, "
+            "or use task.target: 'mypkg.module:make_task' naming a factory declared with @task"
+        )
+    if len({ep.value for ep in found}) > 1:
+        raise TaskError(f"task.name: {name!r} is declared by several {ENTRY_POINT_GROUP!r} entry points "
+                        f"({', '.join(sorted({ep.value for ep in found}))}); uninstall all but one")
+    try:
+        factory = found[0].load()
+    except Exception as exc:  # the entry point's module failing at import, or a wrong attribute
+        raise TaskError(f"task.name: entry point {name!r} ({found[0].value}) could not be loaded: "
+                        f"{type(exc).__name__}: {exc}") from exc
+    if not callable(factory):
+        raise TaskError(f"task.name: entry point {name!r} ({found[0].value}) is not a callable")
+    return factory
+
+
 def resolve_factory(name: str | None = None, target: str | None = None) -> TaskFactory:
-    """Find a task factory by built-in name or by a ``module:callable`` import path."""
+    """Find a declared task factory: a built-in or ``sweeps.tasks`` entry point by ``name``, or
+    a ``module:callable`` ``target`` declared with :func:`task`. Every path that builds a task
+    from a spec comes through here, so nothing undeclared is ever called, nor its signature read."""
     if (name is None) == (target is None):
         raise TaskError("task: give exactly one of 'name' (a built-in task) or 'target' (module:callable)")
     if name is not None:
         _load_builtins()
-        if name not in _REGISTRY:
-            raise TaskError(
-                f"task.name: unknown task {name!r}; built-in tasks are {', '.join(sorted(_REGISTRY))}, "
-                "or use task.target: 'mypkg.module:make_task'"
-            )
-        return _REGISTRY[name]
+        return _REGISTRY[name] if name in _REGISTRY else _from_entry_point(name)
     assert target is not None
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
@@ -95,6 +160,9 @@ def resolve_factory(name: str | None = None, target: str | None = None) -> TaskF
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise TaskError(f"task.target: {module_name!r} has no callable named {attr!r}")
+    if not is_declared(factory):
+        raise TaskError(f"task.target: {target!r} is not a declared task, and a spec may only name declared "
+                        f"tasks; {_DECLARE_HOW}")
     return factory
 
 
@@ -110,6 +178,7 @@ def make_task(name: str | None = None, *, target: str | None = None, model: str 
               args: dict[str, Any] | None = None) -> Task:
     """Build a task from a spec's ``task:`` section."""
     factory = resolve_factory(name, target)
+    label = name or declared_name(factory) or target
     kwargs = dict(args or {})
     if model is not None:
         kwargs["model"] = model
@@ -118,13 +187,13 @@ def make_task(name: str | None = None, *, target: str | None = None, model: str 
         unknown = sorted(set(kwargs) - set(accepted))
         if unknown:
             raise TaskError(
-                f"task.args: {', '.join(unknown)} not accepted by task {name or target!r}; "
+                f"task.args: {', '.join(unknown)} not accepted by task {label!r}; "
                 f"it accepts {', '.join(a for a in accepted if a != 'model') or 'no arguments'}"
             )
-    task = factory(**kwargs)
-    if not isinstance(task, Task):
-        raise TaskError(f"task {name or target!r} returned {type(task).__name__}, not a core.tasks.Task")
-    return task
+    built = factory(**kwargs)
+    if not isinstance(built, Task):
+        raise TaskError(f"task {label!r} returned {type(built).__name__}, not a core.tasks.Task")
+    return built
 
 
 def check_model_name(task_name: str, model: str, models: tuple[str, ...]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core.tasks import task
 from core.tasks.synthetic import SyntheticTask
 
 
@@ -81,6 +82,7 @@ def _count_allreduces_in_this_process(log: Path) -> None:
     ddp_cls.__init__ = init
 
 
+@task
 def make_ddp_test_task(pid_dir: str, fail_rank: int | None = None, fail_at: int = 3, fail_mode: str = "raise",
                        model: str = "mlp") -> DdpTestTask:
     """``task.target: tests.core.ddp_tasks:make_ddp_test_task`` for sweep-level tests."""

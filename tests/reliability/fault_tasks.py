@@ -7,6 +7,7 @@ import time
 import torch
 from torch import nn
 
+from core.tasks import task
 from core.tasks.digits import DigitsTask
 
 
@@ -28,6 +29,7 @@ class OomTask(DigitsTask):
         return _OomWhenBatchOver(super().build_model(), limit=int(os.environ.get("OOM_LIMIT", "32")))
 
 
+@task
 def make_oom_task(model: str = "mlp") -> OomTask:
     return OomTask(model)
 
@@ -54,5 +56,6 @@ class HangTask(DigitsTask):
         return _HangAfter(super().build_model(), calls=15, marker=os.environ["HANG_MARKER"])
 
 
+@task
 def make_hang_task(model: str = "mlp") -> HangTask:
     return HangTask(model)

@@ -183,10 +183,12 @@ def test_changed_search_space_is_refused_unless_fresh(tmp_path):
 
 def test_max_failures_in_a_row_stops_the_study(tmp_path):
     (tmp_path / "broken_task.py").write_text(
+        "from core.tasks import task\n"
         "from core.tasks.digits import DigitsTask\n"
         "class Broken(DigitsTask):\n"
         "    def datasets(self):\n"
         "        raise RuntimeError('data folder is empty')\n"
+        "@task\n"
         "def make_task(model='mlp'):\n"
         "    return Broken(model)\n")
     spec = write_spec(tmp_path, name="broken", task={"name": None, "target": "broken_task:make_task", "model": "mlp",

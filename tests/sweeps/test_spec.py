@@ -296,12 +296,13 @@ def test_dump_is_json_and_round_trips(tmp_path):
 
 def test_user_task_target_is_checked_without_being_built(tmp_path, monkeypatch):
     (tmp_path / "mytasks_for_spec_test.py").write_text(textwrap.dedent("""\
-        from core.tasks.base import Task
+        from core.tasks.base import Task, task
 
         class Mine(Task):
             name = "mine"
             models = ("tiny",)
 
+        @task
         def make(model: str = "tiny", depth: int = 2) -> Mine:
             raise AssertionError("the loader must not build a user's task")
         """))

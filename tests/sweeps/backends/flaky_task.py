@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.tasks import task
 from core.tasks.digits import DigitsTask
 
 FAILING_WIDTH = 48
@@ -23,5 +24,6 @@ class FlakyDigits(DigitsTask):
         return super().build_model()
 
 
+@task
 def make_task(model: str = "mlp", width: int = 32, val_fraction: float = 0.2) -> FlakyDigits:
     return FlakyDigits(model=model, width=width, val_fraction=val_fraction)
