@@ -7,6 +7,7 @@ so the page always has the same sections.
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 import pandas as pd
@@ -18,6 +19,7 @@ STATE_COLORS = {"COMPLETE": "#1f77b4", "PRUNED": "#ff7f0e", "FAIL": "#d62728", "
                 "WAITING": "#bcbd22"}
 BEST_COLOR = "#2ca02c"
 HEIGHT = 420
+EMPTY_WRAP = 80  # characters per line of the reason an empty figure gives
 
 
 def _layout(fig: go.Figure, title: str, **kw) -> go.Figure:
@@ -28,7 +30,9 @@ def _layout(fig: go.Figure, title: str, **kw) -> go.Figure:
 
 def _empty(title: str, why: str) -> go.Figure:
     fig = go.Figure()
-    fig.add_annotation(text=why, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font=dict(size=14))
+    # Plotly never wraps an annotation: a long reason would run off both sides of the figure.
+    text = "<br>".join(textwrap.wrap(why, EMPTY_WRAP)) or why
+    fig.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font=dict(size=14))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _layout(fig, title, height=220)

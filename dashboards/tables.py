@@ -158,7 +158,7 @@ def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -
         rebuilt = optuna.create_study(direction=result.direction, sampler=optuna.samplers.RandomSampler(seed=seed))
     finally:
         optuna.logging.set_verbosity(verbosity)
-    used = 0
+    used = []
     for t in result.trials:
         if t.state != "COMPLETE" or t.value is None or not math.isfinite(t.value) or set(t.params) != set(dists):
             continue
@@ -167,13 +167,33 @@ def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -
         except ValueError:  # a value outside the spec's current range (the spec changed): not comparable
             continue
         rebuilt.add_trial(frozen)
-        used += 1
-    if used < IMPORTANCE_MIN_TRIALS:
+        used.append(t)
+    if len(used) < IMPORTANCE_MIN_TRIALS:
         return empty, (f"parameter importances need at least {IMPORTANCE_MIN_TRIALS} completed trials; "
-                       f"this study has {used}")
-    scores = get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=seed))
+                       f"this study has {len(used)}")
+    # fANOVA explains differences in the value by differences in the parameters: with either
+    # all alike there is nothing to explain (it would raise "zero total variance").
+    n, metric = len(used), result.metric
+    if len({tuple(sorted(t.params.items())) for t in used}) == 1:
+        return empty, (f"parameter importances are unavailable: all {n} completed trials have the same "
+                       f"parameters ({_params_text(used[0].params)}), so none of them can explain a "
+                       f"difference in {metric}")
+    if len({float(t.value) for t in used}) == 1:
+        return empty, (f"parameter importances are unavailable: all {n} completed trials reached the same "
+                       f"{metric} ({float(used[0].value):g}), so there is no difference to explain")
+    try:
+        scores = get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=seed))
+    except RuntimeError as exc:  # fANOVA's forest found no split that changes the value
+        if "zero total variance" not in str(exc):
+            raise
+        return empty, (f"parameter importances are unavailable: fANOVA found no variance in {metric} "
+                       f"that the parameters explain over the {n} completed trials")
     df = pd.DataFrame({"param": list(scores), "importance": [float(v) for v in scores.values()]})
     return df.sort_values(["importance", "param"], ascending=[False, True]).reset_index(drop=True), ""
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
 def top_two_params(tables: StudyTables) -> list[str]:

@@ -26,6 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from sweeps import search_space as ss
 from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
 from sweeps.errors import BackendError, StudyStateError
 from sweeps.spec import StudySpec, redact_url
 
@@ -138,24 +139,34 @@ def ask_lock(spec: StudySpec) -> Iterator[None]:
 
 # ---- sampler and pruner ------------------------------------------------------------------
 def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.BaseSampler:
-    """The spec's sampler. Each parallel worker seeds it with ``seed + worker_index``, so
-    workers do not propose the same random start-up points; one worker is exactly ``seed``."""
-    seed = None if spec.sampler.seed is None else spec.sampler.seed + worker_index
-    name = spec.sampler.name
-    if name == "tpe":
-        # constant_liar: running trials count as bad guesses, so parallel workers spread out.
-        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
+    """The spec's sampler, the same in every process of the study: ``worker_index`` no longer
+    changes it (the argument is kept for callers). A seeded sampler draws trial n's values from
+    ``(sampler.seed, n)`` (:mod:`~sweeps.backends.trial_seeded_sampler`), so resuming, more
+    budget and replacement or parallel workers never redraw a point already drawn, and the
+    same spec run again from scratch draws the same points. ``seed: null`` stays unseeded."""
+    seed, name = spec.sampler.seed, spec.sampler.name
+    samplers = optuna.samplers
     if name == "grid":
-        return optuna.samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
-    if name == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=seed)
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed)
-    if name == "qmc":
-        return optuna.samplers.QMCSampler(seed=seed, scramble=True)
-    raise BackendError(f"sampler.name: {name!r} cannot run on the optuna backend")
+        # Not wrapped: trial n takes grid point n (later ones a point no trial has visited, read
+        # from the study), and the seed only shuffles the grid: the same shuffle in every
+        # process, or one grid index would mean different points to different workers.
+        return samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
+    factories = {
+        # constant_liar: running trials count as bad guesses, so parallel workers spread out.
+        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True),
+        "random": lambda s: samplers.RandomSampler(seed=s),
+        "cmaes": lambda s: samplers.CmaEsSampler(seed=s),
+        "gp": lambda s: samplers.GPSampler(seed=s),
+        # One sequence for the whole study (its position is counted in the study); only the
+        # random first point, drawn before the search space is known, comes from the trial.
+        "qmc": lambda s: samplers.QMCSampler(seed=seed, scramble=True,
+                                             independent_sampler=samplers.RandomSampler(seed=s)),
+    }
+    if name not in factories:
+        raise BackendError(f"sampler.name: {name!r} cannot run on the optuna backend")
+    if seed is None:
+        return factories[name](None)
+    return TrialSeededSampler(factories[name], seed)
 
 
 def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:

@@ -79,6 +79,24 @@ def test_importances_sum_to_one_and_need_two_completed_trials():
     assert df.empty and "at least 2 completed trials" in note
 
 
+def test_importances_say_why_when_the_trials_leave_nothing_to_explain():
+    t = TrialRecord
+    same = StudyResult("same", "optuna", "maximize", "val_acc", [
+        t(0, "COMPLETE", {"lr": 0.01, "batch_size": 16}, 0.80, 1.0, "r0", {}),
+        t(1, "COMPLETE", {"lr": 0.01, "batch_size": 16}, 0.82, 1.0, "r1", {})])
+    df, note = importances_table(same, SEARCH)
+    assert df.empty and "importances are unavailable" in note
+    assert "all 2 completed trials have the same parameters (lr=0.01, batch_size=16)" in note
+    flat = StudyResult("flat", "optuna", "maximize", "val_acc", [
+        t(0, "COMPLETE", {"lr": 0.01, "batch_size": 16}, 0.80, 1.0, "r0", {}),
+        t(1, "COMPLETE", {"lr": 0.1, "batch_size": 32}, 0.80, 1.0, "r1", {})])
+    df, note = importances_table(flat, SEARCH)
+    assert df.empty and "all 2 completed trials reached the same val_acc (0.8)" in note
+    fig = all_figures(build_tables(same, SEARCH, client=None))["fig-importances"]
+    shown = fig.layout.annotations[0].text.replace("<br>", " ")
+    assert shown == importances_table(same, SEARCH)[1]
+
+
 def test_tables_without_mlflow_fall_back_to_the_intermediate_values():
     t = build_tables(_result(), SEARCH, client=None)
     curves = t.curves

@@ -23,7 +23,7 @@ ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
 
 def _spec(tmp_path: Path, url: str, name: str, **overrides) -> Path:
     shutil.copyfile(empty_mlflow_db(), tmp_path / "mlflow.db")  # already migrated: saves seconds per process
-    # Each worker seeds its sampler from its pid: keep lr where even the wide MLP never diverges
+    # Which worker draws which trial depends on timing: keep lr where even the wide MLP never diverges
     # (a diverged trial is PRUNED), so every trial completes whatever is sampled.
     search = {"lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}}
     return write_spec(tmp_path, name=name, storage=url, tracking={"uri": f"sqlite:///{tmp_path}/mlflow.db"},
