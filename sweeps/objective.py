@@ -7,6 +7,7 @@ artifacts and status mapping) is decided here, once, so both backends write the 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -182,15 +183,33 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
     run = start_trial_run(spec, tracker, parent, trial, backend)
     if on_start is not None:
         on_start(run)
-    resume = trial.resume
-    if trial.owner is not None:
-        from sweeps import trial_folder
-
-        moved = trial_folder.claim(trial.out_dir, trial.owner, trial.params)
-        if moved is not None:
-            tracker.set_tags(run, {"sweeps.moved_aside": str(moved)})
-        resume = True  # only this trial's own checkpoint can be there now
     reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat)
+    try:
+        with _claimed(trial) as moved:
+            if moved is not None:
+                tracker.set_tags(run, {"sweeps.moved_aside": str(moved)})
+            outcome = _train_trial(spec, trial, reporter, interrupt, run)
+    except Exception as exc:  # noqa: BLE001 - the folder cannot be had: the trial fails, saying why
+        outcome = TrialOutcome("FAIL", None, f"{type(exc).__name__}: {_first_line(exc)}", run)
+    outcome.seconds = time.monotonic() - started
+    finish_trial_run(tracker, run, outcome)
+    return outcome
+
+
+def _claimed(trial: TrialSpec):
+    """The trial's folder, held for it (``sweeps.trial_folder``) when it has an owner."""
+    if trial.owner is None:
+        return contextlib.nullcontext(None)
+    from sweeps import trial_folder
+
+    return trial_folder.claimed(trial.out_dir, trial.owner, trial.params)
+
+
+def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, interrupt: threading.Event,
+                 run: RunHandle) -> TrialOutcome:
+    """Build the task and train; every failure becomes the outcome, never an exception."""
+    # With an owner, the folder holds only this trial's own checkpoint now (or nothing).
+    resume = trial.resume or trial.owner is not None
     try:
         # Until the first step, a signal aborts the set-up at once (see TrialInterrupted).
         interrupt.abortable = True  # type: ignore[attr-defined]
@@ -204,25 +223,22 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
         else:
             result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=resume, owner=trial.owner)
         interrupt.abortable = False  # type: ignore[attr-defined]
-        outcome = _outcome_of(result, run)
+        return _outcome_of(result, run)
     except TrialInterrupted as exc:
         name = signal.Signals(exc.signum).name if exc.signum else "a stop request"
-        outcome = TrialOutcome("INTERRUPTED", None, f"stopped by {name} while the trial was setting up "
-                               "(imports, the task's datasets or model), before its first step", run)
+        return TrialOutcome("INTERRUPTED", None, f"stopped by {name} while the trial was setting up "
+                            "(imports, the task's datasets or model), before its first step", run)
     except SystemExit as exc:  # the task called sys.exit(): the trial fails, the worker goes on
-        outcome = TrialOutcome("FAIL", None, f"the task called sys.exit({exc.code!r})", run)
+        return TrialOutcome("FAIL", None, f"the task called sys.exit({exc.code!r})", run)
     except Exception as exc:  # noqa: BLE001 - a failing trial is data, not a crash of the study
         oom = _is_oom(exc)
         reason = "out of memory: " + _first_line(exc) if oom else f"{type(exc).__name__}: {_first_line(exc)}"
-        tracker.set_tags(run, {"sweeps.traceback": traceback.format_exc()[-4000:]})
-        outcome = TrialOutcome("FAIL", None, reason, run, oom=oom)
+        reporter.tracker.set_tags(run, {"sweeps.traceback": traceback.format_exc()[-4000:]})
         if oom:
             _release_cuda_memory()
+        return TrialOutcome("FAIL", None, reason, run, oom=oom)
     finally:
         interrupt.abortable = False  # type: ignore[attr-defined]
-    outcome.seconds = time.monotonic() - started
-    finish_trial_run(tracker, run, outcome)
-    return outcome
 
 
 def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) -> None:

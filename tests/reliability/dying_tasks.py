@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 
+from core.tasks import task
 from core.tasks.digits import DigitsTask
 
 
@@ -38,5 +39,6 @@ class DyingTask(DigitsTask):
         return super().datasets()
 
 
+@task
 def make_dying_task(model: str = "mlp", width: int = 32) -> DyingTask:
     return DyingTask(model, width=width)
