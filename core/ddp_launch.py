@@ -1,7 +1,7 @@
 """Run one ``core.train`` on N local processes (DDP), with the reporter kept in this process.
 
 The calling process is the *reporter host*: it starts N rank processes, serves rank 0's
-``report_step`` / ``report_epoch`` / ``log_artifact`` calls on the real reporter (an MLflow
+``report_step`` / ``report_epoch`` / ``resumed`` / ``log_artifact`` calls on the real reporter (an MLflow
 tracker, an Optuna trial) and sends each decision back; rank 0 broadcasts it to the other
 ranks (``_agree`` in ``core/train.py``), so a pruned or interrupted trial stops every rank at
 the same step. Rank 0's ``TrainResult`` comes back to the caller.
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, TrainConfig, validate
-from core.reporting import Decision, NullReporter, Reporter
+from core.reporting import Decision, EpochReport, NullReporter, Reporter, StepReport
 from core.results import TrainResult
 from core.tasks.base import Task, make_task
 
@@ -245,6 +245,9 @@ def _receive(r: _Rank, reporter: Reporter) -> None:
         r.conn.send(reporter.report_step(msg[1], msg[2]).value)
     elif kind == "epoch":
         r.conn.send(reporter.report_epoch(msg[1], msg[2], msg[3]).value)
+    elif kind == "resumed":
+        reporter.resumed(msg[1], msg[2])
+        r.conn.send(None)
     elif kind == "artifact":
         reporter.log_artifact(Path(msg[1]), msg[2])
         r.conn.send(None)
@@ -324,6 +327,10 @@ class _ForwardingReporter:
     def report_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> Decision:
         self.conn.send(("epoch", epoch, step, dict(metrics)))
         return Decision(self.conn.recv())
+
+    def resumed(self, epochs: list[EpochReport], steps: list[StepReport]) -> None:
+        self.conn.send(("resumed", epochs, steps))
+        self.conn.recv()
 
     def log_artifact(self, path: Path, kind: str) -> None:
         self.conn.send(("artifact", str(path), kind))

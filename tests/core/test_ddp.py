@@ -141,11 +141,15 @@ class _InterruptAtStep(RecordingReporter):
 def test_interrupt_mid_epoch_then_resume_on_two_processes_matches_a_straight_run(tmp_path):
     task = DdpTestTask(str(tmp_path / "pids"))
     cfg = _cfg(2, batch_size=16, epochs=2, save_checkpoints=True)
-    straight = train_distributed(task, cfg, out_dir=tmp_path / "straight")
-    first = train_distributed(task, cfg, _InterruptAtStep(5), tmp_path / "split")
+    straight = train_distributed(task, cfg, (rec_straight := RecordingReporter()), tmp_path / "straight")
+    first = train_distributed(task, cfg, (rec_first := _InterruptAtStep(5)), tmp_path / "split")
     assert first.status == "interrupted" and first.steps_completed == 5
-    resumed = train_distributed(task, cfg, out_dir=tmp_path / "split", resume=True)
+    rec = RecordingReporter()
+    resumed = train_distributed(task, cfg, rec, tmp_path / "split", resume=True)
     assert resumed.status == "completed" and resumed.steps_completed == straight.steps_completed
+    # Rank 0 handed the checkpoint's steps to the reporter in this process, once, before its own.
+    assert rec.resumed_calls == 1 and rec.resumed_steps == rec_first.steps
+    assert rec.resumed_steps + rec.steps == rec_straight.steps
     a = ckpt.load_checkpoint(tmp_path / "straight" / "last.pt")["model"]
     b = ckpt.load_checkpoint(tmp_path / "split" / "last.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -151,6 +151,7 @@ class _InterruptAtStep(RecordingReporter):
         self.stop_step = step
 
     def report_step(self, step, metrics):
+        super().report_step(step, metrics)
         return Decision.INTERRUPT if step >= self.stop_step else Decision.CONTINUE
 
 
