@@ -43,13 +43,15 @@ def resolve_device(setting: str, ctx: DistContext) -> torch.device:
 
 
 def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
-          out_dir: str | Path | None = None, resume: bool = False) -> TrainResult:
+          out_dir: str | Path | None = None, resume: bool = False, owner: str | None = None) -> TrainResult:
     """Train ``task`` with ``cfg``; checkpoints and exports go to ``out_dir``.
 
     ``resume=True`` continues from ``out_dir/last.pt`` (or ``last.prev.pt`` when the
     latest file is corrupt) when one exists; N epochs straight and N/2 + resume + N/2
     give bitwise-identical weights on CPU, and the reporter hears what the checkpoint
     recorded first (``Reporter.resumed``), so together it gets the straight run's curves.
+    ``owner`` names the run in its checkpoints; resuming from a checkpoint of another owner
+    (or of none, when one is given) raises CheckpointError before anything is trained.
     """
     validate(cfg)
     ctx = init_from_env(cfg.distributed.backend, cfg.device)
@@ -59,7 +61,7 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     if out is not None and ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
     try:
-        result = _train(task, cfg, reporter, out, resume, ctx)
+        result = _train(task, cfg, reporter, out, resume, owner, ctx)
     except BaseException:
         shutdown(ctx)
         raise
@@ -68,7 +70,7 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
 
 
 def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, resume: bool,
-           ctx: DistContext) -> TrainResult:
+           owner: str | None, ctx: DistContext) -> TrainResult:
     # ---- set-up: seed first, so model init and data order depend only on cfg.seed
     device = resolve_device(cfg.device, ctx)
     seed_everything(cfg.seed)
@@ -113,7 +115,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     start_epoch, step, best, best_epoch, history, progress = 1, 0, None, None, [], None
     step_log = StepLog()  # every reported step, kept in checkpoints for the reporter of a resumed run
     if resume and out is not None:
-        found = ckpt.load_resume_state(out)
+        found = ckpt.load_resume_state(out, owner)
         if found is not None:
             state, _ = found
             model.load_state_dict(ckpt.strip_prefixes(state["model"]))
@@ -146,7 +148,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             "epoch": epoch, "step": step, "best": best, "best_epoch": best_epoch,
             "history_json": json.dumps(history), "progress": progress_,
             "config_json": json.dumps(cfg.to_dict()), "task_json": json.dumps(task.describe()),
-            "steps": step_log.state_dict(),
+            "owner": owner, "steps": step_log.state_dict(),
         }
 
     status, reason = "completed", ""

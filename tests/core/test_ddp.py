@@ -157,6 +157,21 @@ def test_interrupt_mid_epoch_then_resume_on_two_processes_matches_a_straight_run
     assert resumed.history[0]["train_loss"] == pytest.approx(straight.history[0]["train_loss"], rel=1e-12)
 
 
+def test_every_rank_refuses_a_checkpoint_of_another_owner(tmp_path):
+    task = DdpTestTask(str(tmp_path / "pids"))
+    cfg = _cfg(2, batch_size=16, epochs=1, save_checkpoints=True)
+    train_distributed(task, cfg, out_dir=tmp_path / "out", owner="study-a:trial-0000")
+    before = (tmp_path / "out" / "last.pt").read_bytes()
+    with pytest.raises(RankFailedError, match="CheckpointError: checkpoint .*last.pt belongs to "
+                                              "'study-a:trial-0000', but the run resuming from it is "
+                                              "'study-b:trial-0000'") as info:
+        train_distributed(task, _cfg(2, batch_size=16, epochs=2, save_checkpoints=True), out_dir=tmp_path / "out",
+                          resume=True, owner="study-b:trial-0000")
+    assert set(info.value.failures) <= {0, 1} and all("CheckpointError" in e for e in info.value.failures.values())
+    assert (tmp_path / "out" / "last.pt").read_bytes() == before
+    _assert_gone(_rank_pids(tmp_path / "pids"))
+
+
 def test_a_two_process_checkpoint_resumes_on_one_process(tmp_path):
     spec = TaskSpec("synthetic", model="mlp", args={"shape": [16], "n_train": 256, "n_val": 64})
     first = train_distributed(spec, _cfg(2, batch_size=16, epochs=2, save_checkpoints=True), out_dir=tmp_path)

@@ -2,6 +2,7 @@
 and it refuses another run's checkpoint."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from core import checkpoint as ckpt
@@ -85,3 +86,36 @@ def test_steps_in_a_checkpoint_are_tensors_that_load_with_weights_only(tmp_path)
     steps = ckpt.load_checkpoint(tmp_path / ckpt.LAST)["steps"]  # load_checkpoint uses weights_only=True
     assert steps["step"].tolist() == [1, 2, 3, 4, 5]
     assert {k: v.dtype for k, v in steps.items()} == {"step": torch.int64, **{k: torch.float64 for k in STEP_METRICS}}
+
+
+# ---- ownership -------------------------------------------------------------------------------
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_resume_with_the_checkpoints_owner_continues(tmp_path):
+    task, owner = DigitsTask("mlp"), "5f0c:trial-0003"
+    train(task, fast_config(epochs=1, save_checkpoints=True), out_dir=tmp_path, owner=owner)
+    assert ckpt.load_checkpoint(tmp_path / ckpt.LAST)["owner"] == owner
+    rec = RecordingReporter()
+    result = train(task, fast_config(epochs=2, save_checkpoints=True), rec, tmp_path, resume=True, owner=owner)
+    assert result.epochs_completed == 2 and [e for e, _ in rec.epochs] == [2]  # continued, not restarted
+
+
+@pytest.mark.parametrize("written_by, message", [
+    ("other-study:trial-0003", "belongs to 'other-study:trial-0003'"),
+    (None, "records no owner"),
+])
+def test_a_checkpoint_of_another_owner_is_never_trained_on(tmp_path, written_by, message):
+    task = DigitsTask("mlp")
+    train(task, fast_config(epochs=1, save_checkpoints=True), out_dir=tmp_path, owner=written_by)
+    train(task, fast_config(epochs=2, save_checkpoints=True), out_dir=tmp_path, resume=True, owner=written_by)
+    before = _files(tmp_path)
+    assert {ckpt.LAST, ckpt.PREV, ckpt.BEST} <= set(before)
+
+    with pytest.raises(ckpt.CheckpointError) as info:
+        train(task, fast_config(epochs=4, save_checkpoints=True), out_dir=tmp_path, resume=True,
+              owner="this-study:trial-0003")
+    text = str(info.value)
+    assert str(tmp_path / ckpt.LAST) in text and message in text and "'this-study:trial-0003'" in text
+    assert _files(tmp_path) == before  # no weights, config or checkpoint touched
