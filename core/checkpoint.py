@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from core.faults import stop_here
+
 LAST, PREV, BEST = "last.pt", "last.prev.pt", "best.pt"
 _PREFIXES = ("module.", "_orig_mod.")
 
@@ -34,6 +36,7 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)
             fh.flush()
+            stop_here("mid_checkpoint")  # tests: a kill while the new file is not yet in place
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -20,6 +20,7 @@ from core.config import TrainConfig, validate
 from core.curves import StepLog, epoch_reports
 from core.data import make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
+from core.faults import stop_here
 from core.gradients import StepGradients
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.precision import Precision
@@ -66,6 +67,8 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
         shutdown(ctx)
         raise
     shutdown(ctx, completed=True)
+    if ctx.is_main:
+        stop_here("after_training")  # tests: a kill after training, before the caller records anything
     return result
 
 
