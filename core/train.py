@@ -18,7 +18,7 @@ from torch import nn
 from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
 from core.curves import StepLog, epoch_reports
-from core.data import make_train_loader, make_val_loader
+from core.data import check_not_empty, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
 from core.faults import stop_here
 from core.gradients import StepGradients
@@ -88,6 +88,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     backbone_params = list(backbone.parameters()) if backbone is not None else []
 
     train_ds, val_ds = task.datasets()
+    check_not_empty(task, train_ds, val_ds)
     train_loader = make_train_loader(train_ds, cfg, device, ctx)
     val_loader = make_val_loader(val_ds, cfg, device, ctx)
     micro_batches = len(train_loader)

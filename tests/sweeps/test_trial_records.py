@@ -1,5 +1,6 @@
-"""What a finished trial's records hold when its worker died, through the real `sweeps run`:
-the whole curves after a kill between training and recording the result."""
+"""What a finished trial's records hold when its worker died or its task was broken, through the
+real `sweeps run`: the whole curves after a kill between training and recording the result, and
+the reason when the task's data is empty (not a trial that "completed" with val_acc 0.0)."""
 from __future__ import annotations
 
 import pytest
@@ -44,3 +45,19 @@ def _history(state: dict) -> list[dict]:
     import json
 
     return json.loads(state["history_json"])
+
+
+def test_a_user_task_with_empty_validation_data_fails_its_trial_with_the_reason(tmp_path):
+    spec = write_spec(tmp_path, name="empty", budget={"n_trials": 1, "max_failures": 1},
+                      task={"name": None, "target": "tests.sweeps.empty_task:make_empty_val_task", "model": "mlp",
+                            "args": {}})
+    run_cli(tmp_path, "run", str(spec), "--quiet")
+    [trial] = load_study(tmp_path, "empty").trials
+    assert trial.state.name == "FAIL"
+
+    status = run_cli(tmp_path, "status", str(spec))
+    assert status.returncode == 0, status.stdout + status.stderr
+    line = next(s for s in status.stdout.splitlines() if s.startswith("trial 0 failed: "))
+    assert "TaskError: task 'empty_val_digits'" in line and "returned an empty validation dataset" in line
+    [run] = [r for r in mlflow_runs(tmp_path, "empty") if r.data.tags.get("sweeps.role") == "trial"]
+    assert run.info.status == "FAILED" and "val_acc" not in run.data.metrics
