@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from core.faults import stop_here
+
 LAST, PREV, BEST = "last.pt", "last.prev.pt", "best.pt"
 _PREFIXES = ("module.", "_orig_mod.")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read; the message names the file and why."""
+    """A checkpoint cannot be read or is not this run's; the message names the file and why."""
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
@@ -34,6 +36,7 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)
             fh.flush()
+            stop_here("mid_checkpoint")  # tests: a kill while the new file is not yet in place
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -83,11 +86,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                               f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from exc
 
 
-def load_resume_state(out_dir: Path) -> tuple[dict[str, Any], Path] | None:
+def load_resume_state(out_dir: Path, owner: str | None = None) -> tuple[dict[str, Any], Path] | None:
     """The newest readable checkpoint to resume from: ``last.pt``, else ``last.prev.pt``.
 
     Returns None only when neither file exists (a fresh start). When files exist but
     none can be read, raises CheckpointError: never a silent restart from epoch 0.
+    With ``owner`` given, the checkpoint must have been written for that owner
+    (:func:`check_owner`), else CheckpointError.
     """
     out_dir = Path(out_dir)
     candidates = [out_dir / LAST, out_dir / PREV]
@@ -96,13 +101,30 @@ def load_resume_state(out_dir: Path) -> tuple[dict[str, Any], Path] | None:
         if not path.exists():
             continue
         try:
-            return load_checkpoint(path), path
+            state = load_checkpoint(path)
         except CheckpointError as exc:
             errors.append(str(exc))
             warnings.warn(f"{exc}; falling back to the previous checkpoint", RuntimeWarning, stacklevel=2)
+            continue
+        check_owner(state, path, owner)
+        return state, path
     if errors:
         raise CheckpointError("no readable checkpoint to resume from:\n  " + "\n  ".join(errors))
     return None
+
+
+def check_owner(state: dict[str, Any], path: Path, owner: str | None) -> None:
+    """Refuse a checkpoint written for another owner (another trial, another study that used
+    the same folder): training on it would pass off someone else's weights as this run's.
+    ``owner`` None (a plain ``train()`` call) checks nothing."""
+    if owner is None:
+        return
+    found = state.get("owner")
+    if found == owner:
+        return
+    whose = f"belongs to {found!r}" if found is not None else "records no owner"
+    raise CheckpointError(f"checkpoint {path} {whose}, but the run resuming from it is {owner!r}: refusing to "
+                          f"train on another run's checkpoint; move the folder aside or start the run without resume")
 
 
 def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from torch.utils.data.distributed import DistributedSampler
 from core.config import TrainConfig
 from core.distributed import DistContext
 from core.seeding import worker_init_fn
+from core.tasks.base import Task, TaskError
 
 
 def resolve_num_workers(setting: int) -> int:
@@ -16,6 +17,19 @@ def resolve_num_workers(setting: int) -> int:
     if setting >= 0:
         return setting
     return max(0, torch.get_num_threads() // 2)
+
+
+def check_not_empty(task: Task, train_ds: Dataset, val_ds: Dataset) -> None:
+    """Refuse empty datasets before any step: the loop would otherwise train on nothing and
+    report a validation accuracy of 0.0 as if it had been measured."""
+    for which, ds in (("train", train_ds), ("validation", val_ds)):
+        try:
+            n = len(ds)  # type: ignore[arg-type]
+        except TypeError:  # no length (an iterable dataset): the samplers below would refuse it anyway
+            continue
+        if n == 0:
+            raise TaskError(f"task {task.name!r} ({task.describe()}) returned an empty {which} dataset (0 samples) "
+                            f"from datasets(); check its data source")
 
 
 def make_train_loader(ds: Dataset, cfg: TrainConfig, device: torch.device, ctx: DistContext) -> DataLoader:

@@ -1,7 +1,7 @@
 """Run one ``core.train`` on N local processes (DDP), with the reporter kept in this process.
 
 The calling process is the *reporter host*: it starts N rank processes, serves rank 0's
-``report_step`` / ``report_epoch`` / ``log_artifact`` calls on the real reporter (an MLflow
+``report_step`` / ``report_epoch`` / ``resumed`` / ``log_artifact`` calls on the real reporter (an MLflow
 tracker, an Optuna trial) and sends each decision back; rank 0 broadcasts it to the other
 ranks (``_agree`` in ``core/train.py``), so a pruned or interrupted trial stops every rank at
 the same step. Rank 0's ``TrainResult`` comes back to the caller.
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, TrainConfig, validate
-from core.reporting import Decision, NullReporter, Reporter
+from core.reporting import Decision, EpochReport, NullReporter, Reporter, StepReport
 from core.results import TrainResult
 from core.tasks.base import Task, make_task
 
@@ -92,6 +92,7 @@ class _Payload:
     out_dir: str | None
     resume: bool
     threads: int
+    owner: str | None = None
 
 
 @dataclass
@@ -108,12 +109,14 @@ class _Rank:
 
 
 def train_distributed(task: TaskSpec | Task, cfg: TrainConfig, reporter: Reporter | None = None,
-                      out_dir: str | Path | None = None, resume: bool = False) -> TrainResult:
+                      out_dir: str | Path | None = None, resume: bool = False,
+                      owner: str | None = None) -> TrainResult:
     """Train on ``cfg.distributed.nproc`` local processes and return rank 0's result.
 
     ``task`` is a :class:`TaskSpec` (rebuilt in every rank) or a picklable Task object.
     ``reporter`` stays in this process and hears exactly what a single-process ``train()``
-    would tell it. With ``nproc == 1`` this is a plain in-process ``core.train.train``.
+    would tell it. ``owner`` is ``train``'s: every rank refuses a checkpoint of another owner.
+    With ``nproc == 1`` this is a plain in-process ``core.train.train``.
     Raises :class:`RankFailedError` when a rank fails; no rank process outlives the call.
     """
     validate(cfg)
@@ -122,10 +125,10 @@ def train_distributed(task: TaskSpec | Task, cfg: TrainConfig, reporter: Reporte
     if nproc == 1:
         from core.train import train
 
-        return train(task.build() if isinstance(task, TaskSpec) else task, cfg, reporter, out_dir, resume)
+        return train(task.build() if isinstance(task, TaskSpec) else task, cfg, reporter, out_dir, resume, owner)
     _check_devices(cfg)
     payload = _Payload(task, cfg, str(Path(out_dir).resolve()) if out_dir is not None else None, resume,
-                       threads=max(1, _threads() // nproc))
+                       threads=max(1, _threads() // nproc), owner=owner)
     try:
         blob = pickle.dumps(payload)
     except Exception as exc:  # noqa: BLE001 - explain what to pass instead
@@ -245,6 +248,9 @@ def _receive(r: _Rank, reporter: Reporter) -> None:
         r.conn.send(reporter.report_step(msg[1], msg[2]).value)
     elif kind == "epoch":
         r.conn.send(reporter.report_epoch(msg[1], msg[2], msg[3]).value)
+    elif kind == "resumed":
+        reporter.resumed(msg[1], msg[2])
+        r.conn.send(None)
     elif kind == "artifact":
         reporter.log_artifact(Path(msg[1]), msg[2])
         r.conn.send(None)
@@ -325,6 +331,10 @@ class _ForwardingReporter:
         self.conn.send(("epoch", epoch, step, dict(metrics)))
         return Decision(self.conn.recv())
 
+    def resumed(self, epochs: list[EpochReport], steps: list[StepReport]) -> None:
+        self.conn.send(("resumed", epochs, steps))
+        self.conn.recv()
+
     def log_artifact(self, path: Path, kind: str) -> None:
         self.conn.send(("artifact", str(path), kind))
         self.conn.recv()
@@ -366,7 +376,7 @@ def _rank_main() -> None:
 
         task = payload.task.build() if isinstance(payload.task, TaskSpec) else payload.task
         reporter = _ForwardingReporter(conn) if int(os.environ["RANK"]) == 0 else None
-        result = train(task, payload.cfg, reporter, payload.out_dir, payload.resume)
+        result = train(task, payload.cfg, reporter, payload.out_dir, payload.resume, payload.owner)
         if reporter is not None:
             conn.send(("result", result))
         code = 0

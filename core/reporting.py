@@ -11,6 +11,9 @@ import enum
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+EpochReport = tuple[int, int, dict[str, float]]  # report_epoch's arguments: (epoch, step, metrics)
+StepReport = tuple[int, dict[str, float]]  # report_step's arguments: (step, metrics)
+
 
 class Decision(enum.Enum):
     """What the reporter wants the loop to do next."""
@@ -36,6 +39,15 @@ class Reporter(Protocol):
         The answer decides pruning: PRUNE ends the run as "pruned"."""
         ...
 
+    def resumed(self, epochs: list[EpochReport], steps: list[StepReport]) -> None:
+        """Called once, before any new step, when ``train`` resumes from a checkpoint, with what
+        that checkpoint recorded: every epoch as ``(epoch, step, metrics)`` and every optimizer
+        step as ``(step, metrics)``, the arguments ``report_epoch`` and ``report_step`` got for
+        them (possibly in a process that died before they were stored). A reporter writing to a
+        fresh run logs them first, so the run ends with the whole curves; the run is resumed
+        even from the final epoch's checkpoint, when no epoch is left to report."""
+        ...
+
     def log_artifact(self, path: Path, kind: str) -> None:
         """Called when a file worth keeping is final: ``kind`` is one of "config",
         "checkpoint_best", "checkpoint_last", "onnx", "onnx_report", "confusion_matrix",
@@ -52,6 +64,9 @@ class NullReporter:
     def report_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> Decision:
         return Decision.CONTINUE
 
+    def resumed(self, epochs: list[EpochReport], steps: list[StepReport]) -> None:
+        return None
+
     def log_artifact(self, path: Path, kind: str) -> None:
         return None
 
@@ -63,6 +78,11 @@ class RecordingReporter(NullReporter):
         self.steps: list[tuple[int, dict[str, float]]] = []
         self.epochs: list[tuple[int, dict[str, float]]] = []
         self.artifacts: list[tuple[Path, str]] = []
+        # What a resumed run was handed (Reporter.resumed), in the shapes of steps and epochs
+        # above: resumed_steps + steps is the run's whole step curve.
+        self.resumed_steps: list[tuple[int, dict[str, float]]] = []
+        self.resumed_epochs: list[tuple[int, dict[str, float]]] = []
+        self.resumed_calls = 0
         self.prune_after_epoch = prune_after_epoch
 
     def report_step(self, step: int, metrics: dict[str, float]) -> Decision:
@@ -74,6 +94,11 @@ class RecordingReporter(NullReporter):
         if self.prune_after_epoch is not None and epoch >= self.prune_after_epoch:
             return Decision.PRUNE
         return Decision.CONTINUE
+
+    def resumed(self, epochs: list[EpochReport], steps: list[StepReport]) -> None:
+        self.resumed_calls += 1
+        self.resumed_epochs.extend((epoch, dict(metrics)) for epoch, _, metrics in epochs)
+        self.resumed_steps.extend((step, dict(metrics)) for step, metrics in steps)
 
     def log_artifact(self, path: Path, kind: str) -> None:
         self.artifacts.append((Path(path), kind))

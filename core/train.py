@@ -17,8 +17,10 @@ from torch import nn
 
 from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
-from core.data import make_train_loader, make_val_loader
+from core.curves import StepLog, epoch_reports
+from core.data import check_not_empty, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
+from core.faults import stop_here
 from core.gradients import StepGradients
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.precision import Precision
@@ -42,12 +44,15 @@ def resolve_device(setting: str, ctx: DistContext) -> torch.device:
 
 
 def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
-          out_dir: str | Path | None = None, resume: bool = False) -> TrainResult:
+          out_dir: str | Path | None = None, resume: bool = False, owner: str | None = None) -> TrainResult:
     """Train ``task`` with ``cfg``; checkpoints and exports go to ``out_dir``.
 
     ``resume=True`` continues from ``out_dir/last.pt`` (or ``last.prev.pt`` when the
     latest file is corrupt) when one exists; N epochs straight and N/2 + resume + N/2
-    give bitwise-identical weights on CPU.
+    give bitwise-identical weights on CPU, and the reporter hears what the checkpoint
+    recorded first (``Reporter.resumed``), so together it gets the straight run's curves.
+    ``owner`` names the run in its checkpoints; resuming from a checkpoint of another owner
+    (or of none, when one is given) raises CheckpointError before anything is trained.
     """
     validate(cfg)
     ctx = init_from_env(cfg.distributed.backend, cfg.device)
@@ -57,16 +62,18 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     if out is not None and ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
     try:
-        result = _train(task, cfg, reporter, out, resume, ctx)
+        result = _train(task, cfg, reporter, out, resume, owner, ctx)
     except BaseException:
         shutdown(ctx)
         raise
     shutdown(ctx, completed=True)
+    if ctx.is_main:
+        stop_here("after_training")  # tests: a kill after training, before the caller records anything
     return result
 
 
 def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, resume: bool,
-           ctx: DistContext) -> TrainResult:
+           owner: str | None, ctx: DistContext) -> TrainResult:
     # ---- set-up: seed first, so model init and data order depend only on cfg.seed
     device = resolve_device(cfg.device, ctx)
     seed_everything(cfg.seed)
@@ -81,6 +88,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     backbone_params = list(backbone.parameters()) if backbone is not None else []
 
     train_ds, val_ds = task.datasets()
+    check_not_empty(task, train_ds, val_ds)
     train_loader = make_train_loader(train_ds, cfg, device, ctx)
     val_loader = make_val_loader(val_ds, cfg, device, ctx)
     micro_batches = len(train_loader)
@@ -107,10 +115,11 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     grads = StepGradients(list(model.parameters()), device, distributed=ctx.enabled)
 
-    # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, mid-epoch progress
+    # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, curves, mid-epoch progress
     start_epoch, step, best, best_epoch, history, progress = 1, 0, None, None, [], None
+    step_log = StepLog()  # every reported step, kept in checkpoints for the reporter of a resumed run
     if resume and out is not None:
-        found = ckpt.load_resume_state(out)
+        found = ckpt.load_resume_state(out, owner)
         if found is not None:
             state, _ = found
             model.load_state_dict(ckpt.strip_prefixes(state["model"]))
@@ -120,10 +129,14 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             set_rng_state(state["rng"])
             step, best, best_epoch = state["step"], state["best"], state["best_epoch"]
             history = json.loads(state["history_json"])
+            step_log.load_state_dict(state.get("steps"))
             progress = state.get("progress")  # set when interrupted mid-epoch
             start_epoch = state["epoch"] + (0 if progress else 1)
             if progress and progress.get("world_size", 1) != ctx.world_size:
                 progress = None  # another sharding: its micro-batch index means nothing here, so redo the epoch
+            # The process that reported these may have died before they were stored, and this
+            # run may be tracked in a new place: hand them over before the first new step.
+            reporter.resumed(epoch_reports(history), step_log.reports())
 
     if out is not None and ctx.is_main:
         config_path = out / "config.json"
@@ -139,9 +152,11 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             "epoch": epoch, "step": step, "best": best, "best_epoch": best_epoch,
             "history_json": json.dumps(history), "progress": progress_,
             "config_json": json.dumps(cfg.to_dict()), "task_json": json.dumps(task.describe()),
+            "owner": owner, "steps": step_log.state_dict(),
         }
 
-    status, reason, metrics = "completed", "", {}
+    status, reason = "completed", ""
+    metrics = epoch_reports(history)[-1][2] if history else {}  # the last epoch's, also if none is left to run
     global_batch = cfg.batch_size * ctx.world_size * accum
     lag = read_lag(device, ctx.enabled)  # read each step's numbers now (0) or one step later (1)
     for epoch in range(start_epoch, cfg.epochs + 1):
@@ -177,8 +192,9 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             loss_sum, grad_norm = loss_sum + group_loss, rec.norm_value
             if ctx.enabled:  # the step loss over the global batch, not rank 0's shard
                 group_loss, group_n = ctx.all_reduce_sum([group_loss, group_n], device)
-            decision = reporter.report_step(rec.step, {"train_loss": group_loss / group_n, "lr": rec.lr,
-                                                       "grad_norm": grad_norm})
+            step_metrics = {"train_loss": group_loss / group_n, "lr": rec.lr, "grad_norm": grad_norm}
+            step_log.add(rec.step, step_metrics)
+            decision = reporter.report_step(rec.step, step_metrics)
             return _agree(decision, ctx, device)
 
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 from rich.table import Table
 from rich.text import Text
 
+from core.results import EPOCH_METRICS
 from sweeps.errors import SweepsError
 from sweeps.spec import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
@@ -86,6 +87,12 @@ def compared_metric(name: str) -> bool:
     return name not in TIMING_METRICS and not name.startswith(IGNORED_PREFIXES)
 
 
+def is_curve(name: str) -> bool:
+    """A per-step (``step/...``) or per-epoch metric (see layout.py): what a comparison of curves
+    is about. A final number logged once (``objective``) agreeing says little about training."""
+    return name.startswith(layout.STEP_METRIC_PREFIX) or name in EPOCH_METRICS
+
+
 def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))  # bitwise-equal floats; NaN matches NaN
 
@@ -116,8 +123,14 @@ class CurveComparison:
     only_in_original: list[str]
 
     @property
+    def nothing_to_compare(self) -> bool:
+        """No per-step or per-epoch curve is in both runs: whatever else agrees, nothing about
+        the training was compared (an original that lost its curves, a run that never trained)."""
+        return not any(is_curve(m.name) for m in self.metrics)
+
+    @property
     def identical(self) -> bool:
-        return all(m.identical for m in self.metrics) and not self.only_in_original
+        return not self.nothing_to_compare and all(m.identical for m in self.metrics) and not self.only_in_original
 
     def largest(self) -> MetricDiff | None:
         differing = [m for m in self.metrics if m.first_step is not None]
@@ -133,6 +146,15 @@ class CurveComparison:
         return min(pool, key=lambda m: (m.first_step, m.name))
 
     def verdict(self) -> str:
+        if self.nothing_to_compare:
+            theirs = sorted(n for n in self.only_in_original if is_curve(n))
+            if theirs:
+                why = f"run {self.other} has none of the original's curves ({', '.join(theirs)})"
+            else:
+                shared = sorted(m.name for m in self.metrics)
+                why = (f"the original run {self.original} has no per-epoch or per-step metric curve"
+                       + (f" (only {', '.join(shared)})" if shared else ""))
+            return "nothing to compare: " + why
         if self.identical:
             n = sum(m.common for m in self.metrics)
             extra = [m.name for m in self.metrics if m.n_other > m.common]
@@ -152,7 +174,8 @@ class CurveComparison:
 
     def tags(self) -> dict[str, Any]:
         """The verdict as run tags (``sweeps.rerun.*``)."""
-        out: dict[str, Any] = {"sweeps.rerun.verdict": "identical" if self.identical else "differs",
+        verdict = "nothing to compare" if self.nothing_to_compare else "identical" if self.identical else "differs"
+        out: dict[str, Any] = {"sweeps.rerun.verdict": verdict,
                                "sweeps.rerun.summary": self.verdict(),
                                "sweeps.rerun.metrics_compared": len(self.metrics)}
         worst, first = self.largest(), self.first_parting()

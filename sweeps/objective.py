@@ -125,6 +125,21 @@ class TrialReporter:
         self.intermediate[epoch] = value
         return Decision.PRUNE if self.should_prune(epoch, value) else Decision.CONTINUE
 
+    def resumed(self, epochs: list[tuple[int, int, dict[str, float]]],
+                steps: list[tuple[int, dict[str, float]]]) -> None:
+        # A retry resumes in a new run: without these it would lack every point the checkpoint
+        # holds (all of them, when the checkpoint is the final epoch's). Logged as report_step and
+        # report_epoch log them; the pruner is not asked again about epochs it has answered.
+        prefix = layout.STEP_METRIC_PREFIX
+        for step, metrics in steps:
+            self.tracker.log_metrics(self.run, {prefix + k: v for k, v in metrics.items()}, step)
+        for epoch, _, metrics in epochs:
+            self.tracker.log_metrics(self.run, metrics, epoch)
+            if self.objective in metrics:
+                self.intermediate[epoch] = metrics[self.objective]
+        if self.heartbeat is not None:
+            self.heartbeat()
+
     def log_artifact(self, path: Path, kind: str) -> None:
         if kind in _ARTIFACT_DIRS:
             self.tracker.log_artifact(self.run, path, _ARTIFACT_DIRS[kind])

@@ -257,7 +257,7 @@ def rerun_once(tracker, original_id: str, seed: int | None = None, parent: RunHa
 
 def print_outcome(outcome: RerunOutcome, console) -> None:
     console.print(outcome.comparison.table())
-    style = "green" if outcome.comparison.identical else "yellow"
+    style = "green" if outcome.comparison.identical else "red" if outcome.comparison.nothing_to_compare else "yellow"
     console.print(Text(f"verdict (seed {outcome.seed}, run {outcome.run_id}): {outcome.comparison.verdict()}",
                        style=style))
 

@@ -93,7 +93,7 @@ def cmd_rerun(a: argparse.Namespace) -> int:
         return 0
     outcome = rerun_once(tracker, run_id, seed=a.seed, console=console)
     print_outcome(outcome, console)
-    return 0
+    return 1 if outcome.comparison.nothing_to_compare else 0  # not a check that passed
 
 
 # ---- compare ---------------------------------------------------------------------------------

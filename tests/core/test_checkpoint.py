@@ -1,14 +1,21 @@
-"""Checkpoints: atomic writes, weights_only loading, prefixes, fall-back to the previous file."""
+"""Checkpoints: atomic writes (a kill mid-write included), weights_only loading, prefixes, fall-back
+to the previous file."""
 from __future__ import annotations
 
 import errno
 import os
 import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from core import checkpoint as ckpt
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class _Payload:
@@ -77,3 +84,24 @@ def test_disk_full_keeps_previous_checkpoint_and_no_temp_files(tmp_path, monkeyp
     monkeypatch.setattr(torch, "save", real_save)
     assert ckpt.load_checkpoint(tmp_path / ckpt.LAST)["epoch"] == 1
     assert sorted(os.listdir(tmp_path)) == [ckpt.LAST]
+
+
+_SAVE_EPOCH_2 = "import sys, torch; from core import checkpoint as c; " \
+                "c.save_last({'epoch': 2, 'w': torch.full((1000,), 2.0)}, sys.argv[1])"
+
+
+def test_a_kill_mid_checkpoint_leaves_the_previous_last_pt_intact_and_loadable(tmp_path):
+    ckpt.save_last({"epoch": 1, "w": torch.ones(1000)}, tmp_path)
+    before = (tmp_path / ckpt.LAST).read_bytes()
+    env = {**os.environ, "PYTHONPATH": ROOT, "SWEEPS_FAULT": "mid_checkpoint"}
+    proc = subprocess.run([sys.executable, "-c", _SAVE_EPOCH_2, str(tmp_path)], env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL  # it died at the fault point, not before
+    assert [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # the new file was being written
+
+    assert (tmp_path / ckpt.LAST).read_bytes() == before
+    state, path = ckpt.load_resume_state(tmp_path)
+    assert path.name == ckpt.LAST and state["epoch"] == 1 and torch.equal(state["w"], torch.ones(1000))
+    # Without the switch, the same write goes through.
+    env.pop("SWEEPS_FAULT")
+    subprocess.run([sys.executable, "-c", _SAVE_EPOCH_2, str(tmp_path)], env=env, timeout=120, check=True)
+    assert ckpt.load_checkpoint(tmp_path / ckpt.LAST)["epoch"] == 2

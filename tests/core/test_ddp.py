@@ -141,16 +141,35 @@ class _InterruptAtStep(RecordingReporter):
 def test_interrupt_mid_epoch_then_resume_on_two_processes_matches_a_straight_run(tmp_path):
     task = DdpTestTask(str(tmp_path / "pids"))
     cfg = _cfg(2, batch_size=16, epochs=2, save_checkpoints=True)
-    straight = train_distributed(task, cfg, out_dir=tmp_path / "straight")
-    first = train_distributed(task, cfg, _InterruptAtStep(5), tmp_path / "split")
+    straight = train_distributed(task, cfg, (rec_straight := RecordingReporter()), tmp_path / "straight")
+    first = train_distributed(task, cfg, (rec_first := _InterruptAtStep(5)), tmp_path / "split")
     assert first.status == "interrupted" and first.steps_completed == 5
-    resumed = train_distributed(task, cfg, out_dir=tmp_path / "split", resume=True)
+    rec = RecordingReporter()
+    resumed = train_distributed(task, cfg, rec, tmp_path / "split", resume=True)
     assert resumed.status == "completed" and resumed.steps_completed == straight.steps_completed
+    # Rank 0 handed the checkpoint's steps to the reporter in this process, once, before its own.
+    assert rec.resumed_calls == 1 and rec.resumed_steps == rec_first.steps
+    assert rec.resumed_steps + rec.steps == rec_straight.steps
     a = ckpt.load_checkpoint(tmp_path / "straight" / "last.pt")["model"]
     b = ckpt.load_checkpoint(tmp_path / "split" / "last.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     # The partial epoch's sums of both ranks went into the checkpoint: the epoch metric is whole.
     assert resumed.history[0]["train_loss"] == pytest.approx(straight.history[0]["train_loss"], rel=1e-12)
+
+
+def test_every_rank_refuses_a_checkpoint_of_another_owner(tmp_path):
+    task = DdpTestTask(str(tmp_path / "pids"))
+    cfg = _cfg(2, batch_size=16, epochs=1, save_checkpoints=True)
+    train_distributed(task, cfg, out_dir=tmp_path / "out", owner="study-a:trial-0000")
+    before = (tmp_path / "out" / "last.pt").read_bytes()
+    with pytest.raises(RankFailedError, match="CheckpointError: checkpoint .*last.pt belongs to "
+                                              "'study-a:trial-0000', but the run resuming from it is "
+                                              "'study-b:trial-0000'") as info:
+        train_distributed(task, _cfg(2, batch_size=16, epochs=2, save_checkpoints=True), out_dir=tmp_path / "out",
+                          resume=True, owner="study-b:trial-0000")
+    assert set(info.value.failures) <= {0, 1} and all("CheckpointError" in e for e in info.value.failures.values())
+    assert (tmp_path / "out" / "last.pt").read_bytes() == before
+    _assert_gone(_rank_pids(tmp_path / "pids"))
 
 
 def test_a_two_process_checkpoint_resumes_on_one_process(tmp_path):

@@ -49,12 +49,16 @@ def test_lag_one_reports_the_same_steps_and_trains_the_same_weights(tmp_path, mo
 
 def test_lag_one_interrupt_lands_one_step_later_and_resumes_bitwise(tmp_path, lag_one):
     cfg = fast_config(epochs=2, scheduler="cosine", warmup_epochs=0.5, save_checkpoints=True)
-    straight = train(DigitsTask("mlp"), cfg, out_dir=tmp_path / "a")
-    first = train(DigitsTask("mlp"), cfg, out_dir=tmp_path / "b", reporter=_InterruptAtStep(30))
+    straight = train(DigitsTask("mlp"), cfg, reporter=(rec_straight := RecordingReporter()), out_dir=tmp_path / "a")
+    first = train(DigitsTask("mlp"), cfg, out_dir=tmp_path / "b", reporter=(rec_first := _InterruptAtStep(30)))
     # Step 30's decision is read while step 31 is queued: step 31 finishes, then the checkpoint.
     assert first.status == "interrupted" and first.steps_completed == 31
-    resumed = train(DigitsTask("mlp"), cfg, out_dir=tmp_path / "b", resume=True)
+    resumed = train(DigitsTask("mlp"), cfg, out_dir=tmp_path / "b", resume=True,
+                    reporter=(rec_resumed := RecordingReporter()))
     assert resumed.steps_completed == straight.steps_completed
+    # The checkpoint holds step 31 too (reported after the loop): the resumed run hands it on.
+    assert rec_resumed.resumed_steps == rec_first.steps and rec_first.steps[-1][0] == 31
+    assert rec_resumed.resumed_steps + rec_resumed.steps == rec_straight.steps
     a, b = _weights(tmp_path / "a" / "last.pt"), _weights(tmp_path / "b" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.history[-1]["val_loss"] == straight.history[-1]["val_loss"]

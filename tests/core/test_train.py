@@ -8,6 +8,7 @@ import torch
 
 from core import checkpoint as ckpt
 from core.reporting import Decision, RecordingReporter
+from core.tasks.base import TaskError
 from core.tasks.digits import DigitsTask
 from core.tasks.synthetic import SyntheticTask
 from core.train import train
@@ -135,6 +136,24 @@ def test_freeze_backbone_phase_keeps_backbone_weights_fixed():
         assert torch.equal(p.detach(), dict(model_before.features.named_parameters())[name].detach()), name
 
 
+@pytest.mark.parametrize("sizes, which", [((0, 64), "train"), ((256, 0), "validation")])
+def test_an_empty_dataset_fails_before_any_step_naming_the_task_and_the_dataset(sizes, which):
+    rec = RecordingReporter()
+    task = SyntheticTask("mlp", shape=(8,), n_train=sizes[0], n_val=sizes[1])
+    with pytest.raises(TaskError, match=rf"task 'synthetic' \(.*'n_train': {sizes[0]}.*\) returned an empty "
+                                        rf"{which} dataset") as info:
+        train(task, fast_config(epochs=1), rec)
+    assert isinstance(info.value, ValueError)
+    assert rec.steps == [] and rec.epochs == []
+
+
+def test_a_step_limited_or_tiny_dataset_still_trains():
+    tiny = train(SyntheticTask("mlp", shape=(8,), n_train=1, n_val=1), fast_config(epochs=1))
+    assert tiny.status == "completed" and tiny.steps_completed == 1
+    limited = train(DigitsTask("mlp"), fast_config(epochs=1, max_steps_per_epoch=3))
+    assert limited.status == "completed" and limited.steps_completed == 3
+
+
 class _StopAfter(RecordingReporter):
     def __init__(self, epoch: int) -> None:
         super().__init__()
@@ -151,6 +170,7 @@ class _InterruptAtStep(RecordingReporter):
         self.stop_step = step
 
     def report_step(self, step, metrics):
+        super().report_step(step, metrics)
         return Decision.INTERRUPT if step >= self.stop_step else Decision.CONTINUE
 
 

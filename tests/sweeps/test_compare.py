@@ -81,3 +81,26 @@ def test_curve_comparison_finds_the_first_parting_step_and_the_largest_differenc
     # extra points in the rerun (it trained on past a pruned original) are not a difference
     assert compare_curves(client, b, a).metrics[0].name == "step/train_loss"
     assert next(m for m in compare_curves(client, b, a).metrics if m.name == "val_acc").identical
+
+
+def test_a_comparison_without_a_curve_in_both_runs_says_there_is_nothing_to_compare(in_study):
+    client = in_study.client()
+    exp = client.create_experiment(f"nothing-{uuid.uuid4().hex[:8]}")
+    a, b, c = (client.create_run(exp).info.run_id for _ in range(3))
+    for run in (a, b):  # what a trial retried from its final checkpoint used to log: final numbers only
+        client.log_metric(run, "objective", 0.9, step=0)
+        client.log_metric(run, "trial_seconds", 1.0, step=0)
+    client.log_metric(c, "objective", 0.9, step=0)
+    client.log_metric(c, "val_acc", 0.9, step=1)
+
+    result = compare_curves(client, a, b)
+    assert [m.name for m in result.metrics] == ["objective"] and result.metrics[0].identical
+    assert result.nothing_to_compare and not result.identical
+    assert result.verdict() == f"nothing to compare: the original run {a} has no per-epoch or per-step metric " \
+                               f"curve (only objective)"
+    assert result.tags()["sweeps.rerun.verdict"] == "nothing to compare"
+
+    result = compare_curves(client, c, a)  # the original has a curve, the other run lacks it
+    assert result.nothing_to_compare and not result.identical
+    assert result.verdict() == f"nothing to compare: run {a} has none of the original's curves (val_acc)"
+    assert compare_curves(client, c, c).identical

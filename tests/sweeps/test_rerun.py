@@ -89,3 +89,25 @@ def test_rerun_needs_a_spec_for_a_trial_number_and_an_existing_run(in_study, cap
     assert "no MLflow run for trial 99" in capsys.readouterr().err
     assert cli.main(["rerun", "--run-id", "0" * 32, "--tracking-uri", in_study.uri]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_rerun_of_a_run_without_curves_says_nothing_to_compare_and_fails(in_study, capsys, tmp_path):
+    client = in_study.client()
+    original = in_study.trial_runs()[0]
+    # A trial run as one retried from its final checkpoint used to end: its config and final
+    # numbers, no per-epoch or per-step curve. In an experiment of its own: not one of the study's trials.
+    exp = client.create_experiment(f"no-curves-{original.info.run_id[:8]}")
+    bare = client.create_run(exp, tags={"sweeps.device": original.data.tags["sweeps.device"],
+                                        "sweeps.trial_number": "0"}).info.run_id
+    config = client.download_artifacts(original.info.run_id, "config/resolved_config.json", str(tmp_path))
+    client.log_artifact(bare, config, "config")
+    client.log_metric(bare, "objective", original.data.metrics["objective"], step=0)
+    client.set_terminated(bare)
+
+    assert cli.main(["rerun", "--run-id", bare, "--tracking-uri", in_study.uri]) == 1
+    out = capsys.readouterr().out
+    assert f"nothing to compare: the original run {bare} has no per-epoch or per-step metric curve (only " \
+           f"objective)" in out
+    assert "identical" not in out
+    [rerun] = _reruns_of(client, exp, bare)
+    assert rerun.data.tags["sweeps.rerun.verdict"] == "nothing to compare"

@@ -1,0 +1,121 @@
+"""A resumed run: its reporter gets what the checkpoint recorded (the straight run's curves),
+and it refuses another run's checkpoint."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core import checkpoint as ckpt
+from core.reporting import Decision, RecordingReporter
+from core.results import STEP_METRICS
+from core.tasks.digits import DigitsTask
+from core.tasks.synthetic import SyntheticTask
+from core.train import train
+
+from tests.core.helpers import fast_config
+
+TIMINGS = ("samples_per_s", "epoch_time_s", "peak_mem_mb")  # measure the machine: differ between runs
+
+
+class _StopAt(RecordingReporter):
+    """Records like RecordingReporter; interrupts at optimizer step ``step`` or after epoch ``epoch``."""
+
+    def __init__(self, step: int | None = None, epoch: int | None = None) -> None:
+        super().__init__()
+        self.stop_step, self.stop_epoch = step, epoch
+
+    def report_step(self, step, metrics):
+        super().report_step(step, metrics)
+        return Decision.INTERRUPT if step == self.stop_step else Decision.CONTINUE
+
+    def report_epoch(self, epoch, step, metrics):
+        super().report_epoch(epoch, step, metrics)
+        return Decision.INTERRUPT if epoch == self.stop_epoch else Decision.CONTINUE
+
+
+def _without_timings(epochs):
+    return [(e, {k: v for k, v in m.items() if k not in TIMINGS}) for e, m in epochs]
+
+
+def test_a_resumed_reporter_gets_the_straight_runs_curves_after_a_mid_epoch_and_an_epoch_end_interrupt(tmp_path):
+    task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)  # 10 steps an epoch
+    cfg = fast_config(epochs=3, scheduler="cosine", lr=0.1, save_checkpoints=True)
+    straight = RecordingReporter()
+    train(task, cfg, straight, tmp_path / "straight")
+    assert len(straight.steps) == 30
+
+    first = _StopAt(step=14)  # mid-epoch 2
+    assert train(task, cfg, first, tmp_path / "split").status == "interrupted"
+    second = _StopAt(epoch=2)  # at the end of epoch 2
+    assert train(task, cfg, second, tmp_path / "split", resume=True).status == "interrupted"
+    third = RecordingReporter()
+    result = train(task, cfg, third, tmp_path / "split", resume=True)
+    assert result.status == "completed" and result.steps_completed == 30
+
+    # Each resumed run heard, once, exactly what the runs before it reported ...
+    assert first.resumed_calls == 0 and second.resumed_calls == third.resumed_calls == 1
+    assert second.resumed_steps == first.steps and second.resumed_epochs == first.epochs
+    assert third.resumed_steps == first.steps + second.steps
+    assert third.resumed_epochs == first.epochs + second.epochs
+    # ... so together they are the straight run's curves, bit for bit (timings aside).
+    assert [s for s, _ in third.resumed_steps] == list(range(1, 21))
+    assert third.resumed_steps + third.steps == straight.steps
+    assert set(third.steps[0][1]) == set(STEP_METRICS)
+    assert _without_timings(third.resumed_epochs + third.epochs) == _without_timings(straight.epochs)
+    assert [e for e, _ in third.resumed_epochs] == [1, 2] and [e for e, _ in third.epochs] == [3]
+
+
+def test_a_run_resumed_from_its_final_checkpoint_reports_every_epoch_through_resumed(tmp_path):
+    task = DigitsTask("mlp")
+    cfg = fast_config(epochs=2, save_checkpoints=True)
+    straight = RecordingReporter()
+    done = train(task, cfg, straight, tmp_path)
+
+    again = RecordingReporter()
+    result = train(task, cfg, again, tmp_path, resume=True)  # nothing left to train
+    assert result.status == "completed" and result.epochs_completed == 2
+    assert again.steps == [] and again.epochs == [] and again.resumed_calls == 1
+    assert again.resumed_epochs == straight.epochs  # the same run's numbers: timings included
+    assert again.resumed_steps == straight.steps and len(again.resumed_steps) == done.steps_completed
+    assert result.metrics == straight.epochs[-1][1]  # the last epoch's metrics, not {}
+    assert result.best_metric == done.best_metric
+
+
+def test_steps_in_a_checkpoint_are_tensors_that_load_with_weights_only(tmp_path):
+    train(DigitsTask("mlp"), fast_config(epochs=1, save_checkpoints=True, max_steps_per_epoch=5), out_dir=tmp_path)
+    steps = ckpt.load_checkpoint(tmp_path / ckpt.LAST)["steps"]  # load_checkpoint uses weights_only=True
+    assert steps["step"].tolist() == [1, 2, 3, 4, 5]
+    assert {k: v.dtype for k, v in steps.items()} == {"step": torch.int64, **{k: torch.float64 for k in STEP_METRICS}}
+
+
+# ---- ownership -------------------------------------------------------------------------------
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_resume_with_the_checkpoints_owner_continues(tmp_path):
+    task, owner = DigitsTask("mlp"), "5f0c:trial-0003"
+    train(task, fast_config(epochs=1, save_checkpoints=True), out_dir=tmp_path, owner=owner)
+    assert ckpt.load_checkpoint(tmp_path / ckpt.LAST)["owner"] == owner
+    rec = RecordingReporter()
+    result = train(task, fast_config(epochs=2, save_checkpoints=True), rec, tmp_path, resume=True, owner=owner)
+    assert result.epochs_completed == 2 and [e for e, _ in rec.epochs] == [2]  # continued, not restarted
+
+
+@pytest.mark.parametrize("written_by, message", [
+    ("other-study:trial-0003", "belongs to 'other-study:trial-0003'"),
+    (None, "records no owner"),
+])
+def test_a_checkpoint_of_another_owner_is_never_trained_on(tmp_path, written_by, message):
+    task = DigitsTask("mlp")
+    train(task, fast_config(epochs=1, save_checkpoints=True), out_dir=tmp_path, owner=written_by)
+    train(task, fast_config(epochs=2, save_checkpoints=True), out_dir=tmp_path, resume=True, owner=written_by)
+    before = _files(tmp_path)
+    assert {ckpt.LAST, ckpt.PREV, ckpt.BEST} <= set(before)
+
+    with pytest.raises(ckpt.CheckpointError) as info:
+        train(task, fast_config(epochs=4, save_checkpoints=True), out_dir=tmp_path, resume=True,
+              owner="this-study:trial-0003")
+    text = str(info.value)
+    assert str(tmp_path / ckpt.LAST) in text and message in text and "'this-study:trial-0003'" in text
+    assert _files(tmp_path) == before  # no weights, config or checkpoint touched
