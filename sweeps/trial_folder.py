@@ -75,5 +75,5 @@ def _move_aside(out_dir: Path) -> Path:
             for path in out_dir.iterdir():
                 if path.name != LOCK_FILE:
                     path.rename(target / path.name)
-            return target
+            return target.resolve()
     raise FileExistsError(f"cannot move {out_dir} aside: too many moved copies next to it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch.utils.data import Subset
 
+from core.tasks import task
 from core.tasks.digits import DigitsTask
 
 
@@ -15,5 +16,6 @@ class EmptyValDigits(DigitsTask):
         return train, Subset(val, [])
 
 
+@task
 def make_empty_val_task(model: str = "mlp") -> EmptyValDigits:
     return EmptyValDigits(model)
