@@ -60,3 +60,8 @@ class DiskFullError(SweepsError):
 class TrackingDiskFullError(TrackingError, DiskFullError):
     """The MLflow store (or the local spool) cannot write for lack of space: a TrackingError to
     the code that handles those, a DiskFullError (exit 2, path and free space) to the user."""
+
+
+class TrackingPathError(TrackingError, PathError):
+    """The MLflow store's local file cannot be used (a file where its folder must be, damaged):
+    a TrackingError to the code that handles those, a PathError (exit 2) to the user."""

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from sweeps.errors import PathError, TrackingError
+from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.tracking.spool import Spool, drain, is_transient
 
 log = logging.getLogger(__name__)
@@ -97,27 +97,27 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def check_sqlite_store(uri: str) -> None:
-    """PathError (exit 2) naming the file and the fix when the SQLite file of a tracking URI
+    """TrackingPathError (exit 2) naming the file and the fix when the SQLite file of a tracking URI
     cannot work: its folder is blocked by a file or not writable, it is a folder, or it is
     damaged. MLflow would otherwise fail deep inside SQLAlchemy ("database disk image is
     malformed", "unable to open database file") with a traceback."""
     path = sqlite_path(uri)
     if path is None:
         return
-    where = f"tracking store {uri!r}"
+    where = f"MLflow tracking store {uri!r}"
     blocker = next((p for p in path.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise PathError(f"{where}: {blocker} is a file, not a folder, so {path} cannot be created or opened; "
+        raise TrackingPathError(f"{where}: {blocker} is a file, not a folder, so {path} cannot be created or opened; "
                         "move that file away, or point tracking.uri at another folder")
     folder = path.absolute().parent
     if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
-        raise PathError(f"{where}: the folder {folder} is not writable (SQLite writes its journal beside "
+        raise TrackingPathError(f"{where}: the folder {folder} is not writable (SQLite writes its journal beside "
                         "the database); make it writable, or point tracking.uri at another folder")
     if path.is_dir():
-        raise PathError(f"{where}: {path} is a folder; name the database file, e.g. {path / 'mlflow.db'}")
+        raise TrackingPathError(f"{where}: {path} is a folder; name the database file, e.g. {path / 'mlflow.db'}")
     damage = sqlite_damage(path) if path.is_file() else None
     if damage is not None:
-        raise PathError(f"{where}: {path.absolute()} is damaged ({damage}), so MLflow cannot open it. Restore it "
+        raise TrackingPathError(f"{where}: {path.absolute()} is damaged ({damage}), so MLflow cannot open it. Restore it "
                         f"from a backup, or move it aside (mv {path} {path}.damaged) to start an empty store: the "
                         "study's trials stay in its Optuna storage, but their MLflow runs would be gone")
 
