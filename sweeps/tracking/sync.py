@@ -107,19 +107,20 @@ def check_sqlite_store(uri: str) -> None:
     where = f"MLflow tracking store {uri!r}"
     blocker = next((p for p in path.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise TrackingPathError(f"{where}: {blocker} is a file, not a folder, so {path} cannot be created or opened; "
-                        "move that file away, or point tracking.uri at another folder")
+        raise TrackingPathError(f"{where}: {blocker} is a file, not a folder, so {path} cannot be created or "
+                                "opened; move that file away, or point tracking.uri at another folder")
     folder = path.absolute().parent
     if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
         raise TrackingPathError(f"{where}: the folder {folder} is not writable (SQLite writes its journal beside "
-                        "the database); make it writable, or point tracking.uri at another folder")
+                                "the database); make it writable, or point tracking.uri at another folder")
     if path.is_dir():
         raise TrackingPathError(f"{where}: {path} is a folder; name the database file, e.g. {path / 'mlflow.db'}")
     damage = sqlite_damage(path) if path.is_file() else None
     if damage is not None:
-        raise TrackingPathError(f"{where}: {path.absolute()} is damaged ({damage}), so MLflow cannot open it. Restore it "
-                        f"from a backup, or move it aside (mv {path} {path}.damaged) to start an empty store: the "
-                        "study's trials stay in its Optuna storage, but their MLflow runs would be gone")
+        raise TrackingPathError(f"{where}: {path.absolute()} is damaged ({damage}), so MLflow cannot open it. "
+                                f"Restore it from a backup, or move it aside (mv {path} {path}.damaged) to start an "
+                                "empty store: the study's trials stay in its Optuna storage, but their MLflow runs "
+                                "would be gone")
 
 
 def sqlite_damage(path: Path) -> str | None:
