@@ -20,6 +20,11 @@ def _lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
+def _saved(line: str) -> Path:
+    """The traceback file named by the handler's second line."""
+    return Path(line.split("the full traceback is in ", 1)[1].split(" (SWEEPS_DEBUG=1")[0])
+
+
 # ---- the last-resort handler ------------------------------------------------------------------
 def test_an_unexpected_exception_prints_one_line_and_where_its_traceback_is(tmp_path):
     spec = write_spec(tmp_path, name="oops")
@@ -27,7 +32,7 @@ def test_an_unexpected_exception_prints_one_line_and_where_its_traceback_is(tmp_
     assert proc.returncode == 1, proc.stdout + proc.stderr
     first, where = _lines(proc)
     assert first == "error: RuntimeError: injected by SWEEPS_FAULT=cli_unexpected_error"
-    saved = Path(where.split("the full traceback is in ", 1)[1].split(" (SWEEPS_DEBUG=1")[0])
+    saved = _saved(where)
     assert saved.parent == tmp_path / "runs" / ".errors"
     assert "Traceback" in saved.read_text() and "RuntimeError: injected" in saved.read_text()
 
@@ -40,8 +45,7 @@ def test_the_traceback_goes_to_the_temp_folder_when_runs_cannot_hold_it(tmp_path
     (tmp_path / "runs").write_text("not a folder\n")  # runs/.errors cannot be created
     proc = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
     assert proc.returncode == 1
-    where = _lines(proc)[1]
-    saved = Path(where.split("the full traceback is in ", 1)[1].split(" (SWEEPS_DEBUG=1")[0])
+    saved = _saved(_lines(proc)[1])
     try:
         assert saved.parent == Path(tempfile.gettempdir()) / "sweeps-errors" and "Traceback" in saved.read_text()
     finally:
@@ -119,9 +123,11 @@ def test_a_full_disk_under_the_study_says_disk_full_in_one_line(small_disk):
     _fill(small_disk)
     proc = run_cli(small_disk, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    first = _lines(proc)[0]
+    first, *rest = _lines(proc)
     assert first.startswith(f"error: disk full: {small_disk}") and "has 0.0 MB free" in first
-    assert len(_lines(proc)) <= 2  # the message, and where the traceback was saved
+    assert len(rest) <= 1  # and where the traceback was saved: the temp folder, runs/ being full
+    for line in rest:
+        _saved(line).unlink(missing_ok=True)
 
 
 def test_a_full_disk_under_the_mlflow_store_says_disk_full_in_one_line(tmp_path, small_disk):
