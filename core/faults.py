@@ -1,17 +1,33 @@
-"""Deterministic fault injection for tests: a process stops itself at a named point.
+"""Deterministic fault injection: stop a process at a named point of its own code.
 
-``SWEEPS_FAULT=point[,point...]`` in the environment makes :func:`stop_here` SIGKILL the
-calling process when it reaches one of those points, as the OOM killer or a power cut would.
-Unset (always, outside tests), it costs one dictionary lookup.
+Tests reproduce crashes (a SIGKILL mid-write, a full disk) by naming points in the
+``SWEEPS_FAULT`` environment variable (comma-separated) rather than by timing a kill from
+outside, which would race the code it means to interrupt. Production code marks a point with
+:func:`stop_here` (the process SIGKILLs itself there: no ``finally``, no atexit, exactly
+what the OOM killer or a power cut leaves) or asks :func:`armed` and raises its own error.
+
+Points in use: ``mid_checkpoint`` (core.checkpoint: part of a checkpoint is written, not yet
+renamed); ``after_training`` (the end of ``core.train``, before the caller records anything);
+``journal_mid_append`` (sweeps.backends.journal_file: a partial journal
+record is on disk, Optuna's lock held); ``cli_unexpected_error`` (sweeps.cli.main raises a
+RuntimeError no command handles, for the last-resort handler). Stdlib only: ``core`` does not import ``sweeps``
+(``sweeps.faults`` re-exports this module).
 """
 from __future__ import annotations
 
 import os
 import signal
 
+ENV_FAULT = "SWEEPS_FAULT"
+
+
+def armed(point: str) -> bool:
+    """Whether ``SWEEPS_FAULT`` names ``point``."""
+    names = os.environ.get(ENV_FAULT, "")
+    return point in {n.strip() for n in names.split(",") if n.strip()}
+
 
 def stop_here(point: str) -> None:
-    """SIGKILL this process if ``SWEEPS_FAULT`` names ``point``."""
-    wanted = os.environ.get("SWEEPS_FAULT")
-    if wanted and point in wanted.split(","):
+    """SIGKILL this process now if ``SWEEPS_FAULT`` names ``point``; otherwise do nothing."""
+    if armed(point):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -2,7 +2,8 @@
 
 Every command that takes a spec validates it first; a bad spec, path or name exits with
 code 2 and creates nothing. Errors print one clear message, never a traceback
-(``SWEEPS_DEBUG=1`` shows it).
+(``SWEEPS_DEBUG=1`` shows it): an exception no command foresaw prints its type and first
+line, and the file under ``runs/.errors/`` (or the temp folder) that holds its traceback.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable
 from rich.console import Console
 
 from sweeps.errors import SweepsError
+from sweeps.faults import armed
 
 console = Console(soft_wrap=True)  # long paths and messages stay on one line (grep-able, copy-able)
 err_console = Console(stderr=True, soft_wrap=True)
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
+        if armed("cli_unexpected_error"):  # fault point: how an unforeseen exception reaches the user
+            raise RuntimeError("injected by SWEEPS_FAULT=cli_unexpected_error")
         return a.func(a)
     except SweepsError as exc:
         if os.environ.get("SWEEPS_DEBUG"):
@@ -187,6 +191,59 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - the last resort: a bug or an unforeseen failure
+        if os.environ.get("SWEEPS_DEBUG"):
+            raise
+        return _unexpected(exc, a.command)
+
+
+ERRORS_DIR = os.path.join("runs", ".errors")
+
+
+def _unexpected(exc: Exception, command_name: str) -> int:
+    """One line for an exception no command turned into a message, and the file holding its
+    traceback (``runs/.errors/``, else the system temp folder): a user sees what failed, a bug
+    report has the whole story. A full disk, in whatever form it surfaced, is named as such."""
+    import traceback
+
+    from core.diskfull import describe_disk_full
+    from sweeps.errors import DiskFullError
+
+    text = "".join(traceback.format_exception(exc))
+    where = _save_traceback(text, command_name)
+    saved = (f"the full traceback is in {where} (SWEEPS_DEBUG=1 prints it here)" if where
+             else "the traceback could not be saved (SWEEPS_DEBUG=1 prints it here)")
+    full = describe_disk_full(exc, getattr(exc, "filename", None) or os.getcwd())
+    if full is not None:
+        err_console.print(f"error: {full}; free space there and rerun (a study resumes where it stopped)",
+                          markup=False, highlight=False)
+        err_console.print(saved, markup=False, highlight=False)
+        return DiskFullError.exit_code
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    err_console.print(f"error: {type(exc).__name__}: {first}" if first else f"error: {type(exc).__name__}",
+                      markup=False, highlight=False)
+    err_console.print(saved, markup=False, highlight=False)
+    return 1
+
+
+def _save_traceback(text: str, command_name: str) -> str | None:
+    import tempfile
+    import time
+
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{command_name}.txt"
+    for folder in (ERRORS_DIR, os.path.join(tempfile.gettempdir(), "sweeps-errors")):
+        path = os.path.join(folder, name)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "w") as fh:
+                fh.write(text)
+            return os.path.abspath(path)
+        except OSError:  # runs/ is a file, read-only, or full: try the next place
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return None
 
 
 def entry() -> None:

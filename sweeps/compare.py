@@ -48,6 +48,9 @@ def open_client(uri: str):
             raise RunLookupError(
                 f"tracking store {uri!r}: {path.resolve()} does not exist. Run the command in the folder "
                 f"where the study ran (the one holding runs/), or pass --tracking-uri / set MLFLOW_TRACKING_URI.")
+        from sweeps.tracking.sync import check_sqlite_store
+
+        check_sqlite_store(uri)  # truncated or not SQLite: a message, not SQLAlchemy's traceback
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)

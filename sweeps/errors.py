@@ -29,6 +29,13 @@ class UnsafeNameError(SweepsError):
     exit_code = 2
 
 
+class PathError(SweepsError):
+    """A file or folder a command needs cannot be used as it is: a file where a folder must be,
+    a folder where a file must be, no permission, or damaged. The message names it and the fix."""
+
+    exit_code = 2
+
+
 class BackendError(SweepsError):
     """The study backend (Optuna storage, Ray) failed or refused."""
 
@@ -41,3 +48,20 @@ class StudyStateError(SweepsError):
     """The study on storage does not match what was asked (changed search space, missing study)."""
 
     exit_code = 2
+
+
+class DiskFullError(SweepsError):
+    """A write failed for lack of space; the message names the path and its free space. Like
+    a read-only folder, the environment needs a fix before a rerun (which resumes)."""
+
+    exit_code = 2
+
+
+class TrackingDiskFullError(TrackingError, DiskFullError):
+    """The MLflow store (or the local spool) cannot write for lack of space: a TrackingError to
+    the code that handles those, a DiskFullError (exit 2, path and free space) to the user."""
+
+
+class TrackingPathError(TrackingError, PathError):
+    """The MLflow store's local file cannot be used (a file where its folder must be, damaged):
+    a TrackingError to the code that handles those, a PathError (exit 2) to the user."""

@@ -2,9 +2,10 @@
 
 Optuna appends one JSON record per line. A process killed mid-append leaves a last line
 without its newline; the next append would glue onto it and corrupt the journal for
-good. ``sweeps run`` checks the journal before starting workers (no one else writes then):
-a torn tail is cut off (its bytes saved beside the journal); a corrupt record in the
-middle stops the run with the exact repair command.
+good. Every command checks the journal before Optuna reads it (journal_file.open_journal):
+a corrupt record in the middle stops it with the exact repair command (Optuna would raise
+a JSONDecodeError); a torn tail is cut off, its bytes saved beside the journal, by whoever
+next appends, under the journal lock (so never while another process is mid-append).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from sweeps.errors import StudyStateError
+from sweeps.errors import PathError, StudyStateError
 
 log = logging.getLogger("sweeps")
 
@@ -36,27 +37,80 @@ def _scan(path: Path) -> tuple[int, int, int | None]:
     return good, offset, None
 
 
-def check_journal(path: str | Path) -> str | None:
-    """Repair a torn tail in place; refuse (with a repair command) a corrupt record inside.
-    Returns a message when something was repaired, else None."""
+def find_damage(path: str | Path) -> tuple[str, int, int, int] | None:
+    """Read-only: None when every record is intact, else (kind, good records, byte offset
+    after them, line number of the first bad one). ``kind`` is "tail" when only the last
+    line is bad (a torn or garbled last append, which Optuna's reader skips), "middle" when
+    lines follow it (Optuna's reader raises JSONDecodeError on it)."""
     path = Path(path)
     if not path.exists() or path.stat().st_size == 0:
         return None
     good, offset, bad_line = _scan(path)
     if bad_line is None:
         return None
-    size = path.stat().st_size
     with open(path, "rb") as fh:
         fh.seek(offset)
         rest = fh.read()
     newlines = rest.count(b"\n")
     is_tail = newlines == 0 or (newlines == 1 and rest.endswith(b"\n") and _is_last_line(rest))
-    if not is_tail:
-        raise StudyStateError(
-            f"{path}: record {bad_line} is corrupt and {newlines - 1} more lines follow it. "
-            f"To keep the {good} good records before it (a backup of the whole file is kept), run: "
-            f"sweeps repair-journal {path}")
-    return _truncate(path, offset, size, good, reason="torn last record (a process died mid-append)")
+    return ("tail" if is_tail else "middle"), good, offset, bad_line
+
+
+def corrupt_message(path: str | Path, damage: tuple[str, int, int, int]) -> str:
+    """The message for a corrupt record in the middle of the journal: where, and the repair command."""
+    _, good, offset, bad_line = damage
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        following = fh.read().count(b"\n") - 1
+    return (f"{path}: line {bad_line}: record {bad_line} is corrupt and {following} more "
+            f"line{'s' if following != 1 else ''} follow it, so Optuna cannot read the study. To keep the "
+            f"{good} good records before it (a backup of the whole file is kept), run: sweeps repair-journal {path}")
+
+
+def check_journal(path: str | Path) -> str | None:
+    """Repair a torn tail in place; refuse (with a repair command) a corrupt record inside.
+    Returns a message when something was repaired, else None. Cutting the tail is safe only
+    while no other process appends (the run lock, or the journal lock of journal_file)."""
+    path = Path(path)
+    damage = find_damage(path)
+    if damage is None:
+        return None
+    kind, good, offset, _ = damage
+    if kind == "middle":
+        raise StudyStateError(corrupt_message(path, damage))
+    return _truncate(path, offset, path.stat().st_size, good, reason="torn last record (a process died mid-append)")
+
+
+def looks_like_journal(path: str | Path) -> bool:
+    """Whether a non-empty file is an Optuna journal: one of its first lines is a JSON object
+    with an ``op_code`` (Optuna writes that key first, so a torn first record counts too)."""
+    with open(path, "rb") as fh:
+        head = fh.read(1 << 16)
+    if head.lstrip().startswith(b'{"op_code"'):
+        return True
+    for line in head.splitlines()[:5]:
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict) and "op_code" in record:
+            return True
+    return False
+
+
+def check_journal_file(path: Path) -> None:
+    """Refuse (exit 2, naming the file and the fix) a path that is not a readable journal file:
+    missing, a folder, or not a journal. Nothing is written."""
+    if path.is_dir():
+        raise PathError(f"{path} is a folder, not an Optuna journal file; name the journal file "
+                              f"inside it, e.g. {path / 'study.journal'}")
+    if not path.exists():
+        raise PathError(f"{path} does not exist; name an Optuna journal file, e.g. runs/<study>.journal "
+                              "(the study's storage: key, or runs/<name>.journal by default)")
+    if path.stat().st_size and not looks_like_journal(path):
+        raise PathError(f"{path} is not an Optuna journal (no Optuna record in its first lines); "
+                              "nothing was changed. Check the path: a study's storage: names an Optuna journal file "
+                        "(by default runs/<study name>.journal) or a file that does not exist yet")
 
 
 def _is_last_line(rest: bytes) -> bool:
@@ -70,6 +124,7 @@ def _is_last_line(rest: bytes) -> bool:
 def repair_journal(path: str | Path) -> str:
     """Keep the records before the first bad one; back up the whole file first."""
     path = Path(path)
+    check_journal_file(path)
     good, offset, bad_line = _scan(path)
     if bad_line is None:
         return f"{path}: all {good} records are intact; nothing to repair"

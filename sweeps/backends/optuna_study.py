@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import fcntl
 import importlib.util
 import logging
@@ -20,14 +21,14 @@ from pathlib import Path
 from typing import Iterator
 
 import optuna
-from optuna.storages import JournalStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend
+from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from sweeps import search_space as ss
 from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.backends.journal_file import open_journal
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
-from sweeps.errors import BackendError, StudyStateError
+from sweeps.errors import BackendError, PathError, StudyStateError
 from sweeps.spec import StudySpec, redact_url
 
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
@@ -73,12 +74,33 @@ def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseSt
             detail = (str(root).strip() or type(root).__name__).splitlines()[0]
             raise BackendError(f"storage: cannot open {redact_url(url)!r} ({type(root).__name__}: {detail}); "
                                "check the URL, the server and the credentials") from exc
-    path = Path(url)
+    path = journal_file(spec)
     if not create and not path.exists():
-        raise StudyStateError(f"storage: {path} does not exist, so study {spec.name!r} has not run yet; "
+        raise StudyStateError(f"storage: {url} does not exist, so study {spec.name!r} has not run yet; "
                               f"start it with: sweeps run {spec.path or '<spec>'}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path)))
+    if create:
+        make_folder(path.parent, f"storage: {url}")
+    return open_journal(path, create=create)
+
+
+def journal_file(spec: StudySpec) -> Path:
+    """The spec's journal file, absolute: Optuna's lock links to the path it is given, and a
+    relative one dangles from the link's own folder (see journal_file.py)."""
+    return Path(os.path.abspath(spec.storage_url()))
+
+
+def make_folder(folder: Path, what: str) -> None:
+    """mkdir -p, or a clear error naming the folder (a file in the way, no permission, a full disk)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+    except OSError as exc:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        why = (f"{blocker} is a file, not a folder" if blocker is not None
+               else f"{exc.strerror or type(exc).__name__}")
+        raise PathError(f"{what}: cannot create or write the folder {folder} ({why}); make it a "
+                              "writable folder, or point the spec at another path") from exc
 
 
 def heartbeat_settings() -> tuple[int, int]:
@@ -113,7 +135,7 @@ def ask_lock(spec: StudySpec) -> Iterator[None]:
     (overshoot is then bounded by the trials already running)."""
     url = spec.storage_url()
     if not spec.is_rdb_storage():
-        lock_path = Path(url + ".asklock")  # not ".lock": Optuna's own journal lock uses that name
+        lock_path = Path(f"{journal_file(spec)}.asklock")  # not ".lock": Optuna's own journal lock uses that name
         with open(lock_path, "a+") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from sweeps.cli import COMMANDS, _load, args, command, console, err_console
 from sweeps.tracking import layout
@@ -34,6 +35,8 @@ def cmd_report(a: argparse.Namespace) -> int:
     from dashboards.report import load_study, write_report
 
     spec = _load(a.spec)
+    if a.output:
+        _check_output(Path(a.output))  # before the study is read: a wrong -o fails at once
     loaded = load_study(spec)
     path = write_report(spec, loaded, a.output)
     console.print(f"report: {path}", markup=False, highlight=False, soft_wrap=True)
@@ -53,6 +56,16 @@ def cmd_report(a: argparse.Namespace) -> int:
     console.print(f"logged to MLflow run {parent_id} as {layout.ART_REPORT_DIR}/{path.name}",
                   markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _check_output(out: Path) -> None:
+    from sweeps.errors import PathError
+
+    if out.is_dir():
+        raise PathError(f"report -o {out}: {out} is a folder; name the page file, e.g. -o {out / 'report.html'}")
+    blocker = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise PathError(f"report -o {out}: {blocker} is a file, not a folder; choose another path for the page")
 
 
 # ---- status --format ---------------------------------------------------------------------------

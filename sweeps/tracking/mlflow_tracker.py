@@ -20,6 +20,7 @@ from sweeps.safe_names import safe_component, safe_subpath
 from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.spool import Spool, drain, is_transient, send_records
+from sweeps.tracking.store_errors import disk_full_error, disk_full_raised, short_reason, store_folder
 from sweeps.tracking.sync import (apply_fast_fail_http_defaults, check_store, is_database_uri, is_http_uri,
                                   sync_command)
 
@@ -82,6 +83,7 @@ class MlflowTracker:
         self.flush_every_points = int(flush_every_points)
         self.retry_interval_s = float(retry_interval_s)
         self.spool = Spool(spool_dir)
+        self._store_dir = store_folder(self.tracking_uri, spool_dir)  # where a full disk would be
         self.artifact_root = _artifact_root(artifact_root)
         # Built on first use: MLflow opens (and for SQL stores migrates or retries for
         # minutes) at construction, which check_connection must be able to run first.
@@ -112,7 +114,7 @@ class MlflowTracker:
                     try:
                         self._client = MlflowClient(tracking_uri=self.tracking_uri)
                     except Exception as exc:
-                        raise TrackingError(
+                        raise disk_full_error(exc, f"opening {self.tracking_uri}", self._store_dir) or TrackingError(
                             f"cannot open the MLflow tracking store {self.tracking_uri!r}: {exc}. Check "
                             f"the URI (for sqlite, that its folder can be created and written)."
                         ) from exc
@@ -364,7 +366,8 @@ class MlflowTracker:
                 raise TrackingError(f"MLflow store {self.tracking_uri} refused writes:\n" + "\n".join(refusals))
 
     def _spool(self, run_id: str, records: list[list[Any]]) -> None:
-        self.spool.append(run_id, records)
+        with disk_full_raised(f"keeping MLflow writes of run {run_id}", self.spool.directory):  # nowhere left
+            self.spool.append(run_id, records)
         self._spooled.add(run_id)
 
     def _drain(self, run_id: str) -> None:
@@ -387,13 +390,12 @@ class MlflowTracker:
             raise TrackingError(f"MLflow store {self.tracking_uri} refused spooled writes:\n" + "\n".join(refusals))
 
     def _mark_down(self, exc: BaseException) -> None:
+        reason = short_reason(exc, self._store_dir)  # one line, a full disk named
         if not self._down_reason:  # warn once per outage, not on every flush
-            log.warning(
-                "MLflow tracking store %s unreachable (%s); training goes on, writes are kept in "
-                "%s and retried every %.0f s", self.tracking_uri, exc, self.spool.directory,
-                self.retry_interval_s,
-            )
-        self._down_reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            log.warning("MLflow tracking store %s %s (%s); training goes on, writes are kept in %s and retried "
+                        "every %.0f s", self.tracking_uri, "cannot write" if reason.startswith("disk full")
+                        else "unreachable", reason, self.spool.directory, self.retry_interval_s)
+        self._down_reason = reason
         self._down_until = time.monotonic() + self.retry_interval_s
 
     def _mark_up(self) -> None:
@@ -434,7 +436,8 @@ class MlflowTracker:
             "The store is unreachable: start it or fix the tracking URI, then resume the study."
             if is_transient(exc) else "The store refused the request: see the reason above."
         )
-        return TrackingError(f"MLflow {what} failed for {subject!r} at {self.tracking_uri}: {exc}. {hint}")
+        return (disk_full_error(exc, f"MLflow {what} for {subject!r} at {self.tracking_uri}", self._store_dir)
+                or TrackingError(f"MLflow {what} failed for {subject!r} at {self.tracking_uri}: {exc}. {hint}"))
 
 
 def _artifact_root(root: str | Path | None) -> str | None:

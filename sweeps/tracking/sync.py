@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from sweeps.errors import TrackingError
+from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.tracking.spool import Spool, drain, is_transient
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
     if is_http_uri(tracking_uri):
         _check_http(tracking_uri)
         return
+    check_sqlite_store(tracking_uri)
     scheme = tracking_uri.split(":", 1)[0].split("+", 1)[0].lower()
     if scheme in ("postgresql", "postgres", "mysql", "mssql"):
         _check_database(tracking_uri, scheme)
@@ -76,10 +77,72 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
     except TrackingError:
         raise
     except Exception as exc:  # any error here means the store is not usable: say so now
-        raise TrackingError(
+        from sweeps.tracking.store_errors import disk_full_error, store_folder  # it imports this module
+
+        raise disk_full_error(exc, f"opening {tracking_uri}", store_folder(tracking_uri, ".")) or TrackingError(
             f"cannot use the MLflow tracking store {tracking_uri!r}: {exc}. Check the URI "
             f"(for sqlite, that its folder can be created and written). {_FIX}"
         ) from exc
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a ``sqlite:///`` URI (``sqlite:////abs`` is absolute); None for others and memory."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    rest = uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(rest) if rest and rest != ":memory:" else None
+
+
+def check_sqlite_store(uri: str) -> None:
+    """TrackingPathError (exit 2) naming the file and the fix when the SQLite file of a tracking URI
+    cannot work: its folder is blocked by a file or not writable, it is a folder, or it is
+    damaged. MLflow would otherwise fail deep inside SQLAlchemy ("database disk image is
+    malformed", "unable to open database file") with a traceback."""
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    where = f"MLflow tracking store {uri!r}"
+    blocker = next((p for p in path.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise TrackingPathError(f"{where}: {blocker} is a file, not a folder, so {path} cannot be created or "
+                                "opened; move that file away, or point tracking.uri at another folder")
+    folder = path.absolute().parent
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise TrackingPathError(f"{where}: the folder {folder} is not writable (SQLite writes its journal beside "
+                                "the database); make it writable, or point tracking.uri at another folder")
+    if path.is_dir():
+        raise TrackingPathError(f"{where}: {path} is a folder; name the database file, e.g. {path / 'mlflow.db'}")
+    damage = sqlite_damage(path) if path.is_file() else None
+    if damage is not None:
+        raise TrackingPathError(f"{where}: {path.absolute()} is damaged ({damage}), so MLflow cannot open it. "
+                                f"Restore it from a backup, or move it aside (mv {path} {path}.damaged) to start an "
+                                "empty store: the study's trials stay in its Optuna storage, but their MLflow runs "
+                                "would be gone")
+
+
+def sqlite_damage(path: Path) -> str | None:
+    """Why ``path`` is not a usable SQLite database, from its 100-byte header (cheap at any size):
+    not SQLite at all, or shorter than the pages its header counts (truncated). None when fine."""
+    size = path.stat().st_size
+    if size == 0:
+        return None  # SQLite takes an empty file as a new database
+    with open(path, "rb") as fh:
+        header = fh.read(100)
+    if len(header) < 100 or not header.startswith(SQLITE_HEADER):
+        return f"not an SQLite database: its {size} bytes do not start with the SQLite header"
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    # The page count is valid only when the change counter matches "version valid for"; with a
+    # write-ahead log, committed pages may still live in the -wal file.
+    if header[24:28] != header[92:96] or pages == 0 or Path(f"{path}-wal").exists():
+        return None
+    if size < pages * page_size:
+        return f"truncated: {size} bytes, its header counts {pages} pages of {page_size} bytes = {pages * page_size}"
+    return None
 
 
 def _check_database(uri: str, scheme: str) -> None:

@@ -129,10 +129,10 @@ def test_corrupt_journal_record_in_the_middle_gives_a_repair_command(tmp_path):
     from sweeps.errors import StudyStateError
 
     journal = tmp_path / "x.journal"
-    journal.write_bytes(b'{"a": 1}\n{"b": 2}\nGARBAGE\n{"c": 3}\n')
-    with pytest.raises(StudyStateError, match=r"record 3 is corrupt.*sweeps repair-journal .*x.journal"):
+    journal.write_bytes(b'{"op_code": 0}\n{"op_code": 4}\nGARBAGE\n{"op_code": 6}\n')
+    with pytest.raises(StudyStateError, match=r"line 3: record 3 is corrupt.*sweeps repair-journal .*x.journal"):
         check_journal(journal)
     message = repair_journal(journal)
     assert "kept 2 intact records" in message
-    assert journal.read_bytes() == b'{"a": 1}\n{"b": 2}\n'
+    assert journal.read_bytes() == b'{"op_code": 0}\n{"op_code": 4}\n'
     assert list(tmp_path.glob("x.journal.bak-*"))

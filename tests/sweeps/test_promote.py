@@ -149,6 +149,7 @@ def test_a_crash_before_the_alias_moves_keeps_the_old_holder_and_the_next_promot
 
     with monkeypatch.context() as m:
         m.setattr(MlflowClient, "set_registered_model_alias", crash)
+        m.setenv("SWEEPS_DEBUG", "1")  # the crash propagates (without it main's last resort returns 1)
         with pytest.raises(RuntimeError, match="simulated crash"):
             _promote(in_study, "--model-name", name)
     assert client.get_model_version_by_alias(name, "champion").version == old.version

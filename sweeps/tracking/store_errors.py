@@ -1,0 +1,74 @@
+"""Store errors in one line: a full disk named as such, everything else by its first line.
+
+SQLAlchemy's errors carry the whole statement and its parameters (dozens of lines), and
+MLflow logs each one with a traceback before re-raising it; a full disk then printed hundreds
+of lines per trial without ever saying "disk full". The tracker words its warnings and errors
+with :func:`short_reason`, raises :func:`disk_full_error` for a full disk, and
+:func:`quiet_mlflow_db_errors` drops MLflow's own copy of errors the tracker reports itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Iterator
+
+from core.diskfull import describe_disk_full
+from sweeps.errors import TrackingDiskFullError
+from sweeps.tracking.sync import sqlite_path
+
+
+def store_folder(tracking_uri: str, spool_dir: str | Path) -> Path:
+    """Where a store write goes on this machine: the SQLite file's folder, else the spool."""
+    path = sqlite_path(tracking_uri)
+    return path.absolute().parent if path is not None else Path(spool_dir).absolute()
+
+
+def short_reason(exc: BaseException, where: str | Path) -> str:
+    """The full disk holding ``where``, else the error's first line (SQLAlchemy appends the statement)."""
+    full = describe_disk_full(exc, where)
+    if full is not None:
+        return full
+    lines = [ln for ln in str(exc).strip().splitlines() if not ln.startswith("(raised as a result of")]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def disk_full_error(exc: BaseException, what: str, where: str | Path) -> TrackingDiskFullError | None:
+    """A one-line error for ``what`` failing because ``where``'s disk is full; None otherwise."""
+    full = describe_disk_full(exc, where)
+    if full is None:
+        return None
+    return TrackingDiskFullError(f"{what} failed: {full}. Free space there, then resume the study (sweeps run "
+                                 "SPEC); writes kept in the spool are sent then, or with sweeps sync-tracking")
+
+
+@contextlib.contextmanager
+def disk_full_raised(what: str, where: str | Path) -> Iterator[None]:
+    """Turn an OSError of a full disk inside the block into :func:`disk_full_error`'s error."""
+    try:
+        yield
+    except OSError as exc:
+        full = disk_full_error(exc, what, where)
+        if full is None:
+            raise
+        raise full from exc
+
+
+class _HandledByTracker(logging.Filter):
+    """Drop MLflow's "SQLAlchemy database error" log records: the exception is re-raised to
+    the tracker, which reports it in one line (or raises it with a message)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SQLAlchemy database error")
+
+
+_FILTER = _HandledByTracker()
+
+
+def quiet_mlflow_db_errors() -> None:
+    logger = logging.getLogger("mlflow.store.db.utils")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
+
+
+quiet_mlflow_db_errors()  # on import: every process with a tracker reports store errors itself
