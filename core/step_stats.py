@@ -1,9 +1,10 @@
 """A step's numbers (loss, gradient norm) read without stalling the GPU.
 
 Reading a CUDA tensor's value (``.item()``, ``float()``) waits for every kernel queued so far,
-and while Python waits it queues nothing: three such reads per step left an H200 idle long
-enough to cost a quarter of ResNet-18's throughput (benchmarks/RESULTS.md, GPU section). So the
-loop keeps a step's numbers as tensors in a :class:`PendingStep` and reads them all at once:
+and while Python waits it queues nothing: a loop that reads its loss, accuracy and gradient norm
+every step leaves the GPU idle for a large share of ResNet-18's step (benchmarks/README.md, GPU).
+So the loop keeps a step's numbers as tensors in a :class:`PendingStep` and reads them all
+at once:
 
 * lag 0 (CPU, where nothing is queued, and DDP, where every rank must act on the same step):
   read before the optimizer step, so a non-finite loss or gradient stops the run before it
@@ -26,8 +27,8 @@ def gradient_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
 
     On CUDA it stays a tensor (read later with the step's other numbers). On CPU it is a float
     from the per-tensor norms: ``get_total_norm`` also groups the tensors by device and dtype and
-    reduces the norms in two more tensor ops, about 80 us a step that cost the digits CNN 2 to 3%
-    of its 4 ms step; this path takes about 30 us (benchmarks/RESULTS.md, trainer overhead).
+    reduces the norms in two more tensor ops, a measurable share of a small CPU model's step;
+    this path is cheaper (benchmarks/README.md, trainer overhead).
     ``math.hypot`` keeps a non-finite norm non-finite (inf wins over nan, as in IEEE hypot)."""
     if device.type != "cpu" or not grads:
         return torch.nn.utils.get_total_norm(grads)

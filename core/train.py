@@ -173,8 +173,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             loss_sum, correct, seen = 0.0, 0.0, 0.0
         progress = None
         grad_norm = float("nan")
-        # Each micro-batch's (prediction == label), summed once at the epoch's end: summing every
-        # step cost two more tensor ops a step, about 20 us of a 4 ms CPU step (benchmarks/README.md).
+        # Each micro-batch's (prediction == label), summed once at the epoch's end: a sum every step
+        # costs two more tensor ops a step, a visible share of a small CPU model's step (benchmarks/README.md).
         hits: list[torch.Tensor] = []
         pending: PendingStep | None = None  # a step whose numbers are queued but not yet read (lag 1)
         current = PendingStep(step + 1, epoch)
