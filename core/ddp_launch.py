@@ -3,8 +3,8 @@
 The calling process is the *reporter host*: it starts N rank processes, serves rank 0's
 ``report_step`` / ``report_epoch`` / ``resumed`` / ``log_artifact`` calls on the real reporter (an MLflow
 tracker, an Optuna trial) and sends each decision back; rank 0 broadcasts it to the other
-ranks (``_agree`` in ``core/train.py``), so a pruned or interrupted trial stops every rank at
-the same step. Rank 0's ``TrainResult`` comes back to the caller.
+ranks (``DistContext.agree`` in ``core/distributed.py``), so a pruned or interrupted trial stops
+every rank at the same step. Rank 0's ``TrainResult`` comes back to the caller.
 
     parent (reporter host) --socketpair--> rank 0: train(task, cfg, _ForwardingReporter)
                            --socketpair--> rank 1..N-1: train(task, cfg)

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core.reporting import Decision
+
+_DECISIONS = list(Decision)  # index <-> decision, for broadcasting
+
 
 @dataclass
 class DistContext:
@@ -41,6 +45,12 @@ class DistContext:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.broadcast(t, src=0)
         return int(t.item())
+
+    def agree(self, decision: Decision, device: torch.device) -> Decision:
+        """Rank 0's decision (its reporter's; the other ranks hold a NullReporter) on every rank."""
+        if not self.enabled:
+            return decision
+        return _DECISIONS[self.broadcast_int(_DECISIONS.index(decision), device)]
 
     def barrier(self) -> None:
         if self.enabled:

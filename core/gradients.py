@@ -3,16 +3,15 @@
 On CPU, small gradient tensors live in one flat buffer per dtype: each such parameter's
 ``.grad`` is a view into it, so zeroing them is one fill, their norm one reduction and clipping
 them one multiply, instead of a call per tensor. Inside the training loop, right after a backward
-pass, each call on a tensor costs several times its micro-benchmark (cold caches): on the digits
-CNN (10 tensors, 10k weights) the per-tensor norm and zeroing took about 2% of a 3 ms step, and
-``clip_grad_norm_`` about 4% (benchmarks/README.md, trainer overhead). Backward adds into a
-gradient that already exists, in place, so the pooled views stay the gradients, with the same
-values (0 + g == g).
+pass, each call on a tensor costs several times its micro-benchmark (cold caches): on a small
+CNN the per-tensor norm and zeroing, and ``clip_grad_norm_`` more so, took a measurable share of
+its step (benchmarks/README.md, trainer overhead). Backward adds into a gradient that already
+exists, in place, so the pooled views stay the gradients, with the same values (0 + g == g).
 
 Large tensors keep PyTorch's default instead: their gradient is dropped between steps
 (``set_to_none``) and backward allocates a fresh one. For them the flat buffer's cost, one more
-pass over the memory to zero it and one to add into it, outweighs the saving: ResNet-18, 98% of
-whose 11M weights are in tensors over 64k elements, trained 2.6% slower with every tensor pooled.
+pass over the memory to zero it and one to add into it, outweighs the saving: ResNet-18, nearly
+all of whose weights are in tensors over 64k elements, trained slower with every tensor pooled.
 On CUDA nothing is pooled: an extra in-place add is one more kernel launch per tensor, while the
 norm there is already queued without waiting (core/step_stats.py). Under DDP nothing is pooled:
 DDP owns the gradient buckets it all-reduces.

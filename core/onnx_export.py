@@ -42,9 +42,9 @@ MAX_CHECK_SAMPLES = 256  # enough to catch a wrong op, few enough to check in se
 LATENCY_BATCH = 64
 LATENCY_RUNS = 5
 
-# torch.onnx.export builds its registry of ATen -> ONNX functions anew on every call: about 500
-# torchlib functions, each parsed from its Python source. That is 0.3 to 0.4 s of the 0.7 s a
-# trial's export of the digits CNN takes on 2 CPU cores. Without a custom translation table
+# torch.onnx.export builds its registry of ATen -> ONNX functions anew on every call: hundreds of
+# torchlib functions, each parsed from its Python source, a large share of a small model's export
+# (benchmarks/README.md, parallel efficiency). Without a custom translation table
 # (we pass none) nothing changes the registry once built, so one per opset serves every export
 # of the process. Keyed by the opset the exporter asks for; guarded, as exports may run in threads.
 _registries: dict[object, object] = {}
@@ -194,9 +194,9 @@ def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | Non
 def warm_up() -> None:
     """For a process that will export later and can spare the time now (a sweep worker waiting
     for its first trial): one export and check of a two-weight model, in a temporary folder. A
-    process's first export pays about 1.6 s more than the next ones on 2 CPU cores (imports of
-    onnx, onnxruntime and onnxscript, the exporter's registry, torch.export's first trace); after
-    this, the first trial's export costs what every other trial's does."""
+    process's first export costs well over the next ones (imports of onnx, onnxruntime and
+    onnxscript, the exporter's registry, torch.export's first trace; benchmarks/README.md,
+    parallel efficiency); after this, the first trial's export costs what every other trial's does."""
     tiny = nn.Sequential(nn.Flatten(), nn.Linear(2, 1))
     with tempfile.TemporaryDirectory(prefix="sweeps-onnx-warm-up-") as folder:
         export_and_verify(tiny, torch.zeros(2, 2), Path(folder) / "warm_up.onnx", latency_runs=1)

@@ -35,10 +35,10 @@ def param_groups(model: nn.Module, cfg: TrainConfig, backbone: nn.Module | None)
 def build_optimizer(groups: Iterable[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
     """SGD, Adam or AdamW over ``groups``. On CPU, PyTorch's fused implementation where it has
     one for the parameters (floating point): one pass a step over each tensor's memory instead of
-    one per operation (weight decay, momentum, update). On one CPU thread an SGD step of
-    ResNet-18 took 9 ms instead of 20 (of a 0.9 s step), the digits CNN's 31 us instead of 96
-    (of a 2.7 ms step); the weights agree to 1e-9 (fused multiply-adds). On GPUs, PyTorch's
-    default (foreach) until the fused one is measured there (benchmarks/gpu_bench.py)."""
+    one per operation (weight decay, momentum, update), which makes a CPU step of the optimizer
+    much cheaper (benchmarks/README.md, trainer overhead); the weights differ from the
+    default's only by rounding (fused multiply-adds). On GPUs, PyTorch's default (foreach) until
+    the fused one is measured there (benchmarks/gpu_bench.py)."""
     groups = list(groups)
     if cfg.optimizer == "sgd":
         return _fused_if_supported(torch.optim.SGD, groups, lr=cfg.lr, momentum=cfg.momentum,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 # Metrics every classification run reports per epoch; a study objective must be one of these.
 EPOCH_METRICS = (
@@ -13,6 +13,13 @@ EPOCH_METRICS = (
 STEP_METRICS = ("train_loss", "lr", "grad_norm")
 
 Status = Literal["completed", "pruned", "diverged", "interrupted"]
+
+
+class Stop(NamedTuple):
+    """Why a run ends before its last epoch: the result's status and reason."""
+
+    status: Status
+    reason: str
 
 
 @dataclass

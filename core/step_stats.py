@@ -1,9 +1,10 @@
 """A step's numbers (loss, gradient norm) read without stalling the GPU.
 
 Reading a CUDA tensor's value (``.item()``, ``float()``) waits for every kernel queued so far,
-and while Python waits it queues nothing: three such reads per step left an H200 idle long
-enough to cost a quarter of ResNet-18's throughput (benchmarks/RESULTS.md, GPU section). So the
-loop keeps a step's numbers as tensors in a :class:`PendingStep` and reads them all at once:
+and while Python waits it queues nothing: a loop that reads its loss, accuracy and gradient norm
+every step leaves the GPU idle for a large share of ResNet-18's step (benchmarks/README.md, GPU).
+So the loop keeps a step's numbers as tensors in a :class:`PendingStep`, and a
+:class:`StepReader` reads them all at once:
 
 * lag 0 (CPU, where nothing is queued, and DDP, where every rank must act on the same step):
   read before the optimizer step, so a non-finite loss or gradient stops the run before it
@@ -19,6 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.curves import StepLog
+from core.distributed import DistContext
+from core.reporting import Decision, Reporter
+from core.results import Stop
+
 
 def gradient_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor | float:
     """The total 2-norm of ``grads`` (what ``clip_grad_norm_`` measures), for the per-step curve
@@ -26,8 +32,8 @@ def gradient_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
 
     On CUDA it stays a tensor (read later with the step's other numbers). On CPU it is a float
     from the per-tensor norms: ``get_total_norm`` also groups the tensors by device and dtype and
-    reduces the norms in two more tensor ops, about 80 us a step that cost the digits CNN 2 to 3%
-    of its 4 ms step; this path takes about 30 us (benchmarks/RESULTS.md, trainer overhead).
+    reduces the norms in two more tensor ops, a measurable share of a small CPU model's step;
+    this path is cheaper (benchmarks/README.md, trainer overhead).
     ``math.hypot`` keeps a non-finite norm non-finite (inf wins over nan, as in IEEE hypot)."""
     if device.type != "cpu" or not grads:
         return torch.nn.utils.get_total_norm(grads)
@@ -97,3 +103,107 @@ class PendingStep:
         if check_grad and not math.isfinite(self.norm_value):
             return f"non-finite gradient norm {self.norm_value} {where}"
         return None
+
+
+class StepReader:
+    """The loop's per-step numbers: each optimizer step's micro-batch losses and gradient norm,
+    read ``lag`` steps late (see the module docstring), checked for divergence, added to the
+    epoch's sums, kept in ``step_log`` and reported; under DDP every rank gets rank 0's decision.
+
+    Each epoch: :meth:`start_epoch`; per micro-batch :meth:`add`; per optimizer step
+    :meth:`before_update` (gradients final, weights not yet touched) and :meth:`after_update`
+    (weights and learning rate updated); after the epoch's last step :meth:`finish_epoch`. The last
+    three return a :class:`Stop` when the run must end (divergence, or the reporter's interrupt),
+    else None. The epoch's sums (``loss_sum``, ``correct``, ``seen``: this rank's samples) and
+    the last read step's ``grad_norm`` are then complete."""
+
+    def __init__(self, lag: int, reporter: Reporter, step_log: StepLog, ctx: DistContext,
+                 device: torch.device, check_grad: bool) -> None:
+        self.lag, self.reporter, self.step_log, self.ctx, self.device = lag, reporter, step_log, ctx, device
+        self.check_loss = not ctx.enabled  # DDP ranks see different losses; the gradient norm is all-reduced
+        self.check_grad = check_grad
+        self.epoch = 0
+        self.loss_sum = self.correct = self.seen = 0.0
+        self.grad_norm = math.nan
+        # Each micro-batch's (prediction == label), summed once at the epoch's end: a sum every
+        # step costs two more tensor ops a step, a visible share of a small CPU model's step.
+        self._hits: list[torch.Tensor] = []
+        self._current = PendingStep(1, 0)  # the step being accumulated
+        self._pending: PendingStep | None = None  # lag 1: an updated step whose numbers are not yet read
+        self._decision = Decision.CONTINUE  # the reporter's answer for the last reported step
+
+    def start_epoch(self, epoch: int, step: int, loss_sum: float, correct: float, seen: float) -> None:
+        """``epoch`` starts after optimizer step ``step``, with the sums of its micro-batches
+        trained before an interrupt (zeros for a fresh epoch)."""
+        self.epoch, self.loss_sum, self.correct, self.seen = epoch, loss_sum, correct, seen
+        self.grad_norm = math.nan
+        self._hits, self._pending = [], None
+        self._current = PendingStep(step + 1, epoch)
+
+    def add(self, loss: torch.Tensor, hits: torch.Tensor, size: int) -> None:
+        """One micro-batch's mean loss and (prediction == label), both left on the device."""
+        self._current.add(loss, size)
+        self._hits.append(hits)
+        self.seen += size
+
+    def before_update(self, grad_norm: torch.Tensor | float) -> Stop | None:
+        """The step's gradients are final (``grad_norm`` measured). Read a step before the
+        optimizer touches the weights, this one (lag 0) or the one before (lag 1, reported now)."""
+        self._current.grad_norm = grad_norm
+        self._current.stage()
+        self._decision = Decision.CONTINUE
+        previous, self._pending = (self._current if self.lag == 0 else self._pending), None
+        if previous is None:
+            return None
+        problem = self._read(previous)
+        if problem:
+            return Stop("diverged", problem)
+        if self.lag:
+            self._decision = self._report(previous)
+        return None
+
+    def after_update(self, lr: float) -> Stop | None:
+        """The optimizer (and a per-step scheduler) stepped; ``lr`` is the learning rate now.
+        Lag 0: report the step. Lag 1: it waits to be read during the next one."""
+        done = self._current
+        done.lr = lr
+        if self.lag == 0:
+            self._decision = self._report(done)
+        else:
+            self._pending = done
+        self._current = PendingStep(done.step + 1, self.epoch)
+        return self._interrupted(done.step) if self._decision is Decision.INTERRUPT else None
+
+    def finish_epoch(self) -> Stop | None:
+        """After the epoch's last step (or a stop): read and report the step still pending (lag 1),
+        then count the epoch's hits. Its divergence outranks an interrupt already asked for."""
+        stop = None
+        if self._pending is not None:
+            done, self._pending = self._pending, None
+            problem = self._read(done)
+            if problem:
+                stop = Stop("diverged", problem)
+            elif self._report(done) is Decision.INTERRUPT:
+                stop = self._interrupted(done.step)
+        self.correct += float(torch.cat(self._hits).sum()) if self._hits else 0.0
+        self._hits = []
+        return stop
+
+    def _read(self, done: PendingStep) -> str | None:
+        """Read a step's numbers (the one host-device sync of a step) and say if it diverged."""
+        done.read()
+        return done.problem(check_loss=self.check_loss, check_grad=self.check_grad)
+
+    def _report(self, done: PendingStep) -> Decision:
+        """Add a read step to the epoch's sums and report it; every rank gets rank 0's decision."""
+        group_loss = sum(v * n for v, n in zip(done.loss_values, done.sizes))
+        group_n = sum(done.sizes)
+        self.loss_sum, self.grad_norm = self.loss_sum + group_loss, done.norm_value
+        if self.ctx.enabled:  # the step loss over the global batch, not rank 0's shard
+            group_loss, group_n = self.ctx.all_reduce_sum([group_loss, group_n], self.device)
+        metrics = {"train_loss": group_loss / group_n, "lr": done.lr, "grad_norm": self.grad_norm}
+        self.step_log.add(done.step, metrics)
+        return self.ctx.agree(self.reporter.report_step(done.step, metrics), self.device)
+
+    def _interrupted(self, step: int) -> Stop:
+        return Stop("interrupted", f"interrupted at step {step} (epoch {self.epoch}); checkpoint saved")

@@ -7,7 +7,6 @@ It talks outward only through the Reporter passed in.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from torch import nn
 
 from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
-from core.curves import StepLog, epoch_reports
+from core.curves import epoch_reports
 from core.data import check_not_empty, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
 from core.faults import stop_here
@@ -25,12 +24,11 @@ from core.gradients import StepGradients
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.precision import Precision
 from core.reporting import Decision, NullReporter, Reporter
-from core.results import TrainResult
-from core.step_stats import PendingStep, read_lag
-from core.seeding import configure_determinism, rng_state, seed_everything, set_rng_state
+from core.results import Stop, TrainResult
+from core.run_state import RunCheckpoints, RunState
+from core.seeding import configure_determinism, seed_everything
+from core.step_stats import StepReader, read_lag
 from core.tasks.base import Task
-
-_DECISIONS = list(Decision)  # index <-> decision, for broadcasting under DDP
 
 
 def resolve_device(setting: str, ctx: DistContext) -> torch.device:
@@ -79,124 +77,45 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     seed_everything(cfg.seed)
     configure_determinism(cfg.deterministic)
     precision = Precision(cfg.precision, device)
-
-    model = task.build_model()
-    if ctx.enabled and cfg.distributed.sync_batchnorm:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = model.to(device)
-    backbone = task.backbone(model)
+    model, backbone = _build_model(task, cfg, ctx, device)
     backbone_params = list(backbone.parameters()) if backbone is not None else []
 
     train_ds, val_ds = task.datasets()
     check_not_empty(task, train_ds, val_ds)
     train_loader = make_train_loader(train_ds, cfg, device, ctx)
     val_loader = make_val_loader(val_ds, cfg, device, ctx)
-    micro_batches = len(train_loader)
-    if cfg.max_steps_per_epoch is not None:
-        micro_batches = min(micro_batches, cfg.max_steps_per_epoch)
+    micro_batches = min(len(train_loader), cfg.max_steps_per_epoch or len(train_loader))
     accum = cfg.grad_accum_steps
-    steps_per_epoch = optimizer_steps_per_epoch(micro_batches, accum)
-
-    lr_scale = lr_scale_factor(cfg.distributed.lr_scale_rule, ctx.world_size)
-    optimizer = build_optimizer(param_groups(model, cfg, backbone), cfg)
-    if lr_scale != 1.0:
-        for group in optimizer.param_groups:
-            group["lr"] *= lr_scale
-    scheduler, sched_interval = build_scheduler(optimizer, cfg, steps_per_epoch)
-
-    # DDP wraps after the optimizer is built (same parameters); compile wraps last.
-    fwd_model: nn.Module = model
-    if ctx.enabled:
-        fwd_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    ddp_model = fwd_model
-    if cfg.compile:
-        fwd_model = torch.compile(fwd_model)
+    optimizer = _build_optimizer(model, cfg, backbone, ctx.world_size)
+    scheduler, sched_interval = build_scheduler(optimizer, cfg, optimizer_steps_per_epoch(micro_batches, accum))
+    ddp_model, fwd_model = _wrap(model, cfg, ctx, device)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     grads = StepGradients(list(model.parameters()), device, distributed=ctx.enabled)
 
     # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, curves, mid-epoch progress
-    start_epoch, step, best, best_epoch, history, progress = 1, 0, None, None, [], None
-    step_log = StepLog()  # every reported step, kept in checkpoints for the reporter of a resumed run
-    if resume and out is not None:
-        found = ckpt.load_resume_state(out, owner)
-        if found is not None:
-            state, _ = found
-            model.load_state_dict(ckpt.strip_prefixes(state["model"]))
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            precision.load_state_dict(state["precision"])
-            set_rng_state(state["rng"])
-            step, best, best_epoch = state["step"], state["best"], state["best_epoch"]
-            history = json.loads(state["history_json"])
-            step_log.load_state_dict(state.get("steps"))
-            progress = state.get("progress")  # set when interrupted mid-epoch
-            start_epoch = state["epoch"] + (0 if progress else 1)
-            if progress and progress.get("world_size", 1) != ctx.world_size:
-                progress = None  # another sharding: its micro-batch index means nothing here, so redo the epoch
-            # The process that reported these may have died before they were stored, and this
-            # run may be tracked in a new place: hand them over before the first new step.
-            reporter.resumed(epoch_reports(history), step_log.reports())
-
+    checkpoints = RunCheckpoints(out, owner, cfg, task, model, optimizer, scheduler, precision, ctx.is_main)
+    restored = checkpoints.restore(ctx.world_size) if resume else None
+    run = restored or RunState()
+    if restored is not None:
+        # The process that reported these may have died before they were stored, and this
+        # run may be tracked in a new place: hand them over before the first new step.
+        reporter.resumed(epoch_reports(run.history), run.step_log.reports())
     if out is not None and ctx.is_main:
-        config_path = out / "config.json"
-        _write_json({"train": cfg.to_dict(), "task": task.describe()}, config_path)
-        reporter.log_artifact(config_path, "config")
+        _write_config(out, cfg, task, reporter)
 
-    def make_state(epoch: int, progress_: dict | None) -> dict:
-        # The checkpoint holds everything needed to continue bitwise-identically.
-        return {
-            "model": ckpt.strip_prefixes(ckpt.unwrap_model(model).state_dict()),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "precision": precision.state_dict(), "rng": rng_state(),
-            "epoch": epoch, "step": step, "best": best, "best_epoch": best_epoch,
-            "history_json": json.dumps(history), "progress": progress_,
-            "config_json": json.dumps(cfg.to_dict()), "task_json": json.dumps(task.describe()),
-            "owner": owner, "steps": step_log.state_dict(),
-        }
-
-    status, reason = "completed", ""
-    metrics = epoch_reports(history)[-1][2] if history else {}  # the last epoch's, also if none is left to run
-    global_batch = cfg.batch_size * ctx.world_size * accum
-    lag = read_lag(device, ctx.enabled)  # read each step's numbers now (0) or one step later (1)
-    for epoch in range(start_epoch, cfg.epochs + 1):
+    stop: Stop | None = None  # why the run ends early; None while it goes on
+    # Each step's numbers are read now (lag 0) or one step later (lag 1): core/step_stats.py.
+    steps = StepReader(read_lag(device, ctx.enabled), reporter, run.step_log, ctx, device,
+                       check_grad=not precision.tolerates_nonfinite_grads)
+    for epoch in range(run.start_epoch, cfg.epochs + 1):
         # ---- train one epoch
         train_loader.sampler.set_epoch(epoch)  # the shuffle of epoch k depends only on (seed, k)
-        frozen = epoch <= cfg.freeze_backbone_epochs
-        for p in backbone_params:
-            p.requires_grad_(not frozen)
+        for p in backbone_params:  # frozen for the first `freeze_backbone_epochs` epochs
+            p.requires_grad_(epoch > cfg.freeze_backbone_epochs)
         grads.attach()
         model.train()
-        skip = progress["next_batch"] if progress else 0
-        loss_sum, correct, seen, train_time = (progress["sums"] if progress else (0.0, 0.0, 0.0, 0.0))
-        if not ctx.is_main:  # the checkpoint's partial sums are already summed over ranks
-            loss_sum, correct, seen = 0.0, 0.0, 0.0
-        progress = None
-        grad_norm = float("nan")
-        # Each micro-batch's (prediction == label), summed once at the epoch's end: summing every
-        # step cost two more tensor ops a step, about 20 us of a 4 ms CPU step (benchmarks/README.md).
-        hits: list[torch.Tensor] = []
-        pending: PendingStep | None = None  # a step whose numbers are queued but not yet read (lag 1)
-        current = PendingStep(step + 1, epoch)
-
-        def check(rec: PendingStep) -> str | None:
-            """Read a step's numbers (the one host-device sync of a step) and say if it diverged."""
-            rec.read()
-            return rec.problem(check_loss=not ctx.enabled, check_grad=not precision.tolerates_nonfinite_grads)
-
-        def report(rec: PendingStep) -> Decision:
-            """Add a checked step to the epoch's sums and report it; every rank gets rank 0's decision."""
-            nonlocal loss_sum, grad_norm
-            group_loss = sum(v * n for v, n in zip(rec.loss_values, rec.sizes))
-            group_n = sum(rec.sizes)
-            loss_sum, grad_norm = loss_sum + group_loss, rec.norm_value
-            if ctx.enabled:  # the step loss over the global batch, not rank 0's shard
-                group_loss, group_n = ctx.all_reduce_sum([group_loss, group_n], device)
-            step_metrics = {"train_loss": group_loss / group_n, "lr": rec.lr, "grad_norm": grad_norm}
-            step_log.add(rec.step, step_metrics)
-            decision = reporter.report_step(rec.step, step_metrics)
-            return _agree(decision, ctx, device)
-
+        skip, (loss_sum, correct, seen, train_time) = run.take_progress(ctx.is_main)
+        steps.start_epoch(epoch, run.step, loss_sum, correct, seen)
         t0 = time.perf_counter()
         last_i = -1
         for i, (x, y) in enumerate(train_loader):
@@ -218,103 +137,121 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                 if i == group_start:
                     grads.before_backward()
                 precision.backward(loss if group_size == 1 else loss / group_size)
-            # No .item() here: the numbers stay on the device until the step is read (core/step_stats.py).
-            current.add(loss, y.shape[0])
-            hits.append(logits.argmax(1) == y)
-            seen += y.shape[0]
+            steps.add(loss, logits.argmax(1) == y, y.shape[0])  # no .item(): read with the step
             if not final_micro:
                 continue
             # ---- one optimizer step (after `group_size` micro-batches)
             precision.unscale_(optimizer)  # clip and measure true gradients, not scaled ones
-            if cfg.grad_clip:
-                current.grad_norm = grads.clip_(cfg.grad_clip)
-            else:  # measure only: clipping at infinity would still rescale every gradient by 1.0
-                current.grad_norm = grads.norm()
-            current.stage()
-            # Read a step before touching the weights: this one (lag 0) or the one before (lag 1).
-            previous = current if lag == 0 else pending
-            problem = check(previous) if previous is not None else None
-            if problem:
-                status, reason = "diverged", problem
+            # Without clipping, only measure: clipping at infinity would still rescale every gradient by 1.0.
+            stop = steps.before_update(grads.clip_(cfg.grad_clip) if cfg.grad_clip else grads.norm())
+            if stop is None:  # the step read before the weights change was fine
+                precision.step(optimizer)
+                grads.after_step()
+                if sched_interval == "step":
+                    scheduler.step()
+                run.step += 1
+                stop = steps.after_update(current_lr(optimizer))
+            if stop is not None:
                 break
-            decision = report(previous) if lag and previous is not None else Decision.CONTINUE
-            precision.step(optimizer)
-            grads.after_step()
-            if sched_interval == "step":
-                scheduler.step()
-            step += 1
-            current.lr = current_lr(optimizer)
-            if lag == 0:
-                decision = report(current)
-            pending, current = (current if lag else None), PendingStep(step + 1, epoch)
-            if decision is Decision.INTERRUPT:
-                status, reason = "interrupted", f"interrupted at step {step} (epoch {epoch}); checkpoint saved"
-                break
-        # ---- the epoch's last step (lag 1: still unread), then its sums
-        if pending is not None and status != "diverged":
-            problem = check(pending)
-            if problem:
-                status, reason = "diverged", problem
-            elif report(pending) is Decision.INTERRUPT and status == "completed":
-                status, reason = "interrupted", f"interrupted at step {step} (epoch {epoch}); checkpoint saved"
-        correct += float(torch.cat(hits).sum()) if hits else 0.0
+        stop = steps.finish_epoch() or stop  # lag 1: the epoch's last step is read only now
         train_time += time.perf_counter() - t0
-        if status == "interrupted":
-            loss_sum, correct, seen = ctx.all_reduce_sum([loss_sum, correct, seen], device)
-            if out is not None and ctx.is_main and cfg.save_checkpoints:
-                ckpt.save_last(make_state(epoch, {"next_batch": last_i + 1, "world_size": ctx.world_size,
-                                                  "sums": (loss_sum, correct, seen, train_time)}), out)
-        if status != "completed":
+        if stop is not None and stop.status == "diverged":
+            break  # no checkpoint: the weights in memory may be spoiled
+        sums = ctx.all_reduce_sum([steps.loss_sum, steps.correct, steps.seen], device)
+        if stop is not None:  # interrupted mid-epoch: a resumed run continues at the next micro-batch
+            checkpoints.save(run, epoch, progress={"next_batch": last_i + 1, "world_size": ctx.world_size,
+                                                   "sums": (*sums, train_time)})
             break
 
         # ---- validate
-        loss_sum, correct, seen = ctx.all_reduce_sum([loss_sum, correct, seen], device)
-        val_loss, val_acc = _evaluate(fwd_model, val_loader, criterion, device, precision, ctx)
-        metrics = {
-            "train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1),
-            "val_loss": val_loss, "val_acc": val_acc, "lr": current_lr(optimizer), "grad_norm": grad_norm,
-            "samples_per_s": seen / max(train_time, 1e-9), "epoch_time_s": train_time,
-            "peak_mem_mb": _peak_memory_mb(device), "skipped_steps": float(precision.skipped_steps),
-        }
-        monitored = metrics[cfg.monitor]
-        improved = best is None or (monitored < best if cfg.monitor_mode == "min" else monitored > best)
-        if improved:
-            best, best_epoch = monitored, epoch
-        history.append({"epoch": epoch, "step": step, **metrics})
+        val = _evaluate(fwd_model, val_loader, criterion, device, precision, ctx)
+        metrics = _epoch_metrics(sums, train_time, val, steps.grad_norm, optimizer, precision, device)
+        improved = run.record_epoch(epoch, metrics, cfg.monitor, cfg.monitor_mode)
 
         # ---- schedule, checkpoint, then report (a kill after the report still finds the checkpoint)
         if sched_interval == "epoch":
             scheduler.step()
         elif sched_interval == "plateau":
-            scheduler.step(monitored)
-        if out is not None and ctx.is_main and cfg.save_checkpoints:
-            state = make_state(epoch, None)
-            ckpt.save_last(state, out)
-            if improved:
-                ckpt.save_checkpoint(state, out / ckpt.BEST)
-        decision = _agree(reporter.report_epoch(epoch, step, metrics), ctx, device)
+            scheduler.step(metrics[cfg.monitor])
+        checkpoints.save(run, epoch, best=improved)
+        decision = ctx.agree(reporter.report_epoch(epoch, run.step, metrics), device)
         if decision is Decision.PRUNE:
-            status, reason = "pruned", f"pruned after epoch {epoch} ({cfg.monitor}={monitored:.6g})"
+            stop = Stop("pruned", f"pruned after epoch {epoch} ({cfg.monitor}={metrics[cfg.monitor]:.6g})")
             break
         if decision is Decision.INTERRUPT:
-            status, reason = "interrupted", f"interrupted after epoch {epoch}; checkpoint saved"
+            stop = Stop("interrupted", f"interrupted after epoch {epoch}; checkpoint saved")
             break
 
-    result = TrainResult(
-        status=status, reason=reason, epochs_completed=len(history), steps_completed=step,
-        metrics=metrics, best_metric=best, best_epoch=best_epoch, history=history,
-        global_batch_size=global_batch, skipped_steps=precision.skipped_steps,
-    )
+    # ---- end of run: the result, then (completed runs) evaluation and ONNX export of the best weights
+    result = _result(stop, run, cfg.batch_size * ctx.world_size * accum, precision.skipped_steps)
     if out is not None and ctx.is_main:
-        if (out / ckpt.LAST).exists():
-            result.checkpoint_last = out / ckpt.LAST
-        if (out / ckpt.BEST).exists():
-            result.checkpoint_best = out / ckpt.BEST
-        if status == "completed":
-            from core.finalize import finalize_run  # evaluation + ONNX export of the best weights
+        result.checkpoint_last = out / ckpt.LAST if (out / ckpt.LAST).exists() else None
+        result.checkpoint_best = out / ckpt.BEST if (out / ckpt.BEST).exists() else None
+        if result.status == "completed":
+            from core.finalize import finalize_run
 
             finalize_run(task, cfg, model, val_ds, device, out, reporter, result)
     return result
+
+
+def _build_model(task: Task, cfg: TrainConfig, ctx: DistContext,
+                 device: torch.device) -> tuple[nn.Module, nn.Module | None]:
+    """The task's model on ``device`` (BatchNorm synchronised across DDP ranks when asked), and its
+    pretrained backbone or None."""
+    model = task.build_model()
+    if ctx.enabled and cfg.distributed.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    return model, task.backbone(model)
+
+
+def _build_optimizer(model: nn.Module, cfg: TrainConfig, backbone: nn.Module | None,
+                     world_size: int) -> torch.optim.Optimizer:
+    """The optimizer, its learning rates scaled for the DDP world size (``distributed.lr_scale_rule``)."""
+    lr_scale = lr_scale_factor(cfg.distributed.lr_scale_rule, world_size)
+    optimizer = build_optimizer(param_groups(model, cfg, backbone), cfg)
+    if lr_scale != 1.0:
+        for group in optimizer.param_groups:
+            group["lr"] *= lr_scale
+    return optimizer
+
+
+def _wrap(model: nn.Module, cfg: TrainConfig, ctx: DistContext,
+          device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """``(ddp_model, fwd_model)``: the module whose ``no_sync`` skips DDP's all-reduce, and the one
+    the forward pass calls. DDP wraps after the optimizer is built (same parameters); compile
+    wraps last."""
+    ddp_model = model
+    if ctx.enabled:
+        ddp_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    fwd_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    return ddp_model, fwd_model
+
+
+def _epoch_metrics(train_sums: list[float], train_time: float, val: tuple[float, float], grad_norm: float,
+                   optimizer: torch.optim.Optimizer, precision: Precision,
+                   device: torch.device) -> dict[str, float]:
+    """The epoch's report (``EPOCH_METRICS``): ``train_sums`` (loss, correct, seen) are summed over
+    ranks, ``val`` is (loss, accuracy); the peak memory is read after validation, which counts."""
+    loss_sum, correct, seen = train_sums
+    val_loss, val_acc = val
+    return {
+        "train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1),
+        "val_loss": val_loss, "val_acc": val_acc, "lr": current_lr(optimizer), "grad_norm": grad_norm,
+        "samples_per_s": seen / max(train_time, 1e-9), "epoch_time_s": train_time,
+        "peak_mem_mb": _peak_memory_mb(device), "skipped_steps": float(precision.skipped_steps),
+    }
+
+
+def _result(stop: Stop | None, run: RunState, global_batch_size: int, skipped_steps: int) -> TrainResult:
+    """What ``train`` returns, before the checkpoints' paths and the end-of-run evaluation."""
+    status, reason = stop or ("completed", "")
+    return TrainResult(
+        status=status, reason=reason, epochs_completed=len(run.history), steps_completed=run.step,
+        metrics=run.last_metrics(), best_metric=run.best, best_epoch=run.best_epoch, history=run.history,
+        global_batch_size=global_batch_size, skipped_steps=skipped_steps,
+    )
 
 
 def _forward(model: nn.Module, criterion: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -345,13 +282,6 @@ def _evaluate(model: nn.Module, loader, criterion: nn.Module, device: torch.devi
     return loss_sum / max(seen, 1), correct / max(seen, 1)
 
 
-def _agree(decision: Decision, ctx: DistContext, device: torch.device) -> Decision:
-    """Rank 0's decision on every rank (a no-op in single-process runs)."""
-    if not ctx.enabled:
-        return decision
-    return _DECISIONS[ctx.broadcast_int(_DECISIONS.index(decision), device)]
-
-
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -360,7 +290,10 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _write_json(obj: dict, path: Path) -> None:
+def _write_config(out: Path, cfg: TrainConfig, task: Task, reporter: Reporter) -> None:
+    """``out/config.json``: what this run trains, logged as an artifact."""
     from core.io_utils import save_json_atomic
 
-    save_json_atomic(obj, path)
+    path = out / "config.json"
+    save_json_atomic({"train": cfg.to_dict(), "task": task.describe()}, path)
+    reporter.log_artifact(path, "config")

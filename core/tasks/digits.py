@@ -5,8 +5,9 @@ Nothing is downloaded. The train/val split is stratified and fixed by ``split_se
 
 The images and the split are cached in a small ``.npz`` (``SWEEPS_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/sweeps``, else ``~/.cache/sweeps``), keyed by scikit-learn's version:
-importing scikit-learn costs 2 to 3 s of CPU in every fresh worker process, more than a
-short trial trains. Without a usable cache folder, scikit-learn is used every time.
+importing scikit-learn costs every fresh worker process more CPU time than a short trial
+trains (benchmarks/README.md, orchestration). Without a usable cache folder, scikit-learn is
+used every time.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class DigitsTask(Task):
     def warm_up(self) -> None:
         cached = split_cache_file(self.val_fraction, self.split_seed)
         if cached is None or not cached.is_file():  # datasets() will need scikit-learn
-            import sklearn.datasets  # noqa: F401 - the first datasets() call is then cheap (about 1 s)
+            import sklearn.datasets  # noqa: F401 - the first datasets() call is then cheap
             import sklearn.model_selection  # noqa: F401
 
     def datasets(self):

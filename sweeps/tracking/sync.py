@@ -22,9 +22,9 @@ _FIX = (
 )
 
 
-# MLflow's HTTP client retries 7 times with exponential backoff and a 120 s timeout: an
-# unreachable server would stall a flush (and training) for minutes. The spool makes
-# retrying later cheap, so fail fast instead.
+# By default MLflow's HTTP client retries several times, with exponential backoff and a long
+# timeout per request: an unreachable server would stall a flush (and training) for minutes.
+# The spool makes retrying later cheap, so fail fast instead.
 _FAST_FAIL_HTTP_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
@@ -63,7 +63,7 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
     Called before any training starts and before a sync. For http(s) it asks the REST
     API directly with a timeout of seconds and no retries (MLflow's own client would
     retry for minutes); a database server gets one connection attempt with a timeout
-    (MLflow's engine setup retries for ~100 s); then one cheap query through the client.
+    (MLflow's engine setup retries for over a minute); then one cheap query through the client.
     """
     if is_http_uri(tracking_uri):
         _check_http(tracking_uri)

@@ -1,0 +1,112 @@
+"""What a run carries from epoch to epoch and across a restart, and the checkpoint that holds it.
+
+:class:`RunState` is the loop's bookkeeping: optimizer steps so far, the best monitored value,
+the per-epoch history, every reported step, and where an epoch interrupted mid-way stopped.
+:class:`RunCheckpoints` writes it to ``last.pt`` (and ``best.pt``) together with the weights,
+optimizer, scheduler, scaler and RNG states, and reads all of it back, so that a resumed run
+continues bitwise-identically.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core import checkpoint as ckpt
+from core.config import TrainConfig
+from core.curves import StepLog, epoch_reports
+from core.precision import Precision
+from core.seeding import rng_state, set_rng_state
+from core.tasks.base import Task
+
+
+@dataclass
+class RunState:
+    """A run's counters and curves; a fresh run's by default."""
+
+    start_epoch: int = 1  # the first epoch this process trains
+    step: int = 0  # optimizer steps so far
+    best: float | None = None  # the best monitored value so far, and its epoch
+    best_epoch: int | None = None
+    history: list[dict] = field(default_factory=list)  # per epoch: {"epoch", "step", **metrics}
+    step_log: StepLog = field(default_factory=StepLog)  # every reported step, for a resumed run's reporter
+    # An epoch interrupted mid-way: {"next_batch", "world_size", "sums": (loss, correct, seen, seconds)}.
+    progress: dict | None = None
+
+    def last_metrics(self) -> dict[str, float]:
+        """The last epoch's metrics ({} before the first epoch)."""
+        return epoch_reports(self.history)[-1][2] if self.history else {}
+
+    def take_progress(self, is_main: bool) -> tuple[int, tuple[float, float, float, float]]:
+        """Where the next epoch starts: the first micro-batch to train and the sums
+        (loss, correct, seen, seconds) of those trained before an interrupt; for a fresh epoch
+        0 and zeros. Taken once: the epochs after it start from their beginning."""
+        progress, self.progress = self.progress, None
+        skip = progress["next_batch"] if progress else 0
+        loss_sum, correct, seen, seconds = progress["sums"] if progress else (0.0, 0.0, 0.0, 0.0)
+        if not is_main:  # the checkpoint's partial sums are already summed over ranks
+            loss_sum, correct, seen = 0.0, 0.0, 0.0
+        return skip, (loss_sum, correct, seen, seconds)
+
+    def record_epoch(self, epoch: int, metrics: dict[str, float], monitor: str, mode: str) -> bool:
+        """Add the epoch to the history; True when its ``monitor`` value is the best so far."""
+        monitored = metrics[monitor]
+        improved = self.best is None or (monitored < self.best if mode == "min" else monitored > self.best)
+        if improved:
+            self.best, self.best_epoch = monitored, epoch
+        self.history.append({"epoch": epoch, "step": self.step, **metrics})
+        return improved
+
+
+class RunCheckpoints:
+    """The checkpoints of a run writing to ``out``: :meth:`restore` loads the latest into the
+    training objects, :meth:`save` writes them (on rank 0, when ``cfg.save_checkpoints``)."""
+
+    def __init__(self, out: Path | None, owner: str | None, cfg: TrainConfig, task: Task, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler, precision: Precision, is_main: bool) -> None:
+        self.out, self.owner, self.cfg, self.task = out, owner, cfg, task
+        self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
+        self.saving = out is not None and is_main and cfg.save_checkpoints
+
+    def restore(self, world_size: int) -> RunState | None:
+        """Load ``last.pt`` (or ``last.prev.pt``, see ``checkpoint.load_resume_state``) into the
+        model, optimizer, scheduler, scaler and RNG, and return its RunState; None without one."""
+        found = ckpt.load_resume_state(self.out, self.owner) if self.out is not None else None
+        if found is None:
+            return None
+        state, _ = found
+        self.model.load_state_dict(ckpt.strip_prefixes(state["model"]))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
+        set_rng_state(state["rng"])
+        step_log = StepLog()
+        step_log.load_state_dict(state.get("steps"))
+        progress = state.get("progress")  # set when interrupted mid-epoch
+        start_epoch = state["epoch"] + (0 if progress else 1)
+        if progress and progress.get("world_size", 1) != world_size:
+            progress = None  # another sharding: its micro-batch index means nothing here, so redo the epoch
+        return RunState(start_epoch=start_epoch, step=state["step"], best=state["best"],
+                        best_epoch=state["best_epoch"], history=json.loads(state["history_json"]),
+                        step_log=step_log, progress=progress)
+
+    def save(self, run: RunState, epoch: int, progress: dict | None = None, best: bool = False) -> None:
+        """Write ``last.pt`` after ``epoch`` (``progress``: interrupted inside it), and ``best.pt``
+        too when ``best``: everything needed to continue bitwise-identically."""
+        if not self.saving:
+            return
+        state = {
+            "model": ckpt.strip_prefixes(ckpt.unwrap_model(self.model).state_dict()),
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(), "rng": rng_state(),
+            "epoch": epoch, "step": run.step, "best": run.best, "best_epoch": run.best_epoch,
+            "history_json": json.dumps(run.history), "progress": progress,
+            "config_json": json.dumps(self.cfg.to_dict()), "task_json": json.dumps(self.task.describe()),
+            "owner": self.owner, "steps": run.step_log.state_dict(),
+        }
+        ckpt.save_last(state, self.out)
+        if best:
+            ckpt.save_checkpoint(state, self.out / ckpt.BEST)
