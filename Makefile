@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench install clean-runs
+.PHONY: run test test-fast bench install clean-runs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ TEST_PROCESSES ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist worksteal
+
+# The fast tier: everything but the tests marked slow (studies through `sweeps run`, other heavy
+# subprocesses), ray, browser (Chromium) or postgres; under 3 minutes on 2 cores. A test of
+# this tier that starts a study fails and asks for the slow marker (tests/conftest.py).
+FAST_TIER := not slow and not ray and not browser and not postgres
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist worksteal -m "$(FAST_TIER)"
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

@@ -1,4 +1,9 @@
-"""Shared fixtures. Tests run on CPU with one thread per process unless they say otherwise."""
+"""Shared fixtures. Tests run on CPU with one thread per process unless they say otherwise.
+
+The fast tier (``make test-fast``) leaves out the tests marked ``slow``, ``ray``, ``browser``
+or ``postgres`` (:data:`NOT_FAST`). A test in the fast tier that starts a study (``sweeps run``
+in a subprocess, or in this process, which starts its worker processes) fails with a message
+asking for the ``slow`` marker: see :func:`_watch_study_processes`."""
 from __future__ import annotations
 
 import os
@@ -7,6 +12,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,7 +44,57 @@ def _is_xdist_controller(config) -> bool:
     return bool(getattr(config.option, "numprocesses", None)) and "PYTEST_XDIST_WORKER" not in os.environ
 
 
+NOT_FAST = ("slow", "ray", "browser", "postgres")  # the markers `make test-fast` deselects
+# What a study start looks like on a command line: the CLI's `run`, or a local Optuna worker.
+_STUDY_MODULES = ("sweeps.backends.optuna_worker",)
+_current: dict[str, Any] = {"item": None, "starts": []}
+
+
+def _starts_a_study(argv: list[str]) -> bool:
+    if "--help" in argv or "-h" in argv:
+        return False
+    if any(module in argv for module in _STUDY_MODULES):
+        return True
+    for i, word in enumerate(argv[:-1]):
+        if (word == "sweeps.cli" or Path(word).name == "sweeps") and argv[i + 1] == "run":
+            return True
+    return False
+
+
+def _watch_study_processes(event: str, args: tuple) -> None:
+    """An audit hook (it sees every subprocess this test process starts): records a study
+    started by a test outside the slow tiers, for :func:`pytest_runtest_makereport`."""
+    if event != "subprocess.Popen" or _current["item"] is None:
+        return
+    try:
+        argv = [os.fsdecode(a) for a in args[1]] if not isinstance(args[1], (str, bytes)) else [os.fsdecode(args[1])]
+    except TypeError:
+        return
+    if _starts_a_study(argv):
+        _current["starts"].append(" ".join(argv)[:300])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    fast = not any(item.get_closest_marker(name) for name in NOT_FAST)
+    _current["item"], _current["starts"] = (item if fast else None), []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "teardown":
+        _current["item"] = None
+    if call.when == "call" and _current["item"] is item and _current["starts"] and report.passed:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} started a study ({_current['starts'][0]}) but is in the fast tier "
+            f"(`make test-fast`): mark it (or its module) @pytest.mark.slow")
+
+
 def pytest_configure(config):
+    sys.addaudithook(_watch_study_processes)
     # Two cores on CI: keep torch from spawning more threads than there are cores, counting the
     # processes that run tests at once (two processes with two threads each would make torch's
     # threads wait for each other's cores). The xdist controller runs no test: its workers decide.

@@ -4,6 +4,9 @@ GPU section (skipped at once without CUDA). Speed is never asserted."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import signal
 import time
 import subprocess
 import sys
@@ -154,7 +157,9 @@ def test_trainer_overhead_lockstep_with_tracked_runs_only(tmp_path):
                                             TrackingStore(tmp_path / "mlflow"), "tiny", ctx)
     assert list(paced["ratios"]) == ["tracked"] and len(paced["ratios"]["tracked"]) == 2
     assert paced["step_pairs_per_run"] == 3  # the first step of a run has no pair
-    assert all(0.5 < r < 2.0 for r in paced["ratios"]["tracked"])
+    # Speed is not asserted: each run's ratio is measured (a positive number) from every step pair.
+    assert all(math.isfinite(r) and r > 0 for r in paced["ratios"]["tracked"])
+    assert paced["step_ms"]["tracked"]["n"] == paced["step_ms"]["hand"]["n"] == 2 * 3
 
 
 STALLING_BENCH = '''
@@ -165,13 +170,15 @@ def run(ctx):
     rows = [make_row("first case", metric="s", baseline=arm("a", [1.0, 1.2]), candidate=arm("b", [2.0, 2.2]),
                      ratio=paired_ratio([2.0, 2.2], [1.0, 1.2], "b / a"), headline="measured before the stall")]
     ctx.keep(rows)
-    time.sleep(300)  # the second case never ends: the suite stops it at its time limit
+    while True:  # the second case never ends: the suite stops it at its time limit
+        time.sleep(1)
 
 if __name__ == "__main__":
     raise SystemExit(bench_main("stalling", "A benchmark that stalls", run))
 '''
 
 
+@pytest.mark.timeout(300)  # a hang guard: a job never stopped at its limit would be waited for until then
 def test_a_benchmark_stopped_at_its_time_limit_keeps_the_rows_it_had_measured(tmp_path, monkeypatch):
     """run_all stops an overrunning benchmark's process group; the rows it saved with ctx.keep are
     reported (status partial, the limit named) instead of nothing."""
@@ -182,10 +189,13 @@ def test_a_benchmark_stopped_at_its_time_limit_keeps_the_rows_it_had_measured(tm
     out = tmp_path / "results" / "stalling.json"
     job = Job("stalling", out, quick=True, repeats=None, timeout_s=8, extra=[], log_path=None,
               module="stalling_bench")
-    deadline = time.monotonic() + 60
-    while not job.poll():
-        assert time.monotonic() < deadline, "the job was not stopped at its limit"
-        time.sleep(0.2)
+    try:
+        while not job.poll():  # the benchmark itself never ends: only its limit stops it
+            time.sleep(0.2)
+    finally:
+        if job.proc.poll() is None:  # the test failed (timed out): leave nothing behind
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.proc.wait()
     result = job.finish()
     assert result["status"] == "partial"
     assert result["error"].startswith("stopped after 8 s, its time limit in this suite")

@@ -90,6 +90,7 @@ _SAVE_EPOCH_2 = "import sys, torch; from core import checkpoint as c; " \
                 "c.save_last({'epoch': 2, 'w': torch.full((1000,), 2.0)}, sys.argv[1])"
 
 
+@pytest.mark.slow
 def test_a_kill_mid_checkpoint_leaves_the_previous_last_pt_intact_and_loadable(tmp_path):
     ckpt.save_last({"epoch": 1, "w": torch.ones(1000)}, tmp_path)
     before = (tmp_path / ckpt.LAST).read_bytes()

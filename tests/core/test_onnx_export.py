@@ -55,6 +55,7 @@ def test_digits_cnn_parity_on_real_val_inputs(tmp_path):
             np.testing.assert_allclose(out, model(x).numpy(), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_resnet18_parity_and_dynamic_batch(tmp_path):
     torch.manual_seed(0)
     model = resnet18_cifar()
@@ -135,6 +136,7 @@ def registry_builds(monkeypatch):
     return built
 
 
+@pytest.mark.slow
 def test_exports_in_one_process_build_the_exporters_registry_once(tmp_path, registry_builds):
     from torch.onnx._internal.exporter import _registration
 

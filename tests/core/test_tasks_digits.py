@@ -93,6 +93,7 @@ def _fresh_process(code: str, cache: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT), "SWEEPS_CACHE_DIR": str(cache)})
 
 
+@pytest.mark.slow
 def test_a_worker_with_the_cache_never_imports_scikit_learn(tmp_path):
     """A worker calls Task.warm_up while it waits for its go. Without the cache, digits imports
     scikit-learn's loaders there; with it, neither warm_up nor datasets imports scikit-learn."""

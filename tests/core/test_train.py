@@ -125,15 +125,47 @@ def test_step_and_epoch_metrics_are_reported():
         assert key in epoch_metrics and math.isfinite(epoch_metrics[key])
 
 
-def test_freeze_backbone_phase_keeps_backbone_weights_fixed():
+def test_freeze_backbone_phase_keeps_backbone_weights_fixed_then_trains_them():
     task = _BackboneDigits()
-    rec = RecordingReporter()
-    model_before = task.build_model()
-    result = train(task, fast_config(epochs=1, freeze_backbone_epochs=1, backbone_lr_mult=0.1), reporter=rec)
-    assert result.status == "completed"
-    trained = task.last_model
-    for name, p in trained.features.named_parameters():
-        assert torch.equal(p.detach(), dict(model_before.features.named_parameters())[name].detach()), name
+    rec = _BackboneAtEpochEnd(task)
+    built = task.build_model()  # seeded: the model train() builds starts with these weights
+    initial, initial_head = _backbone_weights(built), _head_weights(built)
+    result = train(task, fast_config(epochs=3, freeze_backbone_epochs=2, backbone_lr_mult=0.1), reporter=rec)
+    assert result.status == "completed" and [e for e, _ in rec.epochs] == [1, 2, 3]
+    assert initial and rec.backbone[1].keys() == initial.keys() and rec.head[1].keys() == initial_head.keys()
+    # Epochs 1 and 2 (frozen): the backbone stays exactly as built while the head trains.
+    for epoch in (1, 2):
+        for name, w in rec.backbone[epoch].items():
+            assert torch.equal(w, initial[name]), f"{name} changed in frozen epoch {epoch}"
+    assert not all(torch.equal(w, initial_head[name]) for name, w in rec.head[1].items())
+    assert not all(torch.equal(w, rec.head[1][name]) for name, w in rec.head[2].items())
+    # Epoch 3 (after freeze_backbone_epochs): every backbone parameter trains.
+    for name, w in rec.backbone[3].items():
+        assert not torch.equal(w, initial[name]), f"{name} did not change in epoch 3, after the freeze"
+
+
+def _backbone_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.features.named_parameters()}
+
+
+def _head_weights(model) -> dict[str, torch.Tensor]:
+    backbone = {id(p) for p in model.features.parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in backbone}
+
+
+class _BackboneAtEpochEnd(RecordingReporter):
+    """Copies the model's backbone and head weights as each epoch ends (report_epoch)."""
+
+    def __init__(self, task: "_BackboneDigits") -> None:
+        super().__init__()
+        self.task = task
+        self.backbone: dict[int, dict[str, torch.Tensor]] = {}
+        self.head: dict[int, dict[str, torch.Tensor]] = {}
+
+    def report_epoch(self, epoch, step, metrics):
+        self.backbone[epoch] = _backbone_weights(self.task.last_model)
+        self.head[epoch] = _head_weights(self.task.last_model)
+        return super().report_epoch(epoch, step, metrics)
 
 
 @pytest.mark.parametrize("sizes, which", [((0, 64), "train"), ((256, 0), "validation")])

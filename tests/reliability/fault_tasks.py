@@ -59,3 +59,33 @@ class HangTask(DigitsTask):
 @task
 def make_hang_task(model: str = "mlp") -> HangTask:
     return HangTask(model)
+
+
+class _WaitAfter(nn.Module):
+    """Training forwards after the first ``calls`` wait until the file ``gate`` exists: the trial
+    stays RUNNING, with the checkpoint of its earlier epochs on disk, until the test opens the gate.
+    Each process counts from zero, so a retry that resumes past ``calls`` steps never waits."""
+
+    def __init__(self, inner: nn.Module, calls: int, gate: str | None) -> None:
+        super().__init__()
+        self.inner, self.calls, self.seen, self.gate = inner, calls, 0, gate
+
+    def forward(self, x):
+        if self.training and self.gate:
+            self.seen += 1
+            while self.seen > self.calls and not os.path.exists(self.gate):
+                time.sleep(0.05)
+        return self.inner(x)
+
+
+class GatedTask(DigitsTask):
+    """``GATE_AFTER`` training forwards (an epoch's worth), then wait for the file ``GATE_OPEN``."""
+
+    def build_model(self):
+        return _WaitAfter(super().build_model(), calls=int(os.environ.get("GATE_AFTER", "0")),
+                          gate=os.environ.get("GATE_OPEN"))
+
+
+@task
+def make_gated_task(model: str = "mlp") -> GatedTask:
+    return GatedTask(model)

@@ -6,6 +6,7 @@ import string
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,7 @@ EXPLORE = os.environ.get("SWEEPS_FUZZ_EXPLORE") == "1"
 EXAMPLES = 5000 if EXPLORE else 600
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=not EXPLORE)
 @given(st.dictionaries(st.sampled_from(KEYS), values, max_size=8), st.booleans())
 def test_generated_specs_give_a_spec_or_a_spec_error(data, on_top_of_valid):

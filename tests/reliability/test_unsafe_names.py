@@ -5,6 +5,8 @@ import pytest
 
 from tests.sweeps.study_helpers import run_cli, write_spec
 
+pytestmark = pytest.mark.slow  # every test runs the `sweeps` CLI in a subprocess
+
 BAD = ["../escape", "/abs/path", "%2e%2e/x", "%252e%252e", "a\\b", "a\x00b", "runs/../../x"]
 
 

@@ -118,6 +118,8 @@ def test_the_stack_has_its_services(compose):
 
 
 # ---- commands -----------------------------------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
 def test_every_command_uses_flags_the_installed_programs_accept(compose, env_defaults):
     seen = set()
     for name, argv in all_commands(compose, env_defaults):

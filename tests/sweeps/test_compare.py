@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import uuid
 
+import pytest
 
 from sweeps import cli
 from sweeps.compare import compare_curves, compare_table
@@ -14,6 +15,7 @@ def _row(out: str, key: str) -> str:
     return next(line for line in out.splitlines() if f" {key} " in line)
 
 
+@pytest.mark.slow
 def test_compare_prints_both_runs_params_with_the_differences_marked(in_study, capsys):
     runs = in_study.trial_runs()
     a, b = runs[0], runs[1]
@@ -32,6 +34,7 @@ def test_compare_prints_both_runs_params_with_the_differences_marked(in_study, c
     assert n_diff >= 3  # lr twice, trial number, run name, metrics
 
 
+@pytest.mark.slow
 def test_compare_uses_mlflow_tracking_uri_and_names_a_missing_run(in_study, monkeypatch, capsys):
     runs = in_study.trial_runs()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", in_study.uri)
@@ -49,6 +52,7 @@ def test_compare_refuses_a_missing_local_store_instead_of_creating_one(tmp_path,
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_curve_comparison_finds_the_first_parting_step_and_the_largest_difference(in_study):
     client = in_study.client()
     exp = client.create_experiment(f"curves-{uuid.uuid4().hex[:8]}")
@@ -83,6 +87,7 @@ def test_curve_comparison_finds_the_first_parting_step_and_the_largest_differenc
     assert next(m for m in compare_curves(client, b, a).metrics if m.name == "val_acc").identical
 
 
+@pytest.mark.slow
 def test_a_comparison_without_a_curve_in_both_runs_says_there_is_nothing_to_compare(in_study):
     client = in_study.client()
     exp = client.create_experiment(f"nothing-{uuid.uuid4().hex[:8]}")

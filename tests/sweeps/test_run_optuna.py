@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -142,11 +141,9 @@ def test_bad_spec_exits_2_and_creates_nothing(tmp_path):
 
 def test_unreachable_tracking_server_fails_before_training(tmp_path, free_port):
     spec = write_spec(tmp_path, name="nosrv", tracking={"uri": f"http://127.0.0.1:{free_port}"})
-    started = time.monotonic()
-    proc = run_cli(tmp_path, "run", str(spec), timeout=120)
+    proc = run_cli(tmp_path, "run", str(spec))
     assert proc.returncode != 0
-    assert f"127.0.0.1:{free_port}" in proc.stderr
-    assert time.monotonic() - started < 60
+    assert f"127.0.0.1:{free_port}" in proc.stderr and "mlflow server" in proc.stderr  # the URI and the fix
     assert not (tmp_path / "runs" / "nosrv.journal").exists()
     # No worker was started before the check, and nothing was left behind.
     assert not (tmp_path / "runs" / "nosrv").exists()

@@ -81,6 +81,7 @@ def test_grid_problems():
     assert "1000000 points" in ss.grid_problems(huge)[0][1]
 
 
+@pytest.mark.ray
 def test_ray_space_bounds_are_inclusive():
     from ray import tune
 
@@ -118,6 +119,7 @@ def test_split_params_and_signature():
                                                          "log": True, "step": None}
 
 
+@pytest.mark.ray
 def test_ray_space_round_trips_to_the_same_optuna_distributions():
     # Ray's TPE is Optuna's behind OptunaSearch: its conversion must land on our distributions.
     from ray.tune.search.optuna import OptunaSearch

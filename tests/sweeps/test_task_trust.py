@@ -11,6 +11,8 @@ import pytest
 
 from tests.sweeps.study_helpers import load_study, run_cli, sweeps_env, write_spec
 
+pytestmark = pytest.mark.slow  # every test runs the `sweeps` CLI in a subprocess
+
 # Each would do harm if called with these arguments: create PWNED, or delete victim.txt.
 HARMFUL = {
     "os:system": {"command": "touch PWNED"},

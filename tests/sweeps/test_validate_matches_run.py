@@ -10,6 +10,8 @@ import yaml
 
 from tests.sweeps.study_helpers import run_cli, tiny_spec
 
+pytestmark = pytest.mark.slow  # every test runs the `sweeps` CLI in a subprocess
+
 
 def _save(folder: Path, spec: dict) -> Path:
     path = folder / "study.yaml"  # not <name>.yaml: the names here are not file names

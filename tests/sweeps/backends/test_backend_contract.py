@@ -29,7 +29,7 @@ def _spec(tmp_path, backend):
     )
 
 
-@pytest.fixture(params=["optuna", "ray"])
+@pytest.fixture(params=["optuna", pytest.param("ray", marks=pytest.mark.ray)])
 def finished_study(request, tmp_path, monkeypatch):
     backend = request.param
     if backend == "ray":

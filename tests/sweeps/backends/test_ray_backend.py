@@ -16,6 +16,8 @@ import pytest
 from tests.sweeps.backends.conftest import (kill_ray_processes, mlflow_client, run_cli, start_cli, study_runs,
                                             write_spec)
 
+pytestmark = pytest.mark.ray
+
 
 def _spec(tmp_path, **overrides):
     from sweeps.spec import load_spec
