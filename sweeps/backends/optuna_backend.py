@@ -125,8 +125,8 @@ class OptunaBackend:
 
         if spec.is_rdb_storage():
             return contextlib.nullcontext()
-        path = Path(f"{os_.journal_file(spec)}.runlock")  # absolute, like every journal path (journal_file.py)
-        os_.make_folder(path.parent, f"storage: {spec.storage_url()}")  # a clear error if runs/ is a file
+        path = Path(f"{optuna_study.journal_file(spec)}.runlock")  # absolute, like every journal path (journal_file.py)
+        optuna_study.make_folder(path.parent, f"storage: {spec.storage_url()}")  # a clear error if runs/ is a file
 
         @contextlib.contextmanager
         def held():
