@@ -20,6 +20,7 @@ from typing import Callable, Literal
 
 from core.config import TrainConfig, apply_overrides
 from core.ddp_launch import TaskSpec, train_distributed
+from core.diskfull import describe_disk_full
 from core.distributed import lr_scale_factor
 from core.reporting import Decision
 from core.results import TrainResult
@@ -247,7 +248,9 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, int
         return TrialOutcome("FAIL", None, f"the task called sys.exit({exc.code!r})", run)
     except Exception as exc:  # noqa: BLE001 - a failing trial is data, not a crash of the study
         oom = _is_oom(exc)
-        reason = "out of memory: " + _first_line(exc) if oom else f"{type(exc).__name__}: {_first_line(exc)}"
+        full = describe_disk_full(exc, trial.out_dir)  # torch words a full disk as "unexpected pos"
+        reason = ("out of memory: " + _first_line(exc) if oom else full if full
+                  else f"{type(exc).__name__}: {_first_line(exc)}")
         reporter.tracker.set_tags(run, {"sweeps.traceback": traceback.format_exc()[-4000:]})
         if oom:
             _release_cuda_memory()

@@ -8,6 +8,7 @@ on any machine that reaches a shared RDB storage. Both run this loop.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ from optuna.trial import TrialState
 from sweeps import search_space as ss
 from sweeps.backends import optuna_study as os_
 from sweeps.backends.worker_protocol import WorkerGo
-from sweeps.errors import BackendError, StudyStateError, TrackingError
+from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
 from sweeps.pool import worker_writes_from_a_process
 from sweeps.spec import StudySpec, redact_url
@@ -318,7 +319,13 @@ def main() -> int:
 
     # OMP_NUM_THREADS alone is not enough once torch has started its intra-op pool.
     torch.set_num_threads(go.threads)
-    return run_worker(spec, go.slot, go=go)
+    try:
+        return run_worker(spec, go.slot, go=go)
+    except SweepsError as exc:  # one line, as the CLI says it; `sweeps run` fails and requeues its trial
+        if os.environ.get("SWEEPS_DEBUG"):
+            raise
+        log.error("worker %d: %s", go.slot, exc)
+        return exc.exit_code
 
 
 if __name__ == "__main__":
