@@ -6,7 +6,8 @@ outside, which would race the code it means to interrupt. Production code marks 
 :func:`stop_here` (the process SIGKILLs itself there: no ``finally``, no atexit, exactly
 what the OOM killer or a power cut leaves) or asks :func:`armed` and raises its own error.
 
-Points in use: ``mid_checkpoint`` (core.checkpoint: part of a checkpoint is written, not yet
+Points in use (``SWEEPS_PAUSE``: ``spec_read``, in ``sweeps run`` after it read the spec):
+``mid_checkpoint`` (core.checkpoint: part of a checkpoint is written, not yet
 renamed); ``after_training`` (the end of ``core.train``, before the caller records anything);
 ``journal_mid_append`` (sweeps.backends.journal_file: a partial journal
 record is on disk, Optuna's lock held); ``cli_unexpected_error`` (sweeps.cli.main raises a
@@ -31,3 +32,15 @@ def stop_here(point: str) -> None:
     """SIGKILL this process now if ``SWEEPS_FAULT`` names ``point``; otherwise do nothing."""
     if armed(point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+ENV_PAUSE = "SWEEPS_PAUSE"
+
+
+def pause_here(point: str) -> None:
+    """Stop this process with SIGSTOP if ``SWEEPS_PAUSE`` names ``point``: a test waits for the
+    stop (``os.waitpid(pid, os.WUNTRACED)``), changes the world (edits a file), then sends
+    SIGCONT. Deterministic where a sleep before the change would race the code."""
+    names = os.environ.get(ENV_PAUSE, "")
+    if point in {n.strip() for n in names.split(",") if n.strip()}:
+        os.kill(os.getpid(), signal.SIGSTOP)

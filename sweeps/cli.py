@@ -73,9 +73,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 @command("run", "run (or resume) the study of a spec until its total budget is met")
 @args(_run_args)
 def cmd_run(a: argparse.Namespace) -> int:
+    from core.faults import pause_here
     from sweeps.backends import get_backend
 
     spec = _load(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
+    pause_here("spec_read")  # tests edit the file here: nothing may read it again
     result = get_backend(spec.backend).run(spec, fresh=a.fresh, quiet=a.quiet)
     return result.exit_code
 
