@@ -32,7 +32,7 @@ from torch import nn
 from core.io_utils import fsync_dir, save_json_atomic
 from core.results import OnnxReport
 
-__all__ = ["OnnxParityError", "export_and_verify", "warm_up", "write_report_json"]
+__all__ = ["OnnxParityError", "export_and_verify", "write_report_json"]
 
 log = logging.getLogger(__name__)
 
@@ -189,17 +189,6 @@ def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | Non
             raise RuntimeError(
                 f"ONNX export failed with both exporters: dynamo: {dynamo_exc}; torchscript: {legacy_exc}"
             ) from dynamo_exc
-
-
-def warm_up() -> None:
-    """For a process that will export later and can spare the time now (a sweep worker waiting
-    for its first trial): one export and check of a two-weight model, in a temporary folder. A
-    process's first export costs well over the next ones (imports of onnx, onnxruntime and
-    onnxscript, the exporter's registry, torch.export's first trace; benchmarks/README.md,
-    parallel efficiency); after this, the first trial's export costs what every other trial's does."""
-    tiny = nn.Sequential(nn.Flatten(), nn.Linear(2, 1))
-    with tempfile.TemporaryDirectory(prefix="sweeps-onnx-warm-up-") as folder:
-        export_and_verify(tiny, torch.zeros(2, 2), Path(folder) / "warm_up.onnx", latency_runs=1)
 
 
 def _registry_class():

@@ -36,12 +36,6 @@ class Task:
         """Return ``(train, val)`` datasets yielding ``(input_tensor, int_label)``. Called once per run."""
         raise NotImplementedError
 
-    def warm_up(self) -> None:
-        """Called at most once per worker process, before its first run, while the worker waits
-        for its go, on a task built from the spec's fixed arguments (skipped if that fails):
-        import what ``datasets`` and ``build_model`` need (seconds in a fresh process) without
-        reading any data. Default: nothing."""
-
     def backbone(self, model: nn.Module) -> nn.Module | None:
         """The pretrained part of ``model`` (own learning rate, optional freeze phase), or None."""
         return None

@@ -51,12 +51,6 @@ class DigitsTask(Task):
             return DigitsCNN(self.width, self.dropout)
         return DigitsMLP(self.width, self.dropout)
 
-    def warm_up(self) -> None:
-        cached = split_cache_file(self.val_fraction, self.split_seed)
-        if cached is None or not cached.is_file():  # datasets() will need scikit-learn
-            import sklearn.datasets  # noqa: F401 - the first datasets() call is then cheap
-            import sklearn.model_selection  # noqa: F401
-
     def datasets(self):
         import torch
 

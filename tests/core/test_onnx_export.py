@@ -156,18 +156,6 @@ def test_exports_in_one_process_build_the_exporters_registry_once(tmp_path, regi
     assert np.abs(got - want).max() < 1e-4
 
 
-def test_warm_up_pays_the_first_exports_set_up_and_leaves_no_files(tmp_path, registry_builds, monkeypatch):
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    onnx_export.warm_up()
-    assert len(registry_builds) == 1 and list(tmp_path.iterdir()) == []
-    out = tmp_path / "out"
-    report = export_and_verify(DigitsCNN(), torch.randn(8, 1, 8, 8), out / "m.onnx", latency_runs=1)
-    assert report.passed and len(registry_builds) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["m.onnx"]
-
-
 def test_write_report_json(tmp_path):
     report = OnnxReport(path=tmp_path / "m.onnx", max_abs_diff=1e-6, tolerance=1e-4, passed=True,
                         n_inputs_checked=8, torch_latency_ms=1.5, ort_latency_ms=0.7, opset=20)
