@@ -54,6 +54,7 @@ def test_a_stale_relative_lock_link_spins_neither_status_nor_run(tmp_path):
     assert [t.state.name for t in load_study(tmp_path, "stale").trials] == ["COMPLETE", "COMPLETE"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_lock_held_by_a_live_process_ends_in_a_clear_error_naming_it(tmp_path):
     spec = write_spec(tmp_path, name="held", budget={"n_trials": 1})
