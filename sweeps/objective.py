@@ -132,6 +132,9 @@ class TrialReporter:
         # holds (all of them, when the checkpoint is the final epoch's). Logged as report_step and
         # report_epoch log them; the pruner is not asked again about epochs it has answered.
         prefix = layout.STEP_METRIC_PREFIX
+        if epochs or steps:  # the run says where its own training began
+            self.tracker.set_tags(self.run, {"sweeps.resumed_from_epoch": epochs[-1][0] if epochs else 0,
+                                             "sweeps.resumed_from_step": steps[-1][0] if steps else 0})
         for step, metrics in steps:
             self.tracker.log_metrics(self.run, {prefix + k: v for k, v in metrics.items()}, step)
         for epoch, _, metrics in epochs:

@@ -192,11 +192,11 @@ class Supervisor:
                    if t.user_attrs.get(optuna_study.ATTR_WORKER) == w.name]
         cause = w.kill_reason or describe_exit(code)
         for t in orphans:
-            reason = f"trial {t.number} failed: {cause}"
             interrupted = bool(self.stopping)  # stopped by the user or the timeout: not the trial's fault
-            recovery.fail_trial(self.study, t, reason, requeue=w.requeue_on_kill,
+            recovery.fail_trial(self.study, t, cause, requeue=w.requeue_on_kill,
                                 tracking_uri=self.spec.tracking_store_uri(), interrupted=interrupted)
-            log.warning("%s%s", reason, "; requeued to resume from its last checkpoint" if w.requeue_on_kill else "")
+            log.warning("trial %d failed: %s%s", t.number, cause,
+                        "; requeued to resume from its last checkpoint" if w.requeue_on_kill else "")
         if w.writer is not None:
             w.writer.join(timeout=120)  # its last writes land before anything reads the run
         if self.stopping:
@@ -224,7 +224,7 @@ class Supervisor:
         if self.spec.is_rdb_storage():
             return
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            recovery.fail_trial(self.study, t, f"trial {t.number} failed: its worker died before it began",
+            recovery.fail_trial(self.study, t, "its worker died before the trial began",
                                 requeue=True, tracking_uri=self.spec.tracking_store_uri(),
                                 interrupted=bool(self.stopping))
 

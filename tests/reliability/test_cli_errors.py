@@ -53,6 +53,7 @@ def test_the_traceback_goes_to_the_temp_folder_when_runs_cannot_hold_it(tmp_path
 
 
 # ---- paths that cannot be used ------------------------------------------------------------------
+@pytest.mark.slow
 def test_run_with_runs_a_file_names_it_and_exits_2(tmp_path):
     # A read-only runs/ by chmod does not stop root (the tests run as root), so runs/ is made
     # a regular file: no one, root included, can create anything under it.
@@ -118,6 +119,7 @@ def _fill(folder: Path) -> None:
     assert shutil.disk_usage(folder).free == 0
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_the_study_says_disk_full_in_one_line(small_disk):
     spec = write_spec(small_disk, name="full")
     _fill(small_disk)
@@ -130,6 +132,7 @@ def test_a_full_disk_under_the_study_says_disk_full_in_one_line(small_disk):
         _saved(line).unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_the_mlflow_store_says_disk_full_in_one_line(tmp_path, small_disk):
     shutil.copyfile(empty_mlflow_db(), small_disk / "mlflow.db")
     spec = write_spec(tmp_path, name="fullstore", seed_store=False,

@@ -123,6 +123,7 @@ def test_a_corrupt_record_inside_the_journal_gives_the_repair_command_to_every_c
     assert run_cli(tmp_path, "status", str(spec)).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_storage_file_that_is_not_a_journal_is_refused_and_left_as_it_was(tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes about this study\n")

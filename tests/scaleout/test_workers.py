@@ -129,7 +129,8 @@ def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_resumed_by_another(tm
     assert dead_run.info.status == "FAILED" and "heartbeat" in dead_run.data.tags["sweeps.error"]
     [retry_run] = by_number[retry.number]
     steps = [m.step for m in client.get_metric_history(retry_run.info.run_id, "val_acc")]
-    assert steps and steps[0] > 1 and steps[-1] == 4, steps  # resumed after epoch 1, not from scratch
+    assert steps == [1, 2, 3, 4], steps  # every epoch: those of its checkpoint are logged into the retry's run
+    assert int(retry_run.data.tags["sweeps.resumed_from_epoch"]) >= 1  # resumed, not trained from scratch
 
 
 def test_worker_without_a_study_says_what_to_run(tmp_path, fresh_db):
