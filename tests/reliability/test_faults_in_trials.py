@@ -52,7 +52,7 @@ def test_a_hanging_trial_is_stopped_failed_and_the_study_goes_on(tmp_path):
     # One worker was killed: the fresh one's start-up (imports, opening the study) is not a trial
     # and does not count against trial_timeout, however slow the machine.
     output = proc.stdout + proc.stderr
-    assert output.count("its worker was killed") == 1 and "trial 0 failed, hung: no progress" in output, output
+    assert output.count("trial 0 failed: hung: no progress") == 1 and "a fresh worker takes slot 0" in output, output
     runs = [r for r in mlflow_runs(tmp_path, "hang") if r.data.tags.get("sweeps.role") == "trial"]
     assert not [r for r in runs if r.info.status == "RUNNING"]
 
@@ -89,7 +89,7 @@ def test_disk_full_during_checkpoint_fails_the_trial_with_the_reason(tmp_path, m
     assert ckpt.load_checkpoint(trial.out_dir / ckpt.LAST)["epoch"] == 1  # the previous checkpoint is intact
     assert not [p for p in trial.out_dir.iterdir() if p.name.endswith(".tmp")]  # temporary files removed
     run = tracker.client.get_run(outcome.run.run_id)
-    assert run.info.status == "FAILED" and "No space left" in run.data.tags["sweeps.error"]
+    assert run.info.status == "FAILED" and run.data.tags["sweeps.error"].startswith("disk full: ")
 
 
 def test_resume_file_with_a_pickle_payload_is_refused_and_never_runs(tmp_path, monkeypatch):
