@@ -64,6 +64,10 @@ class TrialSpec:
     # "<study uid>:<trial folder>": out_dir is claimed for it (sweeps.trial_folder) and a
     # checkpoint there is resumed only if it is this owner's; anything else is moved aside.
     owner: str | None = None
+    # False when the trial continues an MLflow run that already holds its own points (a Ray
+    # trial started again): the checkpoint's curves are not logged a second time, and a PBT
+    # donor's curves never land in this trial's run.
+    log_resumed_curves: bool = True
 
 
 class TrialInterrupted(BaseException):
@@ -98,8 +102,10 @@ class TrialReporter:
     """core.reporting.Reporter for one tracked trial."""
 
     def __init__(self, tracker: Tracker, run: RunHandle, objective: str, should_prune: PruneFn,
-                 interrupt: threading.Event, heartbeat: Callable[[], None] | None = None) -> None:
+                 interrupt: threading.Event, heartbeat: Callable[[], None] | None = None,
+                 log_resumed_curves: bool = True) -> None:
         self.tracker, self.run, self.objective = tracker, run, objective
+        self.log_resumed_curves = log_resumed_curves
         self.should_prune, self.interrupt, self.heartbeat = should_prune, interrupt, heartbeat
         self.intermediate: dict[int, float] = {}
         self._last_beat = 0.0
@@ -135,12 +141,15 @@ class TrialReporter:
         if epochs or steps:  # the run says where its own training began
             self.tracker.set_tags(self.run, {"sweeps.resumed_from_epoch": epochs[-1][0] if epochs else 0,
                                              "sweeps.resumed_from_step": steps[-1][0] if steps else 0})
+        for epoch, _, metrics in epochs:  # the pruner is not asked again about these epochs
+            if self.objective in metrics:
+                self.intermediate[epoch] = metrics[self.objective]
+        if not self.log_resumed_curves:
+            return
         for step, metrics in steps:
             self.tracker.log_metrics(self.run, {prefix + k: v for k, v in metrics.items()}, step)
         for epoch, _, metrics in epochs:
             self.tracker.log_metrics(self.run, metrics, epoch)
-            if self.objective in metrics:
-                self.intermediate[epoch] = metrics[self.objective]
         if self.heartbeat is not None:
             self.heartbeat()
 
@@ -202,7 +211,8 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
     run = start_trial_run(spec, tracker, parent, trial, backend)
     if on_start is not None:
         on_start(run)
-    reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat)
+    reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat,
+                             log_resumed_curves=trial.log_resumed_curves)
     try:
         with _claimed(trial) as moved:
             if moved is not None:

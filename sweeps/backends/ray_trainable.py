@@ -217,7 +217,7 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     def on_start(run: RunHandle) -> None:
         state["run_id"] = run.run_id
 
-    trial = TrialSpec(number, params, out_dir, resume=resume, tags=tags)
+    trial = TrialSpec(number, params, out_dir, resume=resume, tags=tags, log_resumed_curves=existing is None)
     outcome = run_trial(spec, tracker, ctx.parent, trial, "ray", should_prune, threading.Event(),
                         on_start=on_start)
     if state["stopped"]:

@@ -39,3 +39,26 @@ def test_cpu_devices_and_gpu_shares_stay_single_process(monkeypatch):
     assert objective.trial_config(spec_with({"devices": "cpu"}), {"lr": 0.1}).distributed.nproc == 1
     assert objective.trial_config(spec_with({"gpus_per_trial": 0.5}), {"lr": 0.1}).distributed.nproc == 1
     assert objective.trial_config(spec_with({"gpus_per_trial": 1}), {"lr": 0.1}).distributed.nproc == 1
+
+
+@pytest.mark.parametrize("log_resumed_curves", [True, False])
+def test_a_resumed_run_logs_the_checkpoints_curves_only_into_a_fresh_run(tmp_path, log_resumed_curves):
+    """A retry in a new run gets the checkpoint's points; a run that continues (a Ray trial
+    started again, a PBT exploit of another trial's checkpoint) already holds its own points
+    and must not get them again, nor a donor's. Either way the pruner is not asked again."""
+    import threading
+
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = tracker.start_run(tracker.get_or_create_experiment("t"), "trial-0000")
+    asked: list[int] = []
+    reporter = objective.TrialReporter(tracker, run, "val_acc", lambda epoch, value: asked.append(epoch) or False,
+                                       threading.Event(), log_resumed_curves=log_resumed_curves)
+    reporter.resumed([(1, 10, {"val_acc": 0.5}), (2, 20, {"val_acc": 0.6})], [(10, {"loss": 1.0}), (20, {"loss": 0.9})])
+    reporter.report_epoch(3, 30, {"val_acc": 0.7})
+    tracker.end_run(run)
+    history = tracker.client.get_metric_history(run.run_id, "val_acc")
+    assert sorted(m.step for m in history) == ([1, 2, 3] if log_resumed_curves else [3])
+    assert asked == [3] and reporter.intermediate == {1: 0.5, 2: 0.6, 3: 0.7}
+    assert tracker.client.get_run(run.run_id).data.tags["sweeps.resumed_from_epoch"] == "2"
