@@ -6,7 +6,7 @@ trainer_ladder`` or ``python -m benchmarks.bench_trainer_ladder``). The per-step
 ``core.train()`` one at a time (by patching them for the run, core's code is not changed) and
 measures each variant in lockstep with the hand loop (``benchmarks/hand_loop.py``):
 
-  core                  core.train() + TrialReporter on the writer process (as in benchmark 1)
+  core                  core.train() + TrialReporter on an MlflowTracker (as in benchmark 1)
   - reporter            a NullReporter instead of the TrialReporter
   - grad norm           ... and StepGradients.norm (core/gradients.py) replaced by a constant
   - DistributedSampler  ... and the hand loop's RandomSampler instead

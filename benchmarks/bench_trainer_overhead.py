@@ -3,7 +3,7 @@
 Both sides train the same model on the same data with the same batch size, number of steps,
 optimizer (SGD, momentum 0.9, weight decay 5e-4, constant lr), fp32 and DataLoader settings
 (in-process loading, no pinning). ``core.train()`` runs the way a sweep trial runs it: with a
-real ``sweeps.objective.TrialReporter`` on the ``WriterProcessTracker`` an Optuna worker uses
+real ``sweeps.objective.TrialReporter`` on the ``MlflowTracker`` an Optuna worker uses
 (SQLite in a temp folder), so every optimizer step is tracked. No checkpoints, no ONNX export.
 
 Two measurements of the same ratio:
@@ -96,7 +96,7 @@ def core_run(task, cfg, store, name: str) -> dict:
 def lockstep(task, case: dict, store, name: str, ctx: Context, budget_s: float = float("inf"),
              reserve_steps: int = 0) -> dict:
     """Core and the hand loop one step each in turn (see benchmarks/hand_loop.py), in runs that
-    alternate tracking on (TrialReporter on the writer process, as in a sweep) and off
+    alternate tracking on (TrialReporter on an MlflowTracker, as in a sweep) and off
     (NullReporter), and, as arm "fused hand", tracked core beside a hand loop on SGD's fused
     kernel, as core's own is. Returns per-run ratios of core's samples/s over the hand loop's.
     Runs after the first stop once ``budget_s`` (this case's share) would be overrun, or the
@@ -373,8 +373,9 @@ def run(ctx: Context) -> dict:
             "fused kernel (core/optim.py), the hand loop the default a tutorial gets: the judged ratio includes "
             "that saving; the 'fused hand' arm and the breakdown's optimizer line show it apart.",
             "Throughput counts only the training loop of each epoch (validation, which only core runs, is excluded).",
-            "Step points are shipped to the writer process from report_step, inside the timed steps; what the "
-            "store then costs per run (end_run included) is measured in the tracking_overhead benchmark.",
+            "Step points are buffered by the tracker from report_step, inside the timed steps, and written to the "
+            "store by the trainer when a batch is due; what the store costs per run (end_run included) is "
+            "measured in the tracking_overhead benchmark.",
         ],
         "details": {"breakdown": details},
     }

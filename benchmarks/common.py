@@ -69,8 +69,8 @@ class Context:
     closers: list = field(default_factory=list)  # called before the scratch folder is removed
 
     def closing(self, obj):
-        """Close ``obj`` when the benchmark ends, before its scratch folder goes (a tracker's
-        writer may still be writing the last run there: end_run does not wait for it)."""
+        """Close ``obj`` when the benchmark ends, before its scratch folder goes (a tracker
+        sends what it still buffers into the store there)."""
         self.closers.append(obj.close)
         return obj
 

@@ -134,53 +134,49 @@ def python_start_s(code: str, repeats: int = 1) -> float:
 
 
 class TrackingStore:
-    """A SQLite MLflow store in ``folder`` with a study parent run, and its trackers: ``tracker``,
-    the :class:`sweeps.tracking.writer.WriterProcessTracker` an Optuna worker trains with, and
-    ``inline``, an in-process :class:`sweeps.tracking.mlflow_tracker.MlflowTracker`. Hands out
-    :class:`sweeps.objective.TrialReporter` objects wired the way an Optuna worker wires them
-    (never prunes, never interrupted, heartbeat touches a file)."""
+    """A SQLite MLflow store in ``folder`` with a study parent run, and ``tracker``: the
+    :class:`sweeps.tracking.mlflow_tracker.MlflowTracker` a worker trains with (in the trainer's
+    process, the one tracking path). Hands out :class:`sweeps.objective.TrialReporter` objects
+    wired the way an Optuna worker wires them (never prunes, never interrupted, heartbeat
+    touches a file)."""
 
     def __init__(self, folder: Path, experiment: str = "bench") -> None:
-        from sweeps.tracking.mlflow_tracker import MlflowTracker
-        from sweeps.tracking.writer import WriterProcessTracker
+        from sweeps.tracking import MlflowTracker, TrackingReader
 
         folder.mkdir(parents=True, exist_ok=True)
         self.uri = f"sqlite:///{folder / 'mlflow.db'}"
-        self.inline = MlflowTracker(self.uri, spool_dir=folder / "spool", artifact_root=folder / "artifacts")
-        self.inline.check_connection()
-        self.experiment_id = self.inline.get_or_create_experiment(experiment)
-        self.parent = self.inline.start_run(self.experiment_id, "bench-study", tags={"sweeps.role": "study"})
-        self.tracker = WriterProcessTracker(self.uri, spool_dir=folder / "spool", artifact_root=folder / "artifacts")
-        self.tracker.check_connection()  # waits for the writer's imports, outside any timing
+        self.tracker = MlflowTracker(self.uri, spool_dir=folder / "spool", artifact_root=folder / "artifacts")
+        self.tracker.check_connection()
+        self.parent = self.tracker.start_run("bench-study", experiment=experiment, tags={"sweeps.role": "study"})
+        self.experiment_id = self.parent.experiment_id
+        self.reader = TrackingReader(self.uri)
         self.beat_file = folder / "worker.beat"
         self.beat_file.touch()
 
     @property
     def client(self):
-        return self.inline.client
+        """A bare MlflowClient on the store, for the naive per-point anchor (not how sweeps writes)."""
+        from mlflow.tracking import MlflowClient
 
-    def trial_reporter(self, name: str, tracker=None, objective: str = "val_acc"):
-        """A new child run and its TrialReporter on ``tracker`` (default: the writer's): ``(reporter, run)``."""
+        return MlflowClient(tracking_uri=self.uri)
+
+    def trial_reporter(self, name: str, objective: str = "val_acc"):
+        """A new child run and its TrialReporter: ``(reporter, run)``."""
         import threading
 
         from sweeps.objective import TrialReporter
 
-        tracker = tracker or self.tracker
-        run = tracker.start_run(self.experiment_id, name, parent=self.parent,
-                            tags={"sweeps.role": "trial"})
-        reporter = TrialReporter(tracker, run, objective, should_prune=lambda epoch, value: False,
+        run = self.tracker.start_run(name, parent=self.parent, tags={"sweeps.role": "trial"})
+        reporter = TrialReporter(self.tracker, run, objective, should_prune=lambda epoch, value: False,
                                  interrupt=threading.Event(), heartbeat=self.beat_file.touch)
         return reporter, run
 
     def close(self) -> None:
-        """Wait for the writer to write everything handed to it, then end it."""
+        """Send whatever is still buffered."""
         self.tracker.close()
 
     def count_points(self, run_id: str) -> dict[str, int]:
-        """Points stored per metric key (every point, not just the latest), once the writer has
-        written everything handed to it (end_run does not wait for that)."""
+        """Points stored per metric key (every point, not just the latest)."""
         self.tracker.flush()
-        keys = self.client.get_run(run_id).data.metrics.keys()
-        return {k: len(self.client.get_metric_history(run_id, k)) for k in sorted(keys)}
-
-
+        keys = self.reader.get_run(run_id).data.metrics.keys()
+        return {k: len(self.reader.metric_history(run_id, k)) for k in sorted(keys)}

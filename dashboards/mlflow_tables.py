@@ -11,13 +11,13 @@ import json
 import math
 import os
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from sweeps.backends.base import StudyResult
 from sweeps.tracking import layout
+from sweeps.tracking.reader import TrackingReader
 
 CURVE_METRICS = ("val_acc", "val_loss", "train_loss")
 CURVE_KEYS = ("run_id", "number", "state", "epoch")
@@ -36,11 +36,11 @@ def is_missing(exc: BaseException) -> bool:
     return getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
 
 
-def _history(client: Any, run_id: str, key: str) -> dict[int, float]:
+def _history(reader: TrackingReader, run_id: str, key: str) -> dict[int, float]:
     """{epoch: value} of one metric; a step logged twice (a resumed trial) keeps its latest value.
     A run the store does not have has no history (the caller falls back to the study's values)."""
     try:
-        history = client.get_metric_history(run_id, key)
+        history = reader.metric_history(run_id, key)
     except Exception as exc:
         if is_missing(exc):
             return {}
@@ -49,19 +49,20 @@ def _history(client: Any, run_id: str, key: str) -> dict[int, float]:
     return {int(m.step): float(m.value) for m in points}
 
 
-def curves_table(result: StudyResult, client: Any = None, metrics: tuple[str, ...] = CURVE_METRICS) -> pd.DataFrame:
+def curves_table(result: StudyResult, reader: TrackingReader | None = None,
+                 metrics: tuple[str, ...] = CURVE_METRICS) -> pd.DataFrame:
     """One row per (trial, epoch): run_id, number, state, epoch, then one column per metric.
 
-    Histories come from the trial's MLflow run (``client.get_metric_history``). A trial whose
-    run has no history of the objective (no client, no run, or a store that lost it) falls back
+    Histories come from the trial's MLflow run (``reader.metric_history``). A trial whose
+    run has no history of the objective (no reader, no run, or a store that lost it) falls back
     to the study's own intermediate values for the objective column. Trials with no point at
     all have no rows."""
     rows: list[dict[str, Any]] = []
     for t in sorted(result.trials, key=lambda t: t.number):
         series: dict[str, dict[int, float]] = {m: {} for m in metrics}
-        if client is not None and t.run_id:
+        if reader is not None and t.run_id:
             for m in metrics:
-                series[m] = _history(client, t.run_id, m)
+                series[m] = _history(reader, t.run_id, m)
         if result.metric in series and not series[result.metric] and t.intermediate:
             series[result.metric] = {int(k): float(v) for k, v in t.intermediate.items()}
         epochs = sorted(set().union(*series.values()))
@@ -91,14 +92,14 @@ def empty_lr_finder() -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype="float64") for c in LR_FINDER_COLUMNS})
 
 
-def lr_finder_table(client: Any, parent_run_id: str | None) -> tuple[pd.DataFrame, dict[str, Any]]:
+def lr_finder_table(reader: TrackingReader | None, parent_run_id: str | None) -> tuple[pd.DataFrame, dict[str, Any]]:
     """The study's LR range test: (table of lr, loss, smoothed, suggestion per step; its summary:
     suggestion, rule, suggestions of every rule, narrowed range, steps). Empty and {} when the
     study did not run one (no ``lr_finder/lr_finder.json`` on the parent run)."""
-    if client is None or not parent_run_id:
+    if reader is None or not parent_run_id:
         return empty_lr_finder(), {}
     try:
-        listed = [a.path for a in client.list_artifacts(parent_run_id, layout.ART_LR_FINDER_DIR)]
+        listed = reader.list_artifacts(parent_run_id, layout.ART_LR_FINDER_DIR)
     except Exception as exc:
         if is_missing(exc):
             return empty_lr_finder(), {}
@@ -106,8 +107,7 @@ def lr_finder_table(client: Any, parent_run_id: str | None) -> tuple[pd.DataFram
     if LR_FINDER_FILE not in listed:
         return empty_lr_finder(), {}
     with tempfile.TemporaryDirectory() as tmp, _no_progress_bar():
-        local = client.download_artifacts(parent_run_id, LR_FINDER_FILE, tmp)
-        data = json.loads(Path(local).read_text())
+        data = json.loads(reader.download_artifact(parent_run_id, LR_FINDER_FILE, tmp).read_text())
     lrs, losses = list(data.get("lrs", [])), list(data.get("losses", []))
     smoothed = list(data.get("smoothed", [])) or [math.nan] * len(lrs)
     n = min(len(lrs), len(losses), len(smoothed))

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dashboards.mlflow_tables import is_missing
 from dashboards.page import header_from_spec, render_page, write_page
 from dashboards.tables import StudyTables, build_tables
 from sweeps.backends.base import StudyResult
 from sweeps.tracking import layout
+from sweeps.tracking.reader import RunLookupError, TrackingReader
 
 REPORT_FILE = "report.html"
 
@@ -23,43 +23,40 @@ REPORT_FILE = "report.html"
 class LoadedStudy:
     result: StudyResult
     tables: StudyTables
-    tracker: Any  # the spec's MlflowTracker (its client read the runs)
+    tracker: Any  # the spec's MlflowTracker, which ``sweeps report`` logs the page with
     experiment_id: str | None  # of the parent run; None when the study has no parent run
 
 
-def find_parent_run_id(client: Any, experiment_name: str, study_name: str) -> tuple[str | None, str | None]:
-    """(parent run id, experiment id) of the study's parent run, searched by its tags; read-only
-    (unlike ``study_run.find_parent``, it never creates the experiment)."""
-    exp = client.get_experiment_by_name(experiment_name)
-    if exp is None:
+def find_parent_run_id(reader: TrackingReader, experiment_name: str,
+                       study_name: str) -> tuple[str | None, str | None]:
+    """(parent run id, experiment id) of the study's parent run, searched by its tags (of any
+    identity, unlike ``study_run.find_parent``: the report shows whatever the store holds)."""
+    experiment_id = reader.experiment_id(experiment_name)
+    if experiment_id is None:
         return None, None
-    runs = client.search_runs([exp.experiment_id], filter_string=(
-        f"tags.`{layout.TAG_ROLE}` = '{layout.ROLE_STUDY}' and tags.`{layout.TAG_STUDY}` = '{study_name}'"),
-        max_results=1, order_by=["attributes.start_time DESC"])
-    return (runs[0].info.run_id, exp.experiment_id) if runs else (None, exp.experiment_id)
+    found = reader.find_run(experiment_id, {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name})
+    return (found.run_id if found else None), experiment_id
 
 
 def load_study(spec, result: StudyResult | None = None, tracker: Any = None) -> LoadedStudy:
     """The study as stored plus every table of the report. Raises TrackingError (with the URI and
     the fix) when the MLflow store cannot be reached."""
     from sweeps.backends import get_backend
-    from sweeps.study_run import tracker_for
+    from sweeps.study_run import reader_for, tracker_for
 
     result = result or get_backend(spec.backend).load(spec)
     tracker = tracker or tracker_for(spec)
-    tracker.check_connection()
-    client = tracker.client
+    tracker.check_connection()  # a clear message naming the store, before any read
+    reader = reader_for(spec)
     experiment_id = None
     if result.parent_run_id:
         try:
-            experiment_id = client.get_run(result.parent_run_id).info.experiment_id
-        except Exception as exc:
-            if not is_missing(exc):
-                raise
+            experiment_id = reader.handle(result.parent_run_id).experiment_id
+        except RunLookupError:
             result.parent_run_id = None  # not in this store: look it up by its tags below
     if not result.parent_run_id:
-        result.parent_run_id, experiment_id = find_parent_run_id(client, spec.experiment_name(), result.name)
-    tables = build_tables(result, spec.search, client)
+        result.parent_run_id, experiment_id = find_parent_run_id(reader, spec.experiment_name(), result.name)
+    tables = build_tables(result, spec.search, reader)
     return LoadedStudy(result, tables, tracker, experiment_id if result.parent_run_id else None)
 
 

@@ -211,19 +211,19 @@ def _float(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
-def build_tables(result: StudyResult, search: dict | None = None, client: Any = None,
+def build_tables(result: StudyResult, search: dict | None = None, reader: Any = None,
                  epoch_metrics: tuple[str, ...] | None = None) -> StudyTables:
-    """Every table of the report. ``client`` (an ``MlflowClient``) reads the learning curves and
-    the LR-finder curve; without it the curves come from the study's intermediate values and
-    the LR-finder table is empty."""
+    """Every table of the report. ``reader`` (a ``sweeps.tracking.reader.TrackingReader``) reads
+    the learning curves and the LR-finder curve; without it the curves come from the study's
+    intermediate values and the LR-finder table is empty."""
     from dashboards import mlflow_tables as mt
 
     names = param_names(result, search)
     trials = trials_table(result, search)
     importances, note = importances_table(result, search)
     metrics = epoch_metrics or mt.curve_metrics(result.metric)
-    curves = mt.curves_table(result, client, metrics)
-    lr_df, lr_info = mt.lr_finder_table(client, result.parent_run_id) if client is not None \
+    curves = mt.curves_table(result, reader, metrics)
+    lr_df, lr_info = mt.lr_finder_table(reader, result.parent_run_id) if reader is not None \
         else (mt.empty_lr_finder(), {})
     return StudyTables(study=result.name, backend=result.backend, metric=result.metric,
                        direction=result.direction, param_names=names,

@@ -1,7 +1,7 @@
 """Read runs back from MLflow and compare them: params and final metrics side by side
 (``sweeps compare``), and metric curves step by step (``sweeps rerun``).
 
-Everything here only reads. Addressing is by run id through an explicit ``MlflowClient``,
+Everything here only reads. Addressing is by run id through a ``TrackingReader``,
 so it works on any two runs: two trials of one study, two studies, a trial and its rerun.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from rich.table import Table
 from rich.text import Text
 
 from core.results import EPOCH_METRICS
-from sweeps.errors import SweepsError
 from sweeps.spec import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
+from sweeps.tracking.reader import RunLookupError, TrackingReader
 
 # Metrics that measure the machine, not the training: never part of a curve comparison.
 TIMING_METRICS = frozenset({"samples_per_s", "epoch_time_s", "peak_mem_mb", "trial_seconds"})
@@ -27,20 +27,14 @@ DIFF_STYLE = "bold yellow"
 DIFF_MARK = "*"
 
 
-class RunLookupError(SweepsError):
-    """A run id, trial or tracking store named on the command line does not exist."""
-
-    exit_code = 2
-
-
 # ---- the store -------------------------------------------------------------------------------
 def resolve_tracking_uri(explicit: str | None = None) -> str:
     """``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///runs/mlflow.db``."""
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
-def open_client(uri: str):
-    """An ``MlflowClient`` on ``uri``. A local SQLite file must already exist: a reader must
+def open_client(uri: str) -> TrackingReader:
+    """A reader of the store at ``uri``. A local SQLite file must already exist: a reader must
     never create an empty store because it was started in the wrong folder."""
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
@@ -51,29 +45,13 @@ def open_client(uri: str):
         from sweeps.tracking.sync import check_sqlite_store
 
         check_sqlite_store(uri)  # truncated or not SQLite: a message, not SQLAlchemy's traceback
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
-def get_run(client, run_id: str):
-    """The MLflow run ``run_id``; RunLookupError (exit 2) naming the store when it is missing."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as exc:
-        raise RunLookupError(f"MLflow run {run_id!r} not found at {client.tracking_uri}: "
-                             f"{str(exc).splitlines()[0]}. Check the id (`mlflow ui`) or the tracking URI.") from exc
-    if run.info.lifecycle_stage == "deleted":
-        raise RunLookupError(f"MLflow run {run_id!r} at {client.tracking_uri} is deleted; restore it first.")
-    return run
+    return TrackingReader(uri)
 
 
 # ---- curves ----------------------------------------------------------------------------------
-def metric_curve(client, run_id: str, key: str) -> dict[int, float]:
+def metric_curve(reader: TrackingReader, run_id: str, key: str) -> dict[int, float]:
     """step -> value of one metric. A step logged twice keeps its latest value."""
-    points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+    points = sorted(reader.metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
     return {int(m.step): float(m.value) for m in points}
 
 
@@ -203,22 +181,22 @@ class CurveComparison:
         return t
 
 
-def compare_curves(client, original: str, other: str, names: Iterable[str] | None = None) -> CurveComparison:
+def compare_curves(reader, original: str, other: str, names: Iterable[str] | None = None) -> CurveComparison:
     """Compare every metric curve of run ``original`` with run ``other``, step by step.
 
     Equal means equal floats (NaN equals NaN). Steps the original has and ``other`` lacks
     count as a difference; extra steps of ``other`` (a rerun of a pruned trial trains on)
     do not. Timing metrics and ONNX export checks are left out (:func:`compared_metric`).
     """
-    orig_keys = set(get_run(client, original).data.metrics)
-    other_keys = set(get_run(client, other).data.metrics)
+    orig_keys = set(reader.get_run(original).data.metrics)
+    other_keys = set(reader.get_run(other).data.metrics)
     wanted = sorted(k for k in (names if names is not None else orig_keys) if compared_metric(k))
     diffs, only = [], []
     for key in wanted:
         if key not in other_keys:
             only.append(key)
             continue
-        a, b = metric_curve(client, original, key), metric_curve(client, other, key)
+        a, b = metric_curve(reader, original, key), metric_curve(reader, other, key)
         common = sorted(set(a) & set(b))
         d = MetricDiff(key, len(a), len(b), len(common), missing_steps=sorted(set(a) - set(b)))
         for step in common:
@@ -296,9 +274,9 @@ def compare_table(run_a, run_b) -> tuple[Table, int]:
                         [("run", info), ("params", params), ("metrics (final value)", metrics)])
 
 
-def compare_runs(client, run_a: str, run_b: str, console) -> int:
+def compare_runs(reader: TrackingReader, run_a: str, run_b: str, console) -> int:
     """``sweeps compare``: print the table and a one-line count of the differences."""
-    a, b = get_run(client, run_a), get_run(client, run_b)
+    a, b = reader.get_run(run_a), reader.get_run(run_b)
     table, n_diff = compare_table(a, b)
     console.print(table)
     pa, pb = a.data.params, b.data.params

@@ -139,8 +139,8 @@ class TrialReporter:
         # report_epoch log them; the pruner is not asked again about epochs it has answered.
         prefix = layout.STEP_METRIC_PREFIX
         if epochs or steps:  # the run says where its own training began
-            self.tracker.set_tags(self.run, {"sweeps.resumed_from_epoch": epochs[-1][0] if epochs else 0,
-                                             "sweeps.resumed_from_step": steps[-1][0] if steps else 0})
+            self.tracker.log(self.run, tags={"sweeps.resumed_from_epoch": epochs[-1][0] if epochs else 0,
+                                            "sweeps.resumed_from_step": steps[-1][0] if steps else 0})
         for epoch, _, metrics in epochs:  # the pruner is not asked again about these epochs
             if self.objective in metrics:
                 self.intermediate[epoch] = metrics[self.objective]
@@ -168,7 +168,7 @@ def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial:
         layout.TAG_DEVICE: _device_description(), layout.TAG_WORKER: worker_name(),
         layout.TAG_SPEC_HASH: spec.spec_hash(), **trial.tags,
     }
-    run = tracker.start_run(parent.experiment_id, f"trial-{trial.number}", parent=parent, tags=tags)
+    run = tracker.start_run(f"trial-{trial.number}", parent=parent, tags=tags)
     flat = {f"train.{k}": v for k, v in cfg.to_dict().items() if k != "distributed"}
     flat.update({f"train.distributed.{k}": v for k, v in cfg.to_dict()["distributed"].items()})
     # Derived, not config fields: under DDP the batch size is per process and lr may be scaled.
@@ -180,8 +180,8 @@ def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial:
     flat.update({f"task.{k}": v for k, v in spec.task_args(trial.params).items()})
     flat.update({f"task.{k}": v for k, v in (("name", spec.task.name or spec.task.target),
                                              ("model", spec.task.model)) if v is not None})
-    tracker.log_params(run, {**flat, **{f"search.{k}": v for k, v in trial.params.items()}})
-    tracker.log_dict(run, resolved_config(spec, trial, cfg), layout.ART_CONFIG)
+    tracker.log(run, params={**flat, **{f"search.{k}": v for k, v in trial.params.items()}})
+    tracker.log_artifact(run, resolved_config(spec, trial, cfg), layout.ART_CONFIG)
     return run
 
 
@@ -216,7 +216,7 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
     try:
         with _claimed(trial) as moved:
             if moved is not None:
-                tracker.set_tags(run, {"sweeps.moved_aside": str(moved)})
+                tracker.log(run, tags={"sweeps.moved_aside": str(moved)})
             outcome = _train_trial(spec, trial, reporter, interrupt, run)
     except Exception as exc:  # noqa: BLE001 - the folder cannot be had: the trial fails, saying why
         outcome = TrialOutcome("FAIL", None, f"{type(exc).__name__}: {_first_line(exc)}", run)
@@ -264,7 +264,7 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, int
         full = describe_disk_full(exc, trial.out_dir)  # torch words a full disk as "unexpected pos"
         reason = ("out of memory: " + _first_line(exc) if oom else full if full
                   else f"{type(exc).__name__}: {_first_line(exc)}")
-        reporter.tracker.set_tags(run, {"sweeps.traceback": traceback.format_exc()[-4000:]})
+        reporter.tracker.log(run, tags={"sweeps.traceback": traceback.format_exc()[-4000:]})
         if oom:
             _release_cuda_memory()
         return TrialOutcome("FAIL", None, reason, run, oom=oom)
@@ -292,7 +292,7 @@ def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) ->
     if outcome.value is not None:
         tracker.log_metrics(run, {"objective": outcome.value}, 0)
     tracker.log_metrics(run, {"trial_seconds": outcome.seconds}, 0)
-    tracker.set_tags(run, tags)
+    tracker.log(run, tags=tags)
     tracker.end_run(run, _MLFLOW_STATUS[outcome.state])
 
 

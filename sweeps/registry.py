@@ -35,6 +35,7 @@ from sweeps.compare import best_over_epochs, metric_curve, open_client, side_by_
 from sweeps.errors import SweepsError
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
+from sweeps.tracking.reader import TrackingReader
 
 MODEL_ARTIFACT = "model"  # the logged model's name in the trial's run
 TAG_RUN_ID = "sweeps.run_id"  # on a model version: the trial run it came from
@@ -112,14 +113,14 @@ def check_model_name(name: str) -> str:
 
 
 # ---- choosing ----------------------------------------------------------------------------------
-def rank_trials(client, result, metric: str, direction: str, objective: str) -> tuple[list[Candidate], list[str]]:
+def rank_trials(reader, result, metric: str, direction: str, objective: str) -> tuple[list[Candidate], list[str]]:
     """Eligible finished trials, best first, and why the others were left out."""
     ranked, notes = [], []
     for t in result.trials:
         if t.state != "COMPLETE" or not t.run_id:
             continue
         try:
-            run = client.get_run(t.run_id)
+            run = reader.get_run(t.run_id)
         except Exception:  # noqa: BLE001 - a run deleted from MLflow: nothing to register from
             notes.append(f"trial {t.number} skipped: its MLflow run {t.run_id} cannot be read")
             continue
@@ -129,7 +130,7 @@ def rank_trials(client, result, metric: str, direction: str, objective: str) -> 
         if metric == objective and t.value is not None:
             value = t.value
         else:
-            value = best_over_epochs(metric_curve(client, t.run_id, metric), direction)
+            value = best_over_epochs(metric_curve(reader, t.run_id, metric), direction)
         if value is None or math.isnan(value):
             notes.append(f"trial {t.number} skipped: its run has no per-epoch values of {metric!r}")
             continue
@@ -139,16 +140,16 @@ def rank_trials(client, result, metric: str, direction: str, objective: str) -> 
     return ranked, notes
 
 
-def current_holder(client, name: str, alias: str, metric: str, direction: str) -> Holder | None:
+def current_holder(reader: TrackingReader, name: str, alias: str, metric: str, direction: str) -> Holder | None:
     from mlflow.exceptions import MlflowException
 
     try:
-        mv = client.get_model_version_by_alias(name, alias)
+        mv = reader.registry.get_model_version_by_alias(name, alias)
     except MlflowException:
         return None  # no such model or alias yet
     value = None
     with contextlib.suppress(Exception):  # the holder's run may be gone: fall back to its tags
-        value = best_over_epochs(metric_curve(client, mv.run_id, metric), direction)
+        value = best_over_epochs(metric_curve(reader, mv.run_id, metric), direction)
     if value is None and mv.tags.get(TAG_METRIC) == metric:
         with contextlib.suppress(ValueError, TypeError):
             value = float(mv.tags.get(TAG_METRIC_VALUE))
@@ -158,9 +159,9 @@ def current_holder(client, name: str, alias: str, metric: str, direction: str) -
     return Holder(mv, value, params)
 
 
-def find_version(client, name: str, run_id: str):
+def find_version(registry, name: str, run_id: str):
     """The newest READY version of ``name`` made from run ``run_id``, if any."""
-    versions = [mv for mv in client.search_model_versions(f"name = '{name}'")
+    versions = [mv for mv in registry.search_model_versions(f"name = '{name}'")
                 if (mv.tags.get(TAG_RUN_ID) or mv.run_id) == run_id and mv.status == "READY"]
     return max(versions, key=lambda mv: int(mv.version)) if versions else None
 
@@ -181,24 +182,24 @@ def comparison_table(name: str, alias: str, metric: str, direction: str, cand: C
 
 
 # ---- the model ---------------------------------------------------------------------------------
-def _download(client, run_id: str, path: str, dest: str) -> Path | None:
+def _download(reader: TrackingReader, run_id: str, path: str, dest: str) -> Path | None:
     try:
-        return Path(client.download_artifacts(run_id, path, dest))
+        return reader.download_artifact(run_id, path, dest)
     except Exception:  # noqa: BLE001 - missing artifact: the caller decides what that means
         return None
 
 
-def build_model(client, spec, cand: Candidate, tmp: str):
+def build_model(reader: TrackingReader, spec, cand: Candidate, tmp: str):
     """The trial's model with its best weights, on CPU in eval mode, and its task."""
     from core.checkpoint import load_checkpoint, strip_prefixes
     from sweeps.rerun import load_resolved_config, task_from_resolved
 
     try:
-        resolved = load_resolved_config(client, cand.run_id)
+        resolved = load_resolved_config(reader, cand.run_id)
         task = task_from_resolved(resolved)
     except SweepsError:
         resolved, task = {}, spec.make_task(cand.params)  # older runs: the spec as it is now
-    ckpt = _download(client, cand.run_id, f"{layout.ART_CHECKPOINT_DIR}/best.pt", tmp)
+    ckpt = _download(reader, cand.run_id, f"{layout.ART_CHECKPOINT_DIR}/best.pt", tmp)
     if ckpt is None:
         raise PromoteError(f"trial {cand.number} (run {cand.run_id}) has no {layout.ART_CHECKPOINT_DIR}/best.pt "
                            "artifact; nothing to register")
@@ -264,15 +265,15 @@ def _fluent_uri(uri: str):
         yield
 
 
-def find_logged_model(client, cand: Candidate):
+def find_logged_model(registry, cand: Candidate):
     """A complete logged model written by an earlier promote of this run (crash recovery)."""
-    found = client.search_logged_models([cand.run.info.experiment_id], filter_string=(
+    found = registry.search_logged_models([cand.run.info.experiment_id], filter_string=(
         f"source_run_id = '{cand.run_id}' AND name = '{MODEL_ARTIFACT}'"))
     done = [m for m in found if m.tags.get(TAG_PROMOTED) == "true" and str(m.status).endswith("READY")]
     return max(done, key=lambda m: m.creation_timestamp) if done else None
 
 
-def log_model(client, uri: str, spec, cand: Candidate, console) -> tuple[str, str, dict]:
+def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) -> tuple[str, str, dict]:
     """Log the candidate's model into its run; returns (model uri, model id, ONNX tags)."""
     import mlflow
     import mlflow.pytorch
@@ -280,15 +281,15 @@ def log_model(client, uri: str, spec, cand: Candidate, console) -> tuple[str, st
     from mlflow.models import infer_signature
 
     with tempfile.TemporaryDirectory(prefix="sweeps-promote-") as tmp:
-        model, task, resolved = build_model(client, spec, cand, tmp)
+        model, task, resolved = build_model(reader, spec, cand, tmp)
         inputs = example_inputs(task)
         example = inputs[:EXAMPLE_ROWS]
         with torch.inference_mode():
             signature = infer_signature(example, model(torch.from_numpy(example)).numpy())
         extra, onnx_tags = [], {"sweeps.onnx": "absent"}
-        onnx = _download(client, cand.run_id, f"{layout.ART_ONNX_DIR}/model.onnx", tmp)
+        onnx = _download(reader, cand.run_id, f"{layout.ART_ONNX_DIR}/model.onnx", tmp)
         if onnx is not None:
-            report_path = _download(client, cand.run_id, f"{layout.ART_ONNX_DIR}/onnx_parity.json", tmp)
+            report_path = _download(reader, cand.run_id, f"{layout.ART_ONNX_DIR}/onnx_parity.json", tmp)
             original = json.loads(report_path.read_text()) if report_path is not None else None
             tolerance = float((resolved.get("train") or {}).get("onnx_tolerance")
                               or (original or {}).get("tolerance") or 1e-4)
@@ -306,20 +307,21 @@ def log_model(client, uri: str, spec, cand: Candidate, console) -> tuple[str, st
             console.print(f"ONNX re-verified: max |onnxruntime - torch| = {report['max_abs_diff']:.3g} <= "
                           f"{tolerance:.3g} over {report['n_inputs_checked']} inputs", markup=False, highlight=False)
         with _fluent_uri(uri):  # log_model reads the fluent URI; the run is addressed by id
-            logged = client.create_logged_model(cand.run.info.experiment_id, name=MODEL_ARTIFACT,
-                                                source_run_id=cand.run_id, tags={TAG_PROMOTED: "true", **onnx_tags})
+            logged = reader.registry.create_logged_model(cand.run.info.experiment_id, name=MODEL_ARTIFACT,
+                                                         source_run_id=cand.run_id,
+                                                         tags={TAG_PROMOTED: "true", **onnx_tags})
             info = mlflow.pytorch.log_model(model, name=MODEL_ARTIFACT, model_id=logged.model_id, run_id=cand.run_id,
                                             signature=signature, input_example=example, extra_files=extra or None,
                                             pip_requirements=_pip_requirements())
     return info.model_uri, info.model_id, onnx_tags
 
 
-def lineage_tags(client, cand: Candidate, result, metric: str, direction: str, onnx_tags: dict) -> dict[str, str]:
+def lineage_tags(reader, cand: Candidate, result, metric: str, direction: str, onnx_tags: dict) -> dict[str, str]:
     tags = cand.run.data.tags
     commit = tags.get(layout.TAG_GIT_COMMIT)
     if not commit and tags.get(layout.PARENT_TAG):  # trials inherit the commit of the study's parent run
         with contextlib.suppress(Exception):
-            commit = client.get_run(tags[layout.PARENT_TAG]).data.tags.get(layout.TAG_GIT_COMMIT)
+            commit = reader.get_run(tags[layout.PARENT_TAG]).data.tags.get(layout.TAG_GIT_COMMIT)
     return {layout.TAG_STUDY: result.name, layout.TAG_TRIAL_NUMBER: str(cand.number), TAG_RUN_ID: cand.run_id,
             TAG_PARAMS: json.dumps(cand.params, sort_keys=True), TAG_METRIC: metric,
             TAG_METRIC_VALUE: repr(cand.value), TAG_METRIC_DIRECTION: direction,
@@ -328,18 +330,18 @@ def lineage_tags(client, cand: Candidate, result, metric: str, direction: str, o
             **{k: str(v) for k, v in onnx_tags.items()}}
 
 
-def ensure_registered_model(client, name: str, study: str) -> None:
+def ensure_registered_model(registry, name: str, study: str) -> None:
     from mlflow.exceptions import MlflowException
 
     try:
-        client.get_registered_model(name)
+        registry.get_registered_model(name)
         return
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
     try:
-        client.create_registered_model(name, tags={layout.TAG_STUDY: study},
-                                       description=f"Models promoted from study {study!r} by `sweeps promote`.")
+        registry.create_registered_model(name, tags={layout.TAG_STUDY: study},
+                                         description=f"Models promoted from study {study!r} by `sweeps promote`.")
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":  # a parallel promote created it first
             raise
@@ -356,22 +358,22 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
     name = check_model_name(model_name or spec.name)
     check_alias(alias)
     uri = spec.tracking_store_uri()
-    client = open_client(uri)
+    reader = open_client(uri)
     result = get_backend(spec.backend).load(spec)
     metric = metric or spec.objective.metric
     direction = metric_direction(metric, spec, direction)
-    ranked, notes = rank_trials(client, result, metric, direction, spec.objective.metric)
+    ranked, notes = rank_trials(reader, result, metric, direction, spec.objective.metric)
     for note in notes:
         console.print(note, markup=False, highlight=False)
     if not ranked:
         raise PromoteError(f"study {result.name!r} has no finished trial to promote by {metric!r} (complete, with "
                            f"a run, and not failing its ONNX parity check)")
-    holder = current_holder(client, name, alias, metric, direction)
+    holder = current_holder(reader, name, alias, metric, direction)
     cand = ranked[0]
     if holder is not None:  # on a tie the holder stays: no churn between equally good models
         tied = [c for c in ranked if c.value == cand.value and c.run_id == holder.version.run_id]
         cand = tied[0] if tied else cand
-    existing = find_version(client, name, cand.run_id)
+    existing = find_version(reader.registry, name, cand.run_id)
     console.print(comparison_table(name, alias, metric, direction, cand, holder, existing))
     where = f"{name}@{alias}"
     if holder is not None and holder.version.run_id == cand.run_id:
@@ -397,11 +399,12 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
                       markup=False, highlight=False)
         return 0
     if existing is None:
-        existing = _register(client, uri, spec, result, cand, name, metric, direction, console)
+        existing = _register(reader, uri, spec, result, cand, name, metric, direction, console)
     else:
         console.print(f"reusing version {existing.version} of {name} (made from run {cand.run_id})",
                       markup=False, highlight=False)
-    client.set_registered_model_alias(name, alias, existing.version)  # LAST: a crash before keeps the old holder
+    # LAST: a crash before this keeps the old holder.
+    reader.registry.set_registered_model_alias(name, alias, existing.version)
     console.print(f"{where} -> version {existing.version} (trial {cand.number} of study {result.name}, "
                   f"{metric}={cand.value:.6g}, run {cand.run_id})\nload it with: "
                   f"mlflow.pyfunc.load_model('models:/{where}') (MLFLOW_TRACKING_URI={uri})",
@@ -409,17 +412,18 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
     return 0
 
 
-def _register(client, uri: str, spec, result, cand: Candidate, name: str, metric: str, direction: str, console):
-    logged = find_logged_model(client, cand)
+def _register(reader, uri: str, spec, result, cand: Candidate, name: str, metric: str, direction: str, console):
+    logged = find_logged_model(reader.registry, cand)
     if logged is not None:
         model_uri, model_id = f"models:/{logged.model_id}", logged.model_id
         onnx_tags = {k: v for k, v in logged.tags.items() if k in ONNX_TAGS}
         console.print(f"reusing the model logged into run {cand.run_id} by an earlier promote ({model_id})",
                       markup=False, highlight=False)
     else:
-        model_uri, model_id, onnx_tags = log_model(client, uri, spec, cand, console)
-    ensure_registered_model(client, name, result.name)
+        model_uri, model_id, onnx_tags = log_model(reader, uri, spec, cand, console)
+    ensure_registered_model(reader.registry, name, result.name)
     with _fluent_uri(uri):
-        return client.create_model_version(name, source=model_uri, run_id=cand.run_id, model_id=model_id,
-                                           tags=lineage_tags(client, cand, result, metric, direction, onnx_tags),
-                                           description=f"trial {cand.number} of study {result.name}")
+        return reader.registry.create_model_version(
+            name, source=model_uri, run_id=cand.run_id, model_id=model_id,
+            tags=lineage_tags(reader, cand, result, metric, direction, onnx_tags),
+            description=f"trial {cand.number} of study {result.name}")

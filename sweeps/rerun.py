@@ -20,15 +20,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
-from sweeps.compare import CurveComparison, RunLookupError, best_over_epochs, compare_curves, get_run, metric_curve
+from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, metric_curve, open_client
 from sweeps.errors import SweepsError
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
+from sweeps.tracking.reader import RunLookupError, TrackingReader
+
+if TYPE_CHECKING:
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 _CPU_THREADS = re.compile(r"^cpu \((\d+) threads?\)")
 
@@ -38,15 +42,15 @@ class RerunError(SweepsError):
 
 
 # ---- rebuild a trial from its run --------------------------------------------------------------
-def load_resolved_config(client, run_id: str) -> dict:
+def load_resolved_config(reader: TrackingReader, run_id: str) -> dict:
     """The trial's ``config/resolved_config.json`` artifact (written by ``sweeps.objective``)."""
     with tempfile.TemporaryDirectory(prefix="sweeps-config-") as tmp:
         try:
-            path = client.download_artifacts(run_id, layout.ART_CONFIG, tmp)
+            path = reader.download_artifact(run_id, layout.ART_CONFIG, tmp)
         except Exception as exc:  # MlflowException or OSError, depending on the artifact store
             raise RerunError(f"run {run_id} has no {layout.ART_CONFIG} artifact ({str(exc).splitlines()[0]}); "
                              "only trials run by `sweeps run` can be rebuilt exactly") from exc
-        return json.loads(Path(path).read_text())
+        return json.loads(path.read_text())
 
 
 def task_from_resolved(resolved: dict):
@@ -70,23 +74,21 @@ def config_from_resolved(resolved: dict, run_id: str, seed: int | None = None):
         raise RerunError(f"the resolved config of run {run_id} does not fit this code version: {exc}") from exc
 
 
-def find_trial_run(client, spec, trial_number: int) -> str:
+def find_trial_run(reader: TrackingReader, spec, trial_number: int) -> str:
     """Run id of trial ``trial_number`` of the spec's current study version, from MLflow alone
     (so it is the same for either backend). The newest finished run wins over retries."""
-    exp = client.get_experiment_by_name(spec.experiment_name())
-    if exp is None:
-        raise RunLookupError(f"MLflow experiment {spec.experiment_name()!r} not found at {client.tracking_uri}; "
+    experiment_id = reader.experiment_id(spec.experiment_name())
+    if experiment_id is None:
+        raise RunLookupError(f"MLflow experiment {spec.experiment_name()!r} not found at {reader.tracking_uri}; "
                              f"has `sweeps run {spec.path or spec.name}` run here?")
     versions = re.compile(re.escape(spec.name) + r"(-v\d+)?")
-    parents = [p for p in client.search_runs([exp.experiment_id], f"tags.`{layout.TAG_ROLE}` = '{layout.ROLE_STUDY}'",
-                                             max_results=200, order_by=["attributes.start_time DESC"])
+    parents = [p for p in reader.find_runs(experiment_id, {layout.TAG_ROLE: layout.ROLE_STUDY}, max_results=200)
                if versions.fullmatch(p.data.tags.get(layout.TAG_STUDY, ""))]
     if not parents:
-        raise RunLookupError(f"no study run of {spec.name!r} in experiment {exp.name!r} at {client.tracking_uri}")
+        raise RunLookupError(f"no study run of {spec.name!r} in experiment {spec.experiment_name()!r} at "
+                             f"{reader.tracking_uri}")
     parent = parents[0]
-    children = client.search_runs(
-        [exp.experiment_id], f"tags.`{layout.PARENT_TAG}` = '{parent.info.run_id}' and "
-                             f"tags.`{layout.TAG_ROLE}` = '{layout.ROLE_TRIAL}'", max_results=5000)
+    children = reader.children(parent.info.run_id, {layout.TAG_ROLE: layout.ROLE_TRIAL})
     match = [r for r in children if r.data.tags.get(layout.TAG_TRIAL_NUMBER) == str(trial_number)]
     if not match:
         have = sorted({int(r.data.tags[layout.TAG_TRIAL_NUMBER]) for r in children
@@ -97,21 +99,18 @@ def find_trial_run(client, spec, trial_number: int) -> str:
     return match[0].info.run_id
 
 
-def parent_handle(client, run) -> RunHandle | None:
+def parent_handle(reader: TrackingReader, run) -> RunHandle | None:
     """The study's parent run of ``run`` as a handle, if it still exists."""
     parent_id = run.data.tags.get(layout.PARENT_TAG)
     if not parent_id:
         return None
     try:
-        parent = client.get_run(parent_id)
+        return reader.handle(parent_id)
     except Exception:  # noqa: BLE001 - a deleted or foreign parent: the rerun is simply not nested
         return None
-    if parent.info.lifecycle_stage == "deleted":
-        return None
-    return RunHandle(parent.info.run_id, parent.info.experiment_id, parent.info.run_name or "")
 
 
-def code_differences(client, run) -> list[str]:
+def code_differences(reader: TrackingReader, run) -> list[str]:
     """How the code now differs from the code that ran ``run``: the git commit (trial tag, else
     the study's parent run) and the package versions (``version.*`` params of the parent)."""
     from sweeps.study_run import git_commit, package_versions
@@ -120,7 +119,7 @@ def code_differences(client, run) -> list[str]:
     parent_id = run.data.tags.get(layout.PARENT_TAG)
     if parent_id:
         with contextlib.suppress(Exception):
-            parent = client.get_run(parent_id)
+            parent = reader.get_run(parent_id)
     then_commit = run.data.tags.get(layout.TAG_GIT_COMMIT) or (parent.data.tags.get(layout.TAG_GIT_COMMIT)
                                                                if parent is not None else None)
     out = []
@@ -182,21 +181,22 @@ def _pin_device(cfg, device_tag: str, console):
     return cfg
 
 
-def rerun_once(tracker, original_id: str, seed: int | None = None, parent: RunHandle | None = None,
-               console=None, out_root: str | Path = "runs") -> RerunOutcome:
+def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None, parent: RunHandle | None = None,
+               console=None, out_root: str | Path = "runs", reader: TrackingReader | None = None) -> RerunOutcome:
     """Train the trial of run ``original_id`` again (``seed`` replaced when given), logged as a
-    new run; then compare its curves with the original's and tag the verdict on the new run."""
+    new run; then compare its curves with the original's and tag the verdict on the new run.
+    ``reader``: what reads the original (default: one on the tracker's store)."""
     from core.train import train
     from sweeps.objective import TrialOutcome, TrialReporter, finish_trial_run
     from sweeps.study_run import git_commit
 
-    client = tracker.client
-    orig = get_run(client, original_id)
-    resolved = load_resolved_config(client, original_id)
+    reader = reader or open_client(tracker.tracking_uri)
+    orig = reader.get_run(original_id)
+    resolved = load_resolved_config(reader, original_id)
     tags = orig.data.tags
     device_tag = tags.get(layout.TAG_DEVICE, "")
     cfg = _pin_device(config_from_resolved(resolved, original_id, seed), device_tag, console)
-    code_diffs = code_differences(client, orig)
+    code_diffs = code_differences(reader, orig)
     if code_diffs and console is not None:
         console.print(Text("warning: the code differs from the original's (the rerun goes on; differences in the "
                            "curves may come from this): " + "; ".join(code_diffs), style="yellow"))
@@ -204,20 +204,20 @@ def rerun_once(tracker, original_id: str, seed: int | None = None, parent: RunHa
     objective = resolved.get("objective") or {}
     metric = objective.get("metric", "val_loss")
     study = resolved.get("study") or tags.get(layout.TAG_STUDY) or "rerun"
-    parent = parent if parent is not None else parent_handle(client, orig)
-    run = tracker.start_run(orig.info.experiment_id, f"rerun-{orig.info.run_name or original_id[:8]}-seed{cfg.seed}",
-                            parent=parent, tags={
+    parent = parent if parent is not None else parent_handle(reader, orig)
+    run = tracker.start_run(f"rerun-{orig.info.run_name or original_id[:8]}-seed{cfg.seed}",
+                            experiment=reader.experiment_name(orig.info.experiment_id), parent=parent, tags={
                                 layout.TAG_ROLE: layout.ROLE_RERUN, layout.TAG_RERUN_OF: original_id,
                                 layout.TAG_STUDY: study, layout.TAG_TRIAL_NUMBER: tags.get(layout.TAG_TRIAL_NUMBER, ""),
                                 layout.TAG_SEED: cfg.seed, layout.TAG_SPEC_HASH: resolved.get("spec_hash", ""),
                                 layout.TAG_GIT_COMMIT: git_commit(), layout.TAG_DEVICE: device_tag,
                                 "sweeps.code_differs": str(bool(code_diffs)).lower(),
                                 "sweeps.code_diff": "; ".join(code_diffs)})
-    tracker.log_params(run, {**orig.data.params, "train.seed": cfg.seed, "train.device": cfg.device})
-    tracker.log_dict(run, {**resolved, "seed": cfg.seed, "train": cfg.to_dict(), "rerun_of": original_id},
-                     layout.ART_CONFIG)
+    tracker.log(run, params={**orig.data.params, "train.seed": cfg.seed, "train.device": cfg.device})
+    tracker.log_artifact(run, {**resolved, "seed": cfg.seed, "train": cfg.to_dict(), "rerun_of": original_id},
+                         layout.ART_CONFIG)
     # A pruned original stopped early: the rerun stops after the same epoch, so both trained alike.
-    stop_after = (len([s for s in metric_curve(client, original_id, metric) if s >= 1])
+    stop_after = (len([s for s in metric_curve(reader, original_id, metric) if s >= 1])
                   if tags.get(layout.TAG_PRUNED) == "true" else None)
     reporter = TrialReporter(tracker, run, metric, lambda epoch, value: bool(stop_after) and epoch >= stop_after,
                              threading.Event())
@@ -242,16 +242,15 @@ def rerun_once(tracker, original_id: str, seed: int | None = None, parent: RunHa
             else:
                 result = train(task, cfg, reporter=reporter, out_dir=out_dir)
     except BaseException as exc:
-        tracker.set_tags(run, {layout.TAG_ERROR: f"{type(exc).__name__}: {exc}"[:500]})
+        tracker.log(run, tags={layout.TAG_ERROR: f"{type(exc).__name__}: {exc}"[:500]})
         tracker.end_run(run, "FAILED")
         raise
     state = {"completed": "COMPLETE", "interrupted": "INTERRUPTED"}.get(result.status, "PRUNED")
     outcome = TrialOutcome(state, result.best_metric, result.reason, run, result,  # type: ignore[arg-type]
                            seconds=time.monotonic() - started)
     finish_trial_run(tracker, run, outcome)  # same final metrics and tags as a trial; flushes and ends
-    comparison = compare_curves(client, original_id, run.run_id)
-    tracker.set_tags(run, comparison.tags())
-    tracker.flush(run)
+    comparison = compare_curves(reader, original_id, run.run_id)
+    tracker.log(run, tags=comparison.tags())
     return RerunOutcome(run.run_id, cfg.seed, result.best_metric, comparison, code_diffs)
 
 
@@ -271,28 +270,30 @@ def seed_statistics(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else 0.0)
 
 
-def rerun_seeds(tracker, original_id: str, seeds: list[int], console=None,
-                out_root: str | Path = "runs") -> dict[str, Any]:
+def rerun_seeds(tracker: MlflowTracker, original_id: str, seeds: list[int], console=None,
+                out_root: str | Path = "runs", reader: TrackingReader | None = None) -> dict[str, Any]:
     """Rerun the trial once per seed, nested under a run of its own (role ``seeds``) that holds
     the objective per seed (step = seed) and its mean and standard deviation."""
-    client = tracker.client
-    orig = get_run(client, original_id)
-    resolved = load_resolved_config(client, original_id)
+    reader = reader or open_client(tracker.tracking_uri)
+    orig = reader.get_run(original_id)
+    resolved = load_resolved_config(reader, original_id)
     objective = resolved.get("objective") or {}
     metric, direction = objective.get("metric", "val_loss"), objective.get("direction", "minimize")
-    original_value = best_over_epochs(metric_curve(client, original_id, metric), direction)
+    original_value = best_over_epochs(metric_curve(reader, original_id, metric), direction)
     tags = orig.data.tags
-    run = tracker.start_run(orig.info.experiment_id, f"seeds-{orig.info.run_name or original_id[:8]}",
-                            parent=parent_handle(client, orig), tags={
+    run = tracker.start_run(f"seeds-{orig.info.run_name or original_id[:8]}",
+                            experiment=reader.experiment_name(orig.info.experiment_id),
+                            parent=parent_handle(reader, orig), tags={
                                 layout.TAG_ROLE: layout.ROLE_SEEDS, layout.TAG_RERUN_OF: original_id,
                                 layout.TAG_STUDY: tags.get(layout.TAG_STUDY, ""),
                                 layout.TAG_TRIAL_NUMBER: tags.get(layout.TAG_TRIAL_NUMBER, "")})
-    tracker.log_params(run, {"seeds": ",".join(map(str, seeds)), "objective.metric": metric,
+    tracker.log(run, params={"seeds": ",".join(map(str, seeds)), "objective.metric": metric,
                              "objective.direction": direction, "rerun_of": original_id})
     outcomes: list[RerunOutcome] = []
     try:
         for seed in seeds:
-            outcome = rerun_once(tracker, original_id, seed=seed, parent=run, console=console, out_root=out_root)
+            outcome = rerun_once(tracker, original_id, seed=seed, parent=run, console=console, out_root=out_root,
+                                 reader=reader)
             outcomes.append(outcome)
             if console is not None:
                 print_outcome(outcome, console)
@@ -307,10 +308,10 @@ def rerun_seeds(tracker, original_id: str, seeds: list[int], console=None,
                "original": original_value, "rerun_run_ids": {o.seed: o.run_id for o in outcomes}}
     tracker.log_metrics(run, {"objective_mean": mean, "objective_std": std, f"{metric}_mean": mean,
                               f"{metric}_std": std, "n_seeds": float(len(outcomes))}, 0)
-    tracker.set_tags(run, {"sweeps.seed_runs": json.dumps(summary["rerun_run_ids"]),
+    tracker.log(run, tags={"sweeps.seed_runs": json.dumps(summary["rerun_run_ids"]),
                            "sweeps.seeds.summary": f"{metric} mean {mean:.6g} std {std:.6g} over seeds "
                                                    f"{','.join(map(str, seeds))}"})
-    tracker.log_dict(run, summary, "seeds/summary.json")
+    tracker.log_artifact(run, summary, "seeds/summary.json")
     tracker.end_run(run, "FINISHED")
     return summary
 

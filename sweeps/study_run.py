@@ -8,11 +8,16 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sweeps.backends.base import StudyResult
 from sweeps.spec import StudySpec, dump_spec_dict
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.reader import TrackingReader
+
+if TYPE_CHECKING:
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 TRIAL_STATES_COUNTED = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")  # logged on the parent as trials_<state>
 PACKAGES = ("torch", "torchvision", "optuna", "mlflow", "ray", "onnxruntime", "numpy", "sweeps")
@@ -40,39 +45,39 @@ def package_versions(names=PACKAGES) -> dict[str, str]:
     return out
 
 
-def find_parent(tracker: Tracker, spec: StudySpec, study_name: str, study_uid: str | None = None) -> RunHandle | None:
+def find_parent(reader: TrackingReader, spec: StudySpec, study_name: str,
+                study_uid: str | None = None) -> RunHandle | None:
     """The parent run of the study ``study_name`` (of identity ``study_uid``, when given: a
     study of the same name whose journal was deleted, or in another storage, is another study)."""
-    experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
+    experiment_id = reader.experiment_id(spec.experiment_name())
+    if experiment_id is None:
+        return None
     tags = {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name}
     if study_uid is not None:
         tags[layout.TAG_STUDY_UID] = study_uid
-    return tracker.find_run(experiment_id, tags)
+    return reader.find_run(experiment_id, tags)
 
 
 def find_or_create_parent(tracker: Tracker, spec: StudySpec, study_name: str, backend: str,
                           study_uid: str | None = None) -> RunHandle:
     """The study's parent run, created on first use with the spec snapshot, commit and versions.
     A resumed study reopens its parent (RUNNING again until this invocation ends)."""
-    existing = find_parent(tracker, spec, study_name, study_uid)
+    existing = find_parent(reader_for(spec), spec, study_name, study_uid)
     if existing is not None:
-        tracker.client.update_run(existing.run_id, status="RUNNING")
-        tracker.set_tags(existing, {layout.TAG_GIT_COMMIT: git_commit()})
-        return existing
-    experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
+        return tracker.start_run(existing, tags={layout.TAG_GIT_COMMIT: git_commit()})
     tags = {layout.TAG_ROLE: layout.ROLE_STUDY, layout.TAG_STUDY: study_name, layout.TAG_BACKEND: backend,
             layout.TAG_SPEC_HASH: spec.spec_hash(), layout.TAG_GIT_COMMIT: git_commit(),
             "mlflow.note.content": spec.description or f"Study {study_name}"}
     if study_uid is not None:
         tags[layout.TAG_STUDY_UID] = study_uid
-    parent = tracker.start_run(experiment_id, study_name, parent=None, tags=tags)
-    tracker.log_params(parent, {"objective.metric": spec.objective.metric,
+    parent = tracker.start_run(study_name, experiment=spec.experiment_name(), tags=tags)
+    tracker.log(parent, params={"objective.metric": spec.objective.metric,
                                 "objective.direction": spec.objective.direction,
                                 "sampler": spec.sampler.name, "pruner": spec.pruner.name,
                                 "n_trials": spec.budget.n_trials, "backend": backend,
                                 **{f"version.{k}": v for k, v in package_versions().items()}})
     _log_spec_snapshot(tracker, parent, spec)
-    tracker.log_dict(parent, dump_spec_dict(spec), f"{layout.ART_SPEC_DIR}/resolved_spec.json")
+    tracker.log_artifact(parent, dump_spec_dict(spec), f"{layout.ART_SPEC_DIR}/resolved_spec.json")
     return parent
 
 
@@ -87,10 +92,9 @@ def _log_spec_snapshot(tracker: Tracker, parent: RunHandle, spec: StudySpec) -> 
         copy = Path(folder) / Path(spec.path).name
         copy.write_text(spec.text, encoding="utf-8")
         tracker.log_artifact(parent, copy, layout.ART_SPEC_DIR)
-        tracker.flush(parent)  # the writer may read the file later: write it before it goes
 
 
-def update_parent_best(tracker: Tracker, parent: RunHandle, result: StudyResult) -> None:
+def update_parent_best(tracker: MlflowTracker, parent: RunHandle, result: StudyResult) -> None:
     """Keep the parent's best-trial tags and counts current: called by ``sweeps run`` whenever
     it sees more finished trials in the study (Optuna), after every trial (Ray), and at the end."""
     best = result.best()
@@ -104,7 +108,9 @@ def update_parent_best(tracker: Tracker, parent: RunHandle, result: StudyResult)
     step = len(result.finished())
     tracker.log_metrics(parent, metrics, step)
     if tags:
-        tracker.set_tags(parent, tags)
+        tracker.log(parent, tags=tags)
+    # Sent now, not with the next due batch: readers of the parent (the MLflow UI, the
+    # dashboards) see the best so far while the study runs.
     tracker.flush(parent)
 
 
@@ -116,7 +122,7 @@ def parent_status(result: StudyResult, exit_code: int) -> str:
     return "FINISHED" if exit_code == 0 else "FAILED"
 
 
-def write_summary(tracker: Tracker, parent: RunHandle, result: StudyResult) -> dict:
+def write_summary(tracker: MlflowTracker, parent: RunHandle, result: StudyResult) -> dict:
     best = result.best()
     summary = {
         "study": result.name, "backend": result.backend, "metric": result.metric, "direction": result.direction,
@@ -127,35 +133,30 @@ def write_summary(tracker: Tracker, parent: RunHandle, result: StudyResult) -> d
                     "duration_s": t.duration_s, "run_id": t.run_id, "reason": t.reason} for t in result.trials],
     }
     update_parent_best(tracker, parent, result)
-    tracker.log_dict(parent, summary, layout.ART_SUMMARY)
+    tracker.log_artifact(parent, summary, layout.ART_SUMMARY)
     return summary
 
 
-def running_children(tracker, parent_run_id: str) -> list[str]:
+def running_children(reader: TrackingReader, parent_run_id: str) -> list[str]:
     """Run ids of the parent's trial runs whose MLflow status is still RUNNING (reruns, which
     a user may be running right now, are not trials and are left alone)."""
-    client = tracker.client
-    experiment_id = client.get_run(parent_run_id).info.experiment_id
-    runs = client.search_runs([experiment_id], filter_string=(
-        f"tags.`{layout.PARENT_TAG}` = '{parent_run_id}' and tags.`{layout.TAG_ROLE}` = '{layout.ROLE_TRIAL}' "
-        "and attributes.status = 'RUNNING'"), max_results=1000)
+    runs = reader.children(parent_run_id, {layout.TAG_ROLE: layout.ROLE_TRIAL}, status="RUNNING", max_results=1000)
     return [r.info.run_id for r in runs]
 
 
-def tracker_for(spec: StudySpec, writer_process: bool = False, served_by: tuple | None = None):
-    """The spec's tracker. With a local SQLite store (the embedded default), artifacts go
-    beside the database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own.
-    ``writer_process``: the store writes happen in a child process (for processes that train:
-    see ``sweeps.tracking.writer``). ``served_by``: instead, the pipe ends to the ``sweeps run``
-    that serves this worker's writes (its go message names them); give one or the other."""
+def tracker_for(spec: StudySpec) -> MlflowTracker:
+    """The spec's tracker, for a process that writes runs (each trainer writes its own, in
+    its process). With a local SQLite store (the embedded default), artifacts go beside the
+    database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     uri = spec.tracking_store_uri()
     root = None
     if uri.startswith("sqlite:///"):
         root = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
-    if writer_process or served_by is not None:
-        from sweeps.tracking.writer import WriterProcessTracker
-
-        return WriterProcessTracker(uri, artifact_root=root, served_by=served_by)
     return MlflowTracker(uri, artifact_root=root)
+
+
+def reader_for(spec: StudySpec) -> TrackingReader:
+    """What reads the spec's runs back (the tracking store of ``tracker_for``)."""
+    return TrackingReader(spec.tracking_store_uri())

@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
 from sweeps.backends.base import StudyResult
-from sweeps.backends.supervisor import Supervisor, serve_writes_with
+from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
@@ -85,11 +85,10 @@ class OptunaBackend:
         uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
         finished: list[int] = [-1]
 
-        def go_for(slot: WorkerSlot, beat: Path, served_fds) -> WorkerGo:
+        def go_for(slot: WorkerSlot, beat: Path) -> WorkerGo:
             return WorkerGo(spec_text=spec.text or "", spec_path=str(spec.path), study_name=study.study_name,
                             study_uid=uid, parent_run_id=parent.run_id, since=started, deadline=deadline,
-                            slot=slot.index, threads=slot.threads, beat_file=str(beat),
-                            writer_process=slot.writer_process, served_fds=served_fds)
+                            slot=slot.index, threads=slot.threads, beat_file=str(beat))
 
         def on_progress() -> None:
             result = optuna_study.study_result(spec, study)
@@ -98,9 +97,8 @@ class OptunaBackend:
                 finished[0] = len(result.finished())
                 update_parent_best(tracker, parent, result)
 
-        tracker.set_tags(parent, {"sweeps.workers": len(slots)})  # this invocation's local workers
-        supervisor = Supervisor(spec, study, go_for, serve_writes_with(tracker), _beat_dir(spec), started,
-                                deadline, on_progress)
+        tracker.log(parent, tags={"sweeps.workers": len(slots)})  # this invocation's local workers
+        supervisor = Supervisor(spec, study, go_for, _beat_dir(spec), started, deadline, on_progress)
         stopped, code = supervisor.run(slots)
         view.update(study)
         return stopped, code

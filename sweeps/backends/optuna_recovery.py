@@ -41,7 +41,7 @@ def _close_run(tracker, run_id: str, reason: str) -> None:
     from sweeps.tracking.base import RunHandle
 
     run = RunHandle(run_id, "", "")
-    tracker.set_tags(run, {layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason})
+    tracker.log(run, tags={layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason})
     tracker.end_run(run, "FAILED")
 
 
@@ -53,8 +53,9 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
         return
     running_ids = {t.user_attrs.get(ATTR_RUN_ID) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     from sweeps.study_run import running_children
+    from sweeps.tracking.reader import TrackingReader
 
-    for run_id in running_children(tracker, parent):
+    for run_id in running_children(TrackingReader(tracker.tracking_uri), parent):
         if run_id not in running_ids:
             _close_run(tracker, run_id, "orphaned: the process running this trial died")
 

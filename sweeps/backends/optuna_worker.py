@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import optuna
@@ -25,11 +24,9 @@ from sweeps.backends import optuna_study as os_
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
-from sweeps.pool import worker_writes_from_a_process
 from sweeps.spec import StudySpec, redact_url
-from sweeps.study_run import tracker_for
+from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle
 
 log = logging.getLogger("sweeps")
 EXIT_OK, EXIT_MAX_FAILURES = 0, 3  # `sweeps worker`'s exit codes (besides 128 + a signal's number)
@@ -67,15 +64,10 @@ def trial_dir(spec: StudySpec, study_name: str, number: int) -> Path:
 def run_worker(spec: StudySpec, worker_index: int = 0, go: WorkerGo | None = None, wait_s: float = 0.0) -> int:
     """The worker loop. Returns the process exit code.
 
-    With ``go`` (a worker of ``sweeps run``): the study, parent run, budget window and tracking
-    route it says. Without (``sweeps worker``): it joins the study ``sweeps run`` created,
-    waiting up to ``wait_s`` seconds for it to appear, and writes to MLflow from a child
-    process where a core is left for one (``pool.worker_writes_from_a_process``), else itself."""
-    served_by = None
-    if go is not None and go.served_fds is not None and not go.writer_process:
-        served_by = (Connection(go.served_fds[0], readable=False), Connection(go.served_fds[1], writable=False))
-    writer_process = go.writer_process if go is not None else worker_writes_from_a_process()
-    tracker = tracker_for(spec, writer_process=writer_process, served_by=served_by)
+    With ``go`` (a worker of ``sweeps run``): the study, parent run and budget window it says.
+    Without (``sweeps worker``): it joins the study ``sweeps run`` created, waiting up to
+    ``wait_s`` seconds for it to appear. Either way its trials write to MLflow from this process."""
+    tracker = tracker_for(spec)
     try:
         return _worker_loop(spec, worker_index, go, wait_s, tracker)
     except TrialInterrupted as exc:  # a signal between trials: nothing to checkpoint
@@ -101,9 +93,8 @@ def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s
     since = go.since if go is not None else time.time()
     deadline = go.deadline if go is not None else None
     beat_file = Path(go.beat_file) if go is not None else None
-    experiment_id = tracker.get_or_create_experiment(spec.experiment_name())
     parent_id = go.parent_run_id if go is not None else study.user_attrs[os_.ATTR_PARENT_RUN]
-    parent = RunHandle(parent_id, experiment_id, spec.name)
+    parent = reader_for(spec).handle(parent_id)
     n_trials = spec.budget.n_trials
 
     while not signals.event.is_set():

@@ -35,9 +35,11 @@ from sweeps.backends.ray_trainable import (TAG_RAY_TRIAL_ID, TrialContext, Trial
                                            trial_dirname)
 from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec
-from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
+from sweeps.study_run import (find_or_create_parent, parent_status, reader_for, tracker_for, update_parent_best,
+                              write_summary)
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle
+from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.reader import TrackingReader
 
 log = logging.getLogger("sweeps")
 _LIVE: dict = {}  # the running driver's view, tracker and parent; read by _DriverCallback
@@ -52,7 +54,7 @@ class RayBackend:
         if study_name is None:
             raise StudyStateError(f"study {spec.name!r} has not run on Ray yet (nothing in {rr.ray_root()}); "
                                   f"start it with: sweeps run {spec.path or '<spec>'}")
-        return rr.load_result(spec, study_name, tracker_for(spec))
+        return rr.load_result(spec, study_name, reader_for(spec))
 
     # ---- run -------------------------------------------------------------------------------------
     def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
@@ -74,8 +76,8 @@ class RayBackend:
                 if view._live is not None:  # a failed fit must not leave the rich display running
                     view._live.stop()
                     view._live = None
-            result = rr.load_result(spec, study_name, tracker, live=False)
-            settle_runs(tracker, result)
+            result = rr.load_result(spec, study_name, reader_for(spec), live=False)
+            settle_runs(tracker, reader_for(spec), result)
             if not stopped and any(t.state in ("RUNNING", "WAITING") for t in result.trials):
                 stopped, code = "stopped (interrupted); run the command again to resume the unfinished trials", 130
             result.stopped_reason = stopped
@@ -268,7 +270,7 @@ class _StatusView:
 
 
 # ---- after the fit: MLflow runs follow the final Ray states ------------------------------------------
-def settle_runs(tracker, result: StudyResult) -> None:
+def settle_runs(tracker: Tracker, reader: TrackingReader, result: StudyResult) -> None:
     """Make each trial's MLflow run say what Ray decided. A trial thread that Ray stopped
     closes its run as pruned, but Ray may have paused it (it resumes and reopens the run),
     or the whole fit may have been interrupted (the trial resumes on the next run); an
@@ -276,11 +278,10 @@ def settle_runs(tracker, result: StudyResult) -> None:
     if not result.parent_run_id:
         return
     try:
-        runs = rr.trial_runs(tracker, result.parent_run_id)
+        runs = rr.trial_runs(reader, result.parent_run_id)
     except Exception as exc:  # noqa: BLE001 - MLflow down: the spool and the next run settle it
         log.warning("could not read the trial runs back from MLflow: %s", exc)
         return
-    client = tracker.client
     for t in result.trials:
         run = runs.get(getattr(t, "ray_trial_id", None))
         if run is None:
@@ -306,10 +307,7 @@ def settle_runs(tracker, result: StudyResult) -> None:
         if status == want and all(tags.get(k) == str(v) for k, v in new_tags.items()) \
                 and not any(k in tags for k in drop):
             continue
-        for key in drop:
-            if key in tags:
-                client.delete_tag(handle.run_id, key)
-        tracker.set_tags(handle, new_tags)
+        tracker.log(handle, tags={**{k: None for k in drop if k in tags}, **new_tags})
         tracker.end_run(handle, want)
 
 

@@ -27,6 +27,7 @@ from sweeps.backends.ray_trainable import (R_DONE, R_NUMBER, R_REASON, R_RUN_ID,
                                            TAG_RAY_TRIAL_ID, number_of)
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
+from sweeps.tracking.reader import TrackingReader
 
 RAY_DIR = Path("runs") / "ray"
 
@@ -171,7 +172,7 @@ def study_result(spec: StudySpec, study_name: str, records: list[TrialRecord],
                        parent_run_id=parent_run_id)
 
 
-def load_result(spec: StudySpec, study_name: str, tracker=None, live: bool | None = None) -> StudyResult:
+def load_result(spec: StudySpec, study_name: str, reader=None, live: bool | None = None) -> StudyResult:
     """The study as stored: Ray's experiment state plus sweeps' meta file; run ids and
     failure reasons filled in from MLflow when it answers. Never writes.
     ``live``: whether a driver is running the study now (None: ask its run lock)."""
@@ -191,27 +192,24 @@ def load_result(spec: StudySpec, study_name: str, tracker=None, live: bool | Non
         records.append(record_of(trial, spec, rows, live))
         records[-1].ray_trial_id = trial.trial_id  # type: ignore[attr-defined]
     result = study_result(spec, study_name, records, meta.get("parent_run_id"))
-    if tracker is not None and result.parent_run_id:
-        fill_from_mlflow(tracker, result)
+    if reader is not None and result.parent_run_id:
+        fill_from_mlflow(reader, result)
     return result
 
 
-def trial_runs(tracker, parent_run_id: str) -> dict[str, Any]:
+def trial_runs(reader: TrackingReader, parent_run_id: str) -> dict[str, Any]:
     """The parent's trial runs by Ray trial id (newest first wins)."""
-    client = tracker.client
-    experiment_id = client.get_run(parent_run_id).info.experiment_id
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{layout.PARENT_TAG}` = '{parent_run_id}'",
-                              max_results=5000, order_by=["attributes.start_time ASC"])
+    runs = reader.children(parent_run_id, oldest_first=True)
     return {r.data.tags[TAG_RAY_TRIAL_ID]: r for r in runs if TAG_RAY_TRIAL_ID in r.data.tags}
 
 
-def fill_from_mlflow(tracker, result: StudyResult) -> None:
+def fill_from_mlflow(reader: TrackingReader, result: StudyResult) -> None:
     """Run ids of trials that never reported (failed at start), failure reasons, and the
     outcome of trials that finished after Ray's last snapshot (the driver died first)."""
     from sweeps.backends.ray_trainable import ended_for_good
 
     try:
-        runs = trial_runs(tracker, result.parent_run_id)
+        runs = trial_runs(reader, result.parent_run_id)
     except Exception:  # noqa: BLE001 - the table still shows without MLflow
         return
     for t in result.trials:

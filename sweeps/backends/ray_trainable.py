@@ -33,12 +33,15 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle
+from sweeps.tracking.base import RunHandle, RunStatus, Tracker
+
+if TYPE_CHECKING:
+    from sweeps.tracking.reader import TrackingReader
 
 TAG_RAY_TRIAL_ID = "sweeps.ray_trial_id"
 TAG_RAY_NODE = "sweeps.ray_node"
@@ -165,12 +168,14 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     epochs = trial_config(spec, params).epochs
     tags: dict[str, Any] = {TAG_RAY_TRIAL_ID: trial_id, TAG_RAY_NODE: node_description()}
 
-    base = _tracker(spec)
-    existing = base.find_run(ctx.parent.experiment_id, {layout.PARENT_TAG: ctx.parent.run_id,
-                                                        TAG_RAY_TRIAL_ID: trial_id})
+    from sweeps.study_run import reader_for
+
+    reader = reader_for(spec)
+    existing = reader.find_run(ctx.parent.experiment_id, {layout.PARENT_TAG: ctx.parent.run_id,
+                                                          TAG_RAY_TRIAL_ID: trial_id})
     objective, maximize = spec.objective.metric, spec.objective.direction == "maximize"
     if existing is not None:
-        final = finished_report(base.client, existing.run_id, objective, number)
+        final = finished_report(reader, existing.run_id, objective, number)
         if final is not None:
             # MLflow says the trial finished (the driver died before Ray recorded it): report
             # its result again instead of training (and reopening its run) a second time.
@@ -192,7 +197,7 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     else:
         clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
 
-    tracker = ContinuingTracker(base, existing)
+    tracker = ContinuingTracker(_tracker(spec), existing)
     state = {"stopped": False, "best": None, "run_id": existing.run_id if existing else None}
 
     def base_metrics(epoch: int, value: float) -> dict:
@@ -245,15 +250,15 @@ def ended_for_good(run) -> bool:
         (run.info.status == "KILLED" and state == "PRUNED" and reason.startswith("diverged"))
 
 
-def finished_report(client, run_id: str, objective: str, number: int) -> dict | None:
+def finished_report(reader: TrackingReader, run_id: str, objective: str, number: int) -> dict | None:
     """The final Ray report of a trial whose MLflow run already ended for good (COMPLETE,
     or PRUNED because it diverged); None when the run is to be continued."""
-    run = client.get_run(run_id)
+    run = reader.get_run(run_id)
     if not ended_for_good(run):
         return None
     tags = run.data.tags
     state, reason = tags.get(layout.TAG_STATE), tags.get("sweeps.reason", "")
-    history = client.get_metric_history(run_id, objective)
+    history = reader.metric_history(run_id, objective)
     value = run.data.metrics.get("objective", math.nan)
     last = max(history, key=lambda m: m.step) if history else None
     return {"epoch": last.step if last else 0, objective: last.value if last else math.nan, R_OBJECTIVE: value,
@@ -279,37 +284,33 @@ def node_description() -> str:
 
 # ---- one MLflow run per Ray trial ----------------------------------------------------------------
 class ContinuingTracker:
-    """The trial's tracker. A Ray trial that starts again (a retry after a crash, a pause,
-    a PBT exploit, a restored experiment) continues its own MLflow run: ``start_run``
-    reopens it (status RUNNING again, the stale end-of-run tags removed), and its params
-    and resolved config, logged at the first start, are kept. Everything else is the
-    wrapped tracker's."""
+    """The trial's Tracker, around the actor's own. A Ray trial that starts again (a retry
+    after a crash, a pause, a PBT exploit, a restored experiment) continues its own MLflow
+    run ``existing``: ``start_run`` reopens it (RUNNING again, the stale end-of-run tags
+    removed), and its params and resolved config, logged at the first start, are kept
+    (PBT's new params are in tags). With ``existing`` None it is the inner tracker."""
 
     _STALE_TAGS = (layout.TAG_PRUNED, layout.TAG_ERROR, "sweeps.reason", "sweeps.traceback")
 
-    def __init__(self, inner, existing: RunHandle | None) -> None:
+    def __init__(self, inner: Tracker, existing: RunHandle | None) -> None:
         self._inner, self._existing = inner, existing
 
-    def start_run(self, experiment_id: str, name: str, parent: RunHandle | None = None, tags=None) -> RunHandle:
+    def start_run(self, run: str | RunHandle, *, experiment: str | None = None,
+                  parent: RunHandle | None = None, tags: Mapping[str, Any] | None = None) -> RunHandle:
         if self._existing is None:
-            return self._inner.start_run(experiment_id, name, parent=parent, tags=tags)
-        run = self._existing
-        client = self._inner.client
-        data_tags = client.get_run(run.run_id).data.tags
-        for key in self._STALE_TAGS:
-            if key in data_tags:
-                client.delete_tag(run.run_id, key)
-        client.update_run(run.run_id, status="RUNNING")
-        self._inner.set_tags(run, dict(tags or {}))
-        return run
+            return self._inner.start_run(run, experiment=experiment, parent=parent, tags=tags)
+        return self._inner.start_run(self._existing, tags={**dict.fromkeys(self._STALE_TAGS), **(tags or {})})
 
-    def log_params(self, run: RunHandle, params) -> None:
-        if self._existing is None:
-            self._inner.log_params(run, params)
+    def log(self, run: RunHandle, *, params: Mapping[str, Any] | None = None,
+            tags: Mapping[str, Any] | None = None) -> None:
+        self._inner.log(run, params=params if self._existing is None else None, tags=tags)
 
-    def log_dict(self, run: RunHandle, obj, artifact_file: str) -> None:
-        if self._existing is None or artifact_file != layout.ART_CONFIG:
-            self._inner.log_dict(run, obj, artifact_file)
+    def log_metrics(self, run: RunHandle, metrics: Mapping[str, float], step: int) -> None:
+        self._inner.log_metrics(run, metrics, step)
 
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
+    def log_artifact(self, run: RunHandle, artifact: Any, path: str | None = None) -> None:
+        if self._existing is None or path != layout.ART_CONFIG:
+            self._inner.log_artifact(run, artifact, path)
+
+    def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
+        self._inner.end_run(run, status)

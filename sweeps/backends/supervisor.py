@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,6 @@ from sweeps.backends import optuna_study
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.pool import WorkerSlot
 from sweeps.spec import StudySpec
-from sweeps.tracking.writer import open_served_pipe, serve_in_thread
 
 log = logging.getLogger("sweeps")
 _PR_SET_PDEATHSIG = 1
@@ -75,7 +73,6 @@ class LocalWorker:
     slot: WorkerSlot
     proc: subprocess.Popen
     beat_file: Path
-    writer: threading.Thread | None  # the thread of this process serving its MLflow writes
     kill_reason: str = ""  # set when the supervisor kills it (hung trial, stop grace over)
     requeue_on_kill: bool = True
     handled: bool = False
@@ -93,8 +90,7 @@ class LocalWorker:
 class Supervisor:
     spec: StudySpec
     study: optuna.Study
-    go_for: Callable[[WorkerSlot, Path, tuple[int, int] | None], WorkerGo]  # a slot's go message
-    serve_writes: Callable[[tuple], threading.Thread]  # serves a worker's MLflow writes on a thread
+    go_for: Callable[[WorkerSlot, Path], WorkerGo]  # a slot's go message
     beat_dir: Path
     since: float
     deadline: float | None
@@ -197,8 +193,6 @@ class Supervisor:
                                 tracking_uri=self.spec.tracking_store_uri(), interrupted=interrupted)
             log.warning("trial %d failed: %s%s", t.number, cause,
                         "; requeued to resume from its last checkpoint" if w.requeue_on_kill else "")
-        if w.writer is not None:
-            w.writer.join(timeout=120)  # its last writes land before anything reads the run
         if self.stopping:
             return
         if not orphans and code == 0:
@@ -253,26 +247,15 @@ class Supervisor:
         beat = self.beat_dir / f"worker-{slot.index}-{len(self.workers)}.beat"
         beat.parent.mkdir(parents=True, exist_ok=True)
         beat.unlink(missing_ok=True)
-        served = None if slot.writer_process else open_served_pipe()
-        child_fds = served[0] if served else ()
         cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker"]
+        proc = subprocess.Popen(cmd, env={**os.environ, **slot.env()}, stdin=subprocess.PIPE, text=True,
+                                preexec_fn=_die_with_parent)
         try:
-            proc = subprocess.Popen(cmd, env={**os.environ, **slot.env()}, stdin=subprocess.PIPE, text=True,
-                                    pass_fds=child_fds, preexec_fn=_die_with_parent)
-        except BaseException:
-            for conn in (served[1] if served else ()):
-                conn.close()
-            raise
-        finally:
-            for fd in child_fds:
-                os.close(fd)
-        writer = self.serve_writes(served[1]) if served else None
-        try:
-            proc.stdin.write(self.go_for(slot, beat, served[0] if served else None).to_line())
+            proc.stdin.write(self.go_for(slot, beat).to_line())
             proc.stdin.close()
         except (BrokenPipeError, OSError):
             pass  # it died at once: the loop sees its exit code
-        worker = LocalWorker(slot, proc, beat, writer)
+        worker = LocalWorker(slot, proc, beat)
         self.workers.append(worker)
         return worker
 
@@ -285,15 +268,3 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
 
-
-def serve_writes_with(tracker) -> Callable[[tuple], threading.Thread]:
-    """Serve a worker's MLflow writes on a thread of this process, which has MLflow imported
-    and the store open already (``sweeps.tracking.writer``)."""
-    from sweeps.tracking.mlflow_tracker import MlflowTracker
-
-    def serve(ends: tuple) -> threading.Thread:
-        return serve_in_thread(ends, lambda: MlflowTracker(
-            tracker.tracking_uri, spool_dir=tracker.spool.directory, artifact_root=tracker.artifact_root,
-            client=tracker.client), name="worker")
-
-    return serve

@@ -25,8 +25,6 @@ class WorkerGo:
     slot: int  # the pool slot this worker owns
     threads: int  # torch intra-op threads
     beat_file: str  # touched about once a second while a trial makes progress
-    writer_process: bool  # MLflow writes from a child process of the worker (else served)
-    served_fds: tuple[int, int] | None = None  # the pipe to the ``sweeps run`` thread serving its writes
 
     def to_line(self) -> str:
         return json.dumps(asdict(self)) + "\n"
@@ -38,6 +36,4 @@ class WorkerGo:
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or set(data) - names:
             raise ValueError(f"not a WorkerGo message: {line[:200]!r}")
-        if data.get("served_fds") is not None:
-            data["served_fds"] = tuple(data["served_fds"])
         return cls(**data)

@@ -87,7 +87,7 @@ def cmd_rerun(a: argparse.Namespace) -> int:
     uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
     open_client(uri)  # refuses a missing local store before anything is created
     tracker = MlflowTracker(uri)
-    run_id = a.run_id or find_trial_run(tracker.client, spec, a.trial)
+    run_id = a.run_id or find_trial_run(open_client(uri), spec, a.trial)
     if a.seeds:
         print_seed_summary(rerun_seeds(tracker, run_id, a.seeds, console=console), console)
         return 0

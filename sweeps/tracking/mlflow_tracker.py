@@ -2,14 +2,17 @@
 a local spool so an MLflow outage never loses points nor stops training.
 
 Never uses ``mlflow.start_run`` or any fluent "active run": several trials in one
-process (threads) or many processes write to different runs through handles.
+process (threads) or many processes write to different runs through handles. Every
+process that trains writes through its own MlflowTracker, in the trainer's process: the
+only tracking path (a writer process and writes served over a pipe were removed for
+simplicity; benchmarks/README.md, tracking overhead).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
-import re
 import threading
 import time
 from pathlib import Path
@@ -19,36 +22,15 @@ from sweeps.errors import TrackingError
 from sweeps.safe_names import safe_component, safe_subpath
 from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.layout import PARENT_TAG
-from sweeps.tracking.spool import Spool, drain, is_transient, send_records
+from sweeps.tracking.send import drain, is_transient, send_records
+from sweeps.tracking.spool import Spool
+from sweeps.tracking.values import clean_key, param_values, tag_values
 from sweeps.tracking.store_errors import disk_full_error, disk_full_raised, short_reason, store_folder
-from sweeps.tracking.sync import (apply_fast_fail_http_defaults, check_store, is_database_uri, is_http_uri,
-                                  sync_command)
+from sweeps.tracking.sync import apply_fast_fail_http_defaults, check_store, is_http_uri, sync_command
 
 log = logging.getLogger(__name__)
 
-MAX_PARAM_VAL_LENGTH = 6000  # mlflow.utils.validation
-MAX_TAG_VAL_LENGTH = 8000
-MAX_KEY_LENGTH = 250
 DEFAULT_SPOOL_DIR = Path("runs") / ".mlflow_spool"
-_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
-
-
-def sanitize_key(key: object) -> str:
-    """A key MLflow accepts for a param, metric or tag: only letters, digits and
-    ``_ - . : / space``; no empty, '.' or '..' components; at most 250 characters."""
-    text = _BAD_KEY_CHARS.sub("_", str(key))
-    parts = ["__" if p == ".." else p for p in text.split("/") if p not in ("", ".")]
-    return ("/".join(parts) or "_")[:MAX_KEY_LENGTH]
-
-
-def _truncate(value: object, limit: int, key: str, what: str) -> str:
-    """Stringify; cut to ``limit`` characters ending in a note that says so."""
-    text = value if isinstance(value, str) else str(value)
-    if len(text) <= limit:
-        return text
-    note = f"...[truncated: {len(text)} chars in full]"
-    log.warning("%s %r is %d characters; MLflow keeps %d, so it was truncated", what, key, len(text), limit)
-    return text[: limit - len(note)] + note
 
 
 class MlflowTracker:
@@ -61,6 +43,10 @@ class MlflowTracker:
     keep artifacts (``<root>/<experiment name>``); None lets the store decide.
     ``retry_interval_s``: after a failure, how long to spool without trying the store.
     ``client``: an ``MlflowClient`` (or a wrapper around one) to use instead of a new one.
+
+    Besides the five Tracker calls, its owner (the code that made it) calls
+    ``check_connection`` before training, ``flush`` before reading a run back, and ``close``
+    when done. Reads go through a ``sweeps.tracking.reader.TrackingReader``.
 
     Thread-safe; one per process (it holds locks and a buffer: pass ``RunHandle`` values
     between processes, not the tracker).
@@ -87,7 +73,7 @@ class MlflowTracker:
         self.artifact_root = _artifact_root(artifact_root)
         # Built on first use: MLflow opens (and for SQL stores migrates or retries for
         # minutes) at construction, which check_connection must be able to run first.
-        self._client = client
+        self._made_client = client
         self._client_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the buffer; held for microseconds
         # Serialises every send and spool write, so a run's writes reach the store (or
@@ -104,52 +90,93 @@ class MlflowTracker:
         self._spooled: set[str] = set()
 
     @property
-    def client(self) -> Any:
+    def _client(self) -> Any:
         """The MlflowClient, created on first use (raises TrackingError if it cannot be)."""
-        if self._client is None:
+        if self._made_client is None:
             with self._client_lock:
-                if self._client is None:
+                if self._made_client is None:
                     from mlflow.tracking import MlflowClient
 
                     try:
-                        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+                        self._made_client = MlflowClient(tracking_uri=self.tracking_uri)
                     except Exception as exc:
                         raise disk_full_error(exc, f"opening {self.tracking_uri}", self._store_dir) or TrackingError(
                             f"cannot open the MLflow tracking store {self.tracking_uri!r}: {exc}. Check "
                             f"the URI (for sqlite, that its folder can be created and written)."
                         ) from exc
-        return self._client
+        return self._made_client
 
-    def warm_up(self) -> None:
-        """Before the first call, where a process can spare the time (a worker waiting for its
-        go): import MLflow's client, and its SQL store for a database URI (1 to 2 s), so the
-        first call does not. Opens nothing: the store may not exist yet."""
-        import mlflow.tracking  # noqa: F401 - imported for its side effect
-
-        if is_database_uri(self.tracking_uri):
-            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-
-    # -- connection and experiments ------------------------------------------------------
+    # -- the life of this object (its owner's calls, not the Tracker interface) -----------
     def check_connection(self) -> None:
         """Before training: raise TrackingError (URI + fix) unless the store answers."""
-        check_store(self.tracking_uri, lambda: self.client)
+        check_store(self.tracking_uri, lambda: self._client)
 
-    def get_or_create_experiment(self, name: str) -> str:
-        """Study start/resume: the id of experiment ``name``, created if missing."""
+    def flush(self, run: RunHandle | None = None) -> None:
+        """Before its owner reads a run back (and by log_metrics when due): send the buffered
+        points of ``run`` (or of every run) in batches; what the store cannot take is spooled."""
+        with self._send_lock:
+            # Take the points out while holding the send lock: a second flusher cannot
+            # overtake us and reach the store with newer points first.
+            with self._lock:
+                if run is None:
+                    taken, self._buffer = self._buffer, {}
+                    self._n_buffered = 0
+                else:
+                    points = self._buffer.pop(run.run_id, [])
+                    taken = {run.run_id: points} if points else {}
+                    self._n_buffered -= len(points)
+                self._last_flush = time.monotonic()
+            errors = []
+            for run_id, points in taken.items():
+                try:
+                    self._submit(run_id, points)
+                except TrackingError as exc:  # refused points: report all runs, not the first
+                    errors.append(str(exc))
+            if errors:
+                raise TrackingError("\n".join(errors))
+
+    def close(self) -> None:
+        """When the process is done with the tracker: send every buffered point."""
+        self.flush()
+
+    # -- runs ----------------------------------------------------------------------------
+    def start_run(self, run: str | RunHandle, *, experiment: str | None = None,
+                  parent: RunHandle | None = None, tags: Mapping[str, Any] | None = None) -> RunHandle:
+        """A new run named ``run`` in ``experiment`` (or the parent's, nested under it); or
+        the existing run ``run`` (a handle) RUNNING again, with ``tags``."""
+        if isinstance(run, RunHandle):
+            # Through _submit like every write: queued behind whatever of the run still waits
+            # in the spool (its last status, say), so the store ends up saying RUNNING.
+            self._submit(run.run_id, [["open"], *self._tag_records(tags or {})])
+            return run
+        if parent is not None:
+            experiment_id = parent.experiment_id
+        elif experiment is not None:
+            experiment_id = self._experiment_id(experiment)
+        else:
+            raise ValueError(f"start_run({run!r}) needs the experiment's name or the parent run")
+        all_tags = {k: v for k, v in tag_values(tags or {}).items() if v is not None}
+        if parent is not None:
+            all_tags[PARENT_TAG] = parent.run_id  # what makes the MLflow UI nest the run
+        made = self._call("create run", run, self._client.create_run, experiment_id, tags=all_tags, run_name=run)
+        return RunHandle(made.info.run_id, made.info.experiment_id, made.info.run_name or run)
+
+    def _experiment_id(self, name: str) -> str:
+        """The id of experiment ``name``, created if missing (a parallel worker may win)."""
         from mlflow.exceptions import MlflowException
 
-        exp = self._call("look up experiment", name, self.client.get_experiment_by_name, name)
+        exp = self._call("look up experiment", name, self._client.get_experiment_by_name, name)
         if exp is None:
             location = None
             if self.artifact_root is not None:
                 location = f"{self.artifact_root}/{safe_component(name, 'experiment name')}"
             try:
-                return self.client.create_experiment(name, artifact_location=location)
+                return self._client.create_experiment(name, artifact_location=location)
             except MlflowException as exc:
                 # RESOURCE_ALREADY_EXISTS: a parallel worker created it first; use theirs.
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise self._error("create experiment", name, exc) from exc
-            exp = self._call("look up experiment", name, self.client.get_experiment_by_name, name)
+            exp = self._call("look up experiment", name, self._client.get_experiment_by_name, name)
         if exp.lifecycle_stage == "deleted":
             raise TrackingError(
                 f"MLflow experiment {name!r} (id {exp.experiment_id}) at {self.tracking_uri} is "
@@ -158,55 +185,14 @@ class MlflowTracker:
             )
         return exp.experiment_id
 
-    # -- runs ----------------------------------------------------------------------------
-    def start_run(
-        self,
-        experiment_id: str,
-        name: str,
-        parent: RunHandle | None = None,
-        tags: Mapping[str, Any] | None = None,
-    ) -> RunHandle:
-        """Study or trial start: a new run, nested under ``parent`` when given."""
-        all_tags = self._tag_values(tags or {})
-        if parent is not None:
-            all_tags[PARENT_TAG] = parent.run_id  # what makes the MLflow UI nest the run
-        run = self._call(
-            "create run", name, self.client.create_run, experiment_id, tags=all_tags, run_name=name
-        )
-        return RunHandle(run.info.run_id, run.info.experiment_id, run.info.run_name or name)
+    def log(self, run: RunHandle, *, params: Mapping[str, Any] | None = None,
+            tags: Mapping[str, Any] | None = None) -> None:
+        """Hyperparameters (once per run) and state tags, sent now (they are few)."""
+        records = [["p", k, v] for k, v in param_values(params or {}).items()]
+        self._submit(run.run_id, records + self._tag_records(tags or {}))
 
-    def find_run(self, experiment_id: str, tags: Mapping[str, Any]) -> RunHandle | None:
-        """Resume/readers: the newest non-deleted run carrying all of ``tags``."""
-        wanted = self._tag_values(tags)
-        clauses = []
-        for key, value in wanted.items():
-            if "'" not in value:  # MLflow's filter grammar has no escapes; check the rest below
-                clauses.append(f"tags.`{key}` = '{value}'")
-        token = None
-        while True:
-            page = self._call(
-                "search runs", str(wanted), self.client.search_runs, [experiment_id],
-                filter_string=" and ".join(clauses), max_results=200,
-                order_by=["attributes.start_time DESC"], page_token=token,
-            )
-            for run in page:
-                if all(run.data.tags.get(k) == v for k, v in wanted.items()):
-                    return RunHandle(run.info.run_id, run.info.experiment_id, run.info.run_name or "")
-            token = page.token
-            if not token:
-                return None
-
-    def log_params(self, run: RunHandle, params: Mapping[str, Any]) -> None:
-        """Once per run: hyperparameters, stringified, truncated to MLflow's limit."""
-        records = []
-        for key, value in params.items():
-            k = self._key(key, "param")
-            records.append(["p", k, _truncate(value, MAX_PARAM_VAL_LENGTH, k, "param")])
-        self._submit(run.run_id, records)
-
-    def set_tags(self, run: RunHandle, tags: Mapping[str, Any]) -> None:
-        """On state changes: tags, a later value replacing an earlier one."""
-        self._submit(run.run_id, [["t", k, v] for k, v in self._tag_values(tags).items()])
+    def _tag_records(self, tags: Mapping[str, Any]) -> list[list[Any]]:
+        return [["t", k, v] if v is not None else ["dt", k] for k, v in tag_values(tags).items()]
 
     # -- metrics -------------------------------------------------------------------------
     def log_metrics(self, run: RunHandle, metrics: Mapping[str, float], step: int) -> None:
@@ -235,55 +221,30 @@ class MlflowTracker:
                 or time.monotonic() - self._last_flush >= self.flush_every_s
             )
         if due:
-            self._flush_due()
-
-    def _flush_due(self) -> None:
-        """log_metrics found the buffer due (old or large enough): send it now."""
-        self.flush()
+            self.flush()
 
     def _metric_key(self, name: object) -> str:
-        key = self._metric_keys[name] = self._key(name, "metric")  # once per name, not per point
+        key = self._metric_keys[name] = clean_key(name, "metric")  # once per name, not per point
         return key
 
-    def flush(self, run: RunHandle | None = None) -> None:
-        """Epoch ends, before reads, end_run: send buffered points of ``run`` (or all)."""
-        with self._send_lock:
-            # Take the points out while holding the send lock: a second flusher cannot
-            # overtake us and reach the store with newer points first.
-            with self._lock:
-                if run is None:
-                    taken, self._buffer = self._buffer, {}
-                    self._n_buffered = 0
-                else:
-                    points = self._buffer.pop(run.run_id, [])
-                    taken = {run.run_id: points} if points else {}
-                    self._n_buffered -= len(points)
-                self._last_flush = time.monotonic()
-            errors = []
-            for run_id, points in taken.items():
-                try:
-                    self._submit(run_id, points)
-                except TrackingError as exc:  # refused points: report all runs, not the first
-                    errors.append(str(exc))
-            if errors:
-                raise TrackingError("\n".join(errors))
-
-    def close(self) -> None:
-        """When the process is done with the tracker: send every buffered point."""
-        self.flush()
-
     # -- artifacts -----------------------------------------------------------------------
-    def log_artifact(self, run: RunHandle, local_path: str | Path, artifact_path: str | None = None) -> None:
-        """When a file is final: upload it under ``artifact_path`` (safe, relative)."""
-        if artifact_path is not None:
-            artifact_path = safe_subpath(artifact_path, "artifact path")
-        path = Path(local_path)
-        if not path.exists():
-            raise TrackingError(f"artifact {str(path)!r} for run {run.run_id} does not exist; nothing to upload")
-        self._submit(run.run_id, [["a", str(path.resolve()), artifact_path, False]])
+    def log_artifact(self, run: RunHandle, artifact: str | Path | Mapping[str, Any] | list,
+                     path: str | None = None) -> None:
+        """A final file uploaded into the folder ``path``; or an object stored as the file ``path``."""
+        if not isinstance(artifact, (str, os.PathLike)):
+            self._log_object(run, artifact, path)
+            return
+        if path is not None:
+            path = safe_subpath(path, "artifact path")
+        local = Path(artifact)
+        if not local.exists():
+            raise TrackingError(f"artifact {str(local)!r} for run {run.run_id} does not exist; nothing to upload")
+        self._submit(run.run_id, [["a", str(local.resolve()), path, False]])
 
-    def log_dict(self, run: RunHandle, obj: Any, artifact_file: str) -> None:
-        """Store ``obj`` as JSON (YAML for .yaml/.yml) at ``artifact_file`` in the run."""
+    def _log_object(self, run: RunHandle, obj: Any, artifact_file: str | None) -> None:
+        """``obj`` as JSON (YAML for .yaml/.yml) at ``artifact_file`` in the run."""
+        if artifact_file is None:
+            raise ValueError(f"log_artifact of a {type(obj).__name__} for run {run.run_id} needs the file's path")
         rel = safe_subpath(artifact_file, "artifact file")
         if rel.endswith((".yaml", ".yml")):
             import yaml
@@ -299,22 +260,12 @@ class MlflowTracker:
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
         """Once per run: flush, then set the terminal status. Never raises for the store:
         whatever it cannot take now stays in the spool, with a warning saying how to send it."""
-        with self._send_lock:
-            self._end(run, status, *self._take_last(run, status))
-
-    def _take_last(self, run: RunHandle, status: RunStatus) -> tuple[list[list[Any]], int]:
-        """end_run's first half, under the send lock: check ``status``, take the run's buffered
-        points out of the buffer, and stamp the run's end time (ms)."""
         check_status(status)
         end_ms = int(time.time() * 1000)
-        with self._lock:
-            points = self._buffer.pop(run.run_id, [])
-            self._n_buffered -= len(points)
-        return points, end_ms
-
-    def _end(self, run: RunHandle, status: RunStatus, points: list[list[Any]], end_ms: int) -> None:
-        """The run's last points and its status (set at ``end_ms``), sent as end_run sends them."""
         with self._send_lock:
+            with self._lock:
+                points = self._buffer.pop(run.run_id, [])
+                self._n_buffered -= len(points)
             try:
                 # One submission: the store gets one try (not one per part) even while it
                 # is considered down, and the status can never overtake the last points.
@@ -354,7 +305,7 @@ class MlflowTracker:
                 sent = n
 
             try:
-                _, refusals = send_records(self.client, run_id, records, on_done, self.spool.discard_staged)
+                _, refusals = send_records(self._client, run_id, records, on_done, self.spool.discard_staged)
             except Exception as exc:
                 if not is_transient(exc):  # send_records lets only transient ones out
                     raise
@@ -374,7 +325,7 @@ class MlflowTracker:
         """Send the run's spool; on success, also the spools of runs that ended (and
         so will not flush again) while the store was down."""
         try:
-            counts, refusals, drained = drain(self.spool, self.client, run_id)
+            counts, refusals, drained = drain(self.spool, self._client, run_id)
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -411,19 +362,6 @@ class MlflowTracker:
                 self._drain(run_id)
             except TrackingError as exc:  # a refusal in another run: report, don't fail this call
                 log.error("%s", exc)
-
-    def _key(self, key: object, what: str) -> str:
-        clean = sanitize_key(key)
-        if clean != key:
-            log.warning("%s name %r is not valid in MLflow; logged as %r", what, key, clean)
-        return clean
-
-    def _tag_values(self, tags: Mapping[str, Any]) -> dict[str, str]:
-        out = {}
-        for key, value in tags.items():
-            k = self._key(key, "tag")
-            out[k] = _truncate(value, MAX_TAG_VAL_LENGTH, k, "tag")
-        return out
 
     def _call(self, what: str, subject: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:

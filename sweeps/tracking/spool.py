@@ -1,5 +1,5 @@
-"""Local buffer for tracking writes the store could not take, and the code that sends
-them, in order and exactly once, when it can.
+"""Local buffer for tracking writes the store could not take (``sweeps.tracking.send`` sends
+them, in order and exactly once, when it can).
 
 One spool file per run: ``<spool_dir>/<run_id>.jsonl``, append-only JSON lines, fsynced
 after every append, so a crash loses at most the line being written. A record is one
@@ -8,7 +8,9 @@ list (compact, order-preserving)::
     ["m", key, value, timestamp_ms, step]        metric point
     ["p", key, value]                            param
     ["t", key, value]                            tag
+    ["dt", key]                                  tag removed (a missing tag is no error)
     ["a", local_path, artifact_dir, staged]      artifact (staged: a copy the spool owns)
+    ["open"]                                     run RUNNING again (it continues)
     ["end", status, end_time_ms]                 terminal status
 
 Progress is a byte offset in ``<run_id>.offset``, replaced atomically (tmp + fsync +
@@ -33,23 +35,12 @@ import os
 import shutil
 import threading
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from sweeps.safe_names import safe_component, safe_subpath
 
 log = logging.getLogger(__name__)
-
-# MLflow's log_batch limits (mlflow.utils.validation): 1000 metrics, 100 params, 100 tags,
-# 1000 entities, and a 1 MB request. We stay under the byte limit with a margin for
-# the JSON framing the REST client adds around every entity.
-MAX_METRICS_PER_BATCH = 1000
-MAX_PARAMS_TAGS_PER_BATCH = 100
-MAX_ENTITIES_PER_BATCH = 1000
-MAX_BATCH_BYTES = 800_000
-_ENTITY_OVERHEAD_BYTES = 64
-
 
 class Spool:
     """The spool folder. Thread-safe; process-safe through ``flock``."""
@@ -212,186 +203,3 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-# -- sending ------------------------------------------------------------------------------
-def is_transient(exc: BaseException) -> bool:
-    """True when a failed write may succeed later unchanged: the store was unreachable,
-    timed out, or answered 5xx/429. Anything else (4xx: a refused value, a deleted run)
-    would fail again, so it must not be kept for retrying."""
-    from mlflow.exceptions import MlflowException
-
-    if isinstance(exc, MlflowException):
-        code = exc.get_http_status_code()
-        return code >= 500 or code == 429
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    with contextlib.suppress(ImportError):
-        import requests
-
-        if isinstance(exc, requests.exceptions.RequestException):
-            return True
-    with contextlib.suppress(ImportError):
-        from sqlalchemy.exc import DisconnectionError, OperationalError
-
-        if isinstance(exc, (OperationalError, DisconnectionError)):
-            return True
-    return False
-
-
-@dataclass
-class _Op:
-    """One call to the store covering records[start:end]."""
-
-    kind: str  # "batch" | "a" | "end"
-    start: int
-    end: int
-
-
-def _plan(records: Sequence[Sequence[Any]]) -> list[_Op]:
-    """Group consecutive records into as few store calls as MLflow's limits allow."""
-    ops: list[_Op] = []
-    i, n = 0, len(records)
-    while i < n:
-        kind = records[i][0]
-        if kind in ("a", "end"):
-            ops.append(_Op(kind, i, i + 1))
-            i += 1
-            continue
-        start = i
-        n_m = n_p = n_t = size = 0
-        param_keys: set[str] = set()
-        tag_keys: set[str] = set()
-        while i < n and records[i][0] in ("m", "p", "t"):
-            rec = records[i]
-            kind, key = rec[0], rec[1]
-            rec_size = _ENTITY_OVERHEAD_BYTES + len(key) + (len(rec[2]) if kind != "m" else 24)
-            full = (
-                n_m + n_p + n_t >= MAX_ENTITIES_PER_BATCH
-                or size + rec_size > MAX_BATCH_BYTES
-                or (kind == "m" and n_m >= MAX_METRICS_PER_BATCH)
-                or (kind == "p" and (n_p >= MAX_PARAMS_TAGS_PER_BATCH or key in param_keys))
-                # A repeated tag key starts a new batch so the later value wins on every
-                # store, not only on those that happen to apply a batch in order.
-                or (kind == "t" and (n_t >= MAX_PARAMS_TAGS_PER_BATCH or key in tag_keys))
-            )
-            if full and i > start:
-                break
-            if kind == "m":
-                n_m += 1
-            elif kind == "p":
-                n_p += 1
-                param_keys.add(key)
-            else:
-                n_t += 1
-                tag_keys.add(key)
-            size += rec_size
-            i += 1
-        ops.append(_Op("batch", start, i))
-    return ops
-
-
-def send_records(
-    client: Any,
-    run_id: str,
-    records: Sequence[Sequence[Any]],
-    on_done: Callable[[int], None],
-    on_staged_sent: Callable[[str], None] | None = None,
-) -> tuple[dict[str, int], list[str]]:
-    """Send ``records`` to the store in order, as few calls as the limits allow.
-
-    After each call the store accepted, ``on_done(n)`` is told that records[:n] are in.
-    A transient failure (see :func:`is_transient`) propagates at once, so the caller keeps
-    records[n:]. A refusal (4xx) drops only what was refused and carries on: it would
-    never succeed, and the records after it must not be held hostage. Returns the
-    counts sent per kind and one line per refusal.
-    """
-    counts = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
-    refusals: list[str] = []
-    for op in _plan(records):
-        chunk = records[op.start : op.end]
-        try:
-            if op.kind == "batch":
-                _send_batch(client, run_id, chunk, counts, refusals)
-            elif op.kind == "a":
-                _, local, artifact_dir, staged = chunk[0]
-                if not Path(local).exists():
-                    refusals.append(f"run {run_id}: artifact {local!r} no longer exists; not uploaded")
-                else:
-                    client.log_artifact(run_id, local, artifact_dir)
-                    counts["artifacts"] += 1
-                    if staged and on_staged_sent is not None:
-                        on_staged_sent(local)
-            else:
-                _, status, end_time = chunk[0]
-                client.set_terminated(run_id, status=status, end_time=int(end_time))
-                counts["statuses"] += 1
-        except Exception as exc:
-            if is_transient(exc):
-                raise
-            if op.kind == "a" and chunk[0][3] and on_staged_sent is not None:
-                on_staged_sent(chunk[0][1])  # refused for good: the staged copy is garbage
-            what = "artifact" if op.kind == "a" else "terminal status"
-            refusals.append(f"run {run_id}: the store refused the {what} {list(chunk[0][1:])}: {exc}")
-        on_done(op.end)
-    return counts, refusals
-
-
-def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
-                counts: dict[str, int], refusals: list[str]) -> None:
-    """One log_batch call; if the store refuses it, find what it refuses so the rest
-    still gets in. Metrics are refused as a group (their keys and values are checked
-    when logged, so a refusal means the run itself takes no writes); params and tags one
-    by one (a param whose value changed on resume must not take the others with it)."""
-    from mlflow.entities import Metric, Param, RunTag
-
-    groups = {
-        "metrics": [Metric(r[1], float(r[2]), int(r[3]), int(r[4])) for r in chunk if r[0] == "m"],
-        "params": [Param(r[1], r[2]) for r in chunk if r[0] == "p"],
-        "tags": [RunTag(r[1], r[2]) for r in chunk if r[0] == "t"],
-    }
-
-    def log(kind: str, items: list) -> None:
-        client.log_batch(run_id, synchronous=True, **{kind: items})
-
-    try:
-        client.log_batch(run_id, synchronous=True, **groups)
-        for kind, items in groups.items():
-            counts[kind] += len(items)
-        return
-    except Exception as exc:
-        if is_transient(exc):
-            raise
-    # Rare path (a refusal): resending what the store may already hold is harmless.
-    for kind, items in groups.items():
-        singles = [items] if kind == "metrics" else [[item] for item in items]
-        for part in singles:
-            if not part:
-                continue
-            try:
-                log(kind, part)
-                counts[kind] += len(part)
-            except Exception as exc:
-                if is_transient(exc):
-                    raise
-                what = f"{len(part)} metric points" if kind == "metrics" else f"{kind[:-1]} {part[0].key!r}"
-                refusals.append(f"run {run_id}: the store refused {what}: {exc}")
-
-
-def drain(spool: Spool, client: Any, run_id: str) -> tuple[dict[str, int], list[str], bool]:
-    """Send the run's spooled records, oldest first, committing progress after every
-    accepted call. Returns (counts, refusals, drained). A transient failure propagates
-    after the progress so far has been committed."""
-    with spool.locked():
-        if not spool.has_pending(run_id):
-            return {}, [], True
-        entries, end = spool.read_pending(run_id)
-
-        def on_done(n: int) -> None:
-            spool.commit(run_id, entries[n - 1][0])
-
-        records = [rec for _, rec in entries]
-        counts, refusals = send_records(client, run_id, records, on_done, spool.discard_staged)
-        # Everything readable is in; move past unreadable lines too so the file can go.
-        spool.commit(run_id, end)
-        return counts, refusals, spool.finish_if_drained(run_id)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sweeps.errors import TrackingError, TrackingPathError
-from sweeps.tracking.spool import Spool, drain, is_transient
+from sweeps.tracking.send import drain, is_transient
+from sweeps.tracking.spool import Spool
 
 log = logging.getLogger(__name__)
 

@@ -60,10 +60,10 @@ def test_onnx_latency_and_tracking_overhead_quick(tmp_path):
     tracking = json.loads((out / "tracking_overhead.json").read_text())
     check_schema(tracking, "tracking_overhead")
     paced, whole = tracking["rows"][:2]
-    assert (paced["case"], whole["case"]) == ("writer vs off, lockstep", "writer vs off, whole runs")
+    assert (paced["case"], whole["case"]) == ("tracked vs off, lockstep", "tracked vs off, whole runs")
     assert paced["target"] and whole["target"] is None  # judged in lockstep; whole runs are the cross-check
     assert paced["details"]["step_pairs_per_run"] == 2  # 3 steps: no hand step against each epoch's first
-    assert len(paced["details"]["costs"]["off"]) == len(paced["details"]["costs"]["writer"]) >= 1
+    assert len(paced["details"]["costs"]["off"]) == len(paced["details"]["costs"]["tracked"]) >= 1
     for row in (paced, whole):
         assert row["details"]["all_runs_complete"] is True  # every step's points are in the store
     assert paced["details"]["points"][-1] == {"found": 3 * 3 + 10, "expected": 3 * 3 + 10}
@@ -72,7 +72,7 @@ def test_onnx_latency_and_tracking_overhead_quick(tmp_path):
     assert points["per_key"]["step/train_loss"] == 3
 
     md = render(collect(out), None)
-    assert "| 2 | tracking_overhead | writer vs off, lockstep |" in md
+    assert "| 2 | tracking_overhead | tracked vs off, lockstep |" in md
     assert "| 7 | onnx_latency | digits_cnn batch 1 |" in md
     assert "Quick mode" in md and "## Machine" in md and "torch " in md
 

@@ -192,29 +192,21 @@ class _MemoryTracker:
     def __init__(self) -> None:
         self.params, self.metrics, self.tags, self.status = {}, [], {}, None
 
-    def start_run(self, experiment_id, name, parent=None, tags=None):
+    def start_run(self, run, *, experiment=None, parent=None, tags=None):
         from sweeps.tracking.base import RunHandle
 
         self.tags.update(tags or {})
-        return RunHandle(run_id=name, experiment_id=experiment_id, name=name)
+        return RunHandle(run_id=run, experiment_id=parent.experiment_id if parent else "", name=run)
 
-    def log_params(self, run, params):
-        self.params.update(params)
-
-    def log_dict(self, run, obj, artifact_file):
-        pass
+    def log(self, run, *, params=None, tags=None):
+        self.params.update(params or {})
+        self.tags.update(tags or {})
 
     def log_metrics(self, run, metrics, step):
         self.metrics.append((step, dict(metrics)))
 
-    def flush(self, run=None):
+    def log_artifact(self, run, artifact, path=None):
         pass
-
-    def log_artifact(self, run, local_path, artifact_path=None):
-        pass
-
-    def set_tags(self, run, tags):
-        self.tags.update(tags)
 
     def end_run(self, run, status="FINISHED"):
         self.status = status

@@ -92,13 +92,13 @@ def test_importances_say_why_when_the_trials_leave_nothing_to_explain():
         t(1, "COMPLETE", {"lr": 0.1, "batch_size": 32}, 0.80, 1.0, "r1", {})])
     df, note = importances_table(flat, SEARCH)
     assert df.empty and "all 2 completed trials reached the same val_acc (0.8)" in note
-    fig = all_figures(build_tables(same, SEARCH, client=None))["fig-importances"]
+    fig = all_figures(build_tables(same, SEARCH, reader=None))["fig-importances"]
     shown = fig.layout.annotations[0].text.replace("<br>", " ")
     assert shown == importances_table(same, SEARCH)[1]
 
 
 def test_tables_without_mlflow_fall_back_to_the_intermediate_values():
-    t = build_tables(_result(), SEARCH, client=None)
+    t = build_tables(_result(), SEARCH, reader=None)
     curves = t.curves
     assert sorted(curves["number"].unique()) == [0, 1, 2, 4, 5]  # the failed trial has no point
     assert list(curves.loc[curves["number"] == 2, "val_acc"]) == [0.2, 0.3]
@@ -109,7 +109,7 @@ def test_tables_without_mlflow_fall_back_to_the_intermediate_values():
 
 def test_every_figure_is_drawn_even_from_empty_tables(tmp_path):
     empty = StudyResult("empty", "optuna", "maximize", "val_acc", [])
-    t = build_tables(empty, SEARCH, client=None)
+    t = build_tables(empty, SEARCH, reader=None)
     figs = all_figures(t)
     assert figs["fig-lr-finder"] is None and all(f is not None for k, f in figs.items() if k != "fig-lr-finder")
     page = render_page(t, PageHeader(spec_path="studies/x.yaml"))
@@ -119,7 +119,7 @@ def test_every_figure_is_drawn_even_from_empty_tables(tmp_path):
 
 
 def test_page_escapes_what_the_user_wrote():
-    t = build_tables(_result(), SEARCH, client=None)
+    t = build_tables(_result(), SEARCH, reader=None)
     page = render_page(t, PageHeader(spec_path="s.yaml", description="<script>alert(1)</script>",
                                      question="a < b?"))
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
@@ -147,7 +147,7 @@ def test_lr_finder_figure_marks_the_suggestion_and_clips_the_explosion():
 
     from dashboards.figures import lr_finder_curve
 
-    t = build_tables(_result(), SEARCH, client=None)
+    t = build_tables(_result(), SEARCH, reader=None)
     lrs = [1e-5 * 10 ** (i / 4) for i in range(21)]  # 1e-5 .. 1
     losses = [2.3 - 1.8 * min(i, 14) / 14 for i in range(20)] + [1e4]  # falls to 0.5, then explodes
     lr = pd.DataFrame({"lr": lrs, "loss": losses, "smoothed": losses, "suggestion": [1e-3] * 21})
@@ -174,15 +174,15 @@ def test_a_run_missing_from_mlflow_falls_back_to_the_study_values():
     class Missing(Exception):
         error_code = "RESOURCE_DOES_NOT_EXIST"
 
-    class Client:
-        def get_metric_history(self, run_id, key):
+    class Reader:  # the TrackingReader calls the tables make, on a store that lost the runs
+        def metric_history(self, run_id, key):
             raise Missing(run_id)
 
         def list_artifacts(self, run_id, path=None):
             raise Missing(run_id)
 
-    curves = curves_table(_result(), Client())
+    curves = curves_table(_result(), Reader())
     assert list(curves.loc[curves["number"] == 0, "val_acc"]) == [0.5, 0.7, 0.8]
     assert curves["val_loss"].isna().all()
-    df, info = lr_finder_table(Client(), "gone")
+    df, info = lr_finder_table(Reader(), "gone")
     assert df.empty and info == {}

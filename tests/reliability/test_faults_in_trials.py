@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sweeps.tracking import TrackingReader
 from tests.sweeps.study_helpers import ROOT, load_study, mlflow_runs, run_cli, write_spec
 
 HERE = Path(__file__).resolve().parent
@@ -88,7 +89,7 @@ def test_disk_full_during_checkpoint_fails_the_trial_with_the_reason(tmp_path, m
     assert outcome.state == "FAIL" and outcome.reason.startswith("disk full: ") and "MB free" in outcome.reason
     assert ckpt.load_checkpoint(trial.out_dir / ckpt.LAST)["epoch"] == 1  # the previous checkpoint is intact
     assert not [p for p in trial.out_dir.iterdir() if p.name.endswith(".tmp")]  # temporary files removed
-    run = tracker.client.get_run(outcome.run.run_id)
+    run = TrackingReader(tracker.tracking_uri).get_run(outcome.run.run_id)
     assert run.info.status == "FAILED" and run.data.tags["sweeps.error"].startswith("disk full: ")
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from sweeps import cli
 from sweeps.compare import compare_curves, compare_table
+from sweeps.tracking import TrackingReader
 from tests.sweeps.study_fixtures import finished_study, in_study  # noqa: F401
 
 
@@ -55,6 +56,7 @@ def test_compare_refuses_a_missing_local_store_instead_of_creating_one(tmp_path,
 @pytest.mark.slow
 def test_curve_comparison_finds_the_first_parting_step_and_the_largest_difference(in_study):
     client = in_study.client()
+    reader = TrackingReader(in_study.uri, client)
     exp = client.create_experiment(f"curves-{uuid.uuid4().hex[:8]}")
     a, b = client.create_run(exp).info.run_id, client.create_run(exp).info.run_id
     for step in range(1, 6):
@@ -68,10 +70,10 @@ def test_curve_comparison_finds_the_first_parting_step_and_the_largest_differenc
     client.log_metric(a, "val_acc", 0.6, step=2)
     client.log_metric(b, "val_acc", 0.5, step=1)  # b lacks a point of a
 
-    result = compare_curves(client, a, a)
+    result = compare_curves(reader, a, a)
     assert result.identical and result.verdict().startswith("identical")
 
-    result = compare_curves(client, a, b)
+    result = compare_curves(reader, a, b)
     assert not result.identical
     assert {m.name for m in result.metrics} == {"step/train_loss", "val_loss", "val_acc"}
     first, worst = result.first_parting(), result.largest()
@@ -83,13 +85,14 @@ def test_curve_comparison_finds_the_first_parting_step_and_the_largest_differenc
     assert tags["sweeps.rerun.verdict"] == "differs" and tags["sweeps.rerun.first_diff_step"] == 3
     assert "val_acc" in result.verdict()
     # extra points in the rerun (it trained on past a pruned original) are not a difference
-    assert compare_curves(client, b, a).metrics[0].name == "step/train_loss"
-    assert next(m for m in compare_curves(client, b, a).metrics if m.name == "val_acc").identical
+    assert compare_curves(reader, b, a).metrics[0].name == "step/train_loss"
+    assert next(m for m in compare_curves(reader, b, a).metrics if m.name == "val_acc").identical
 
 
 @pytest.mark.slow
 def test_a_comparison_without_a_curve_in_both_runs_says_there_is_nothing_to_compare(in_study):
     client = in_study.client()
+    reader = TrackingReader(in_study.uri, client)
     exp = client.create_experiment(f"nothing-{uuid.uuid4().hex[:8]}")
     a, b, c = (client.create_run(exp).info.run_id for _ in range(3))
     for run in (a, b):  # what a trial retried from its final checkpoint used to log: final numbers only
@@ -98,14 +101,14 @@ def test_a_comparison_without_a_curve_in_both_runs_says_there_is_nothing_to_comp
     client.log_metric(c, "objective", 0.9, step=0)
     client.log_metric(c, "val_acc", 0.9, step=1)
 
-    result = compare_curves(client, a, b)
+    result = compare_curves(reader, a, b)
     assert [m.name for m in result.metrics] == ["objective"] and result.metrics[0].identical
     assert result.nothing_to_compare and not result.identical
     assert result.verdict() == f"nothing to compare: the original run {a} has no per-epoch or per-step metric " \
                                f"curve (only objective)"
     assert result.tags()["sweeps.rerun.verdict"] == "nothing to compare"
 
-    result = compare_curves(client, c, a)  # the original has a curve, the other run lacks it
+    result = compare_curves(reader, c, a)  # the original has a curve, the other run lacks it
     assert result.nothing_to_compare and not result.identical
     assert result.verdict() == f"nothing to compare: run {a} has none of the original's curves (val_acc)"
-    assert compare_curves(client, c, c).identical
+    assert compare_curves(reader, c, c).identical

@@ -48,17 +48,18 @@ def test_a_resumed_run_logs_the_checkpoints_curves_only_into_a_fresh_run(tmp_pat
     and must not get them again, nor a donor's. Either way the pruner is not asked again."""
     import threading
 
-    from sweeps.tracking.mlflow_tracker import MlflowTracker
+    from sweeps.tracking import MlflowTracker, TrackingReader
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = tracker.start_run(tracker.get_or_create_experiment("t"), "trial-0000")
+    run = tracker.start_run("trial-0000", experiment="t")
     asked: list[int] = []
     reporter = objective.TrialReporter(tracker, run, "val_acc", lambda epoch, value: asked.append(epoch) or False,
                                        threading.Event(), log_resumed_curves=log_resumed_curves)
     reporter.resumed([(1, 10, {"val_acc": 0.5}), (2, 20, {"val_acc": 0.6})], [(10, {"loss": 1.0}), (20, {"loss": 0.9})])
     reporter.report_epoch(3, 30, {"val_acc": 0.7})
     tracker.end_run(run)
-    history = tracker.client.get_metric_history(run.run_id, "val_acc")
+    reader = TrackingReader(tracker.tracking_uri)
+    history = reader.metric_history(run.run_id, "val_acc")
     assert sorted(m.step for m in history) == ([1, 2, 3] if log_resumed_curves else [3])
     assert asked == [3] and reporter.intermediate == {1: 0.5, 2: 0.6, 3: 0.7}
-    assert tracker.client.get_run(run.run_id).data.tags["sweeps.resumed_from_epoch"] == "2"
+    assert reader.get_run(run.run_id).data.tags["sweeps.resumed_from_epoch"] == "2"

@@ -35,10 +35,7 @@ def finished_study(request, tmp_path, monkeypatch):
     if backend == "ray":
         request.getfixturevalue("ray_tmp")
     spec_path = _spec(tmp_path, backend)
-    # The Optuna workers write through a tracking writer process here; on 2 cores the other CLI
-    # tests' workers write inline (sweeps.pool.tracking_writer_process), so both paths are covered.
-    env = {"SWEEPS_TRACKING_WRITER": "process"} if backend == "optuna" else {}
-    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet", timeout=300, **env)
+    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet", timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     monkeypatch.chdir(tmp_path)  # the spec's paths (runs/...) are relative to the working directory
     return backend, spec_path, proc

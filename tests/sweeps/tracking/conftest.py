@@ -150,47 +150,16 @@ def make_tracker(store, tmp_path):
     return make
 
 
-@pytest.fixture(scope="module")
-def shared_writer_tracker(store, tmp_path_factory):
-    """One WriterProcessTracker per test module: each writer process costs a second of imports."""
-    from sweeps.tracking.writer import WriterProcessTracker
-
-    tracker = WriterProcessTracker(store.uri, spool_dir=tmp_path_factory.mktemp("writer-spool"),
-                                   artifact_root=store.artifact_root)
-    yield tracker
-    tracker.close()
-
-
-@pytest.fixture(scope="module")
-def shared_served_tracker(store, tmp_path_factory):
-    """A WriterProcessTracker whose writes a thread of this process serves, as `sweeps run`
-    serves its local workers' (sweeps.tracking.writer.serve_in_thread)."""
-    from multiprocessing.connection import Connection
-
-    from sweeps.tracking.mlflow_tracker import MlflowTracker
-    from sweeps.tracking.writer import WriterProcessTracker, open_served_pipe, serve_in_thread
-
-    (req_w, rep_r), ends = open_served_pipe()
-    spool = tmp_path_factory.mktemp("served-spool")
-    server = serve_in_thread(ends, lambda: MlflowTracker(store.uri, spool_dir=spool, artifact_root=store.artifact_root,
-                                                         client=store.client), name="test")
-    tracker = WriterProcessTracker(store.uri, spool_dir=spool, artifact_root=store.artifact_root,
-                                   served_by=(Connection(req_w, readable=False), Connection(rep_r, writable=False)))
-    yield tracker
-    tracker.close()
-    server.join(timeout=30)
-    assert not server.is_alive()  # close() ended the serving thread
-
-
-@pytest.fixture(params=["inline", "writer", "served"])
+@pytest.fixture(params=["mlflow", "continuing"])
 def any_tracker(request, make_tracker):
-    """The Tracker contract's subjects: ``any_tracker()`` is a fresh in-process MlflowTracker,
-    the module's WriterProcessTracker (writes from a child process), or one whose writes a
-    thread of this process serves (as `sweeps run` serves its local workers')."""
-    if request.param == "inline":
+    """The Tracker contract's subjects (``test_tracker_contract.py``): ``any_tracker()`` is a
+    fresh MlflowTracker, or the Ray trial's ContinuingTracker around one (a trial's first
+    start: it continues no run)."""
+    if request.param == "mlflow":
         return make_tracker
-    shared = request.getfixturevalue("shared_writer_tracker" if request.param == "writer" else "shared_served_tracker")
-    return lambda: shared
+    from sweeps.backends.ray_trainable import ContinuingTracker
+
+    return lambda: ContinuingTracker(make_tracker(), existing=None)
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 
 from sweeps.errors import TrackingError
 from sweeps.tracking import layout, sync_spool
-from sweeps.tracking.spool import MAX_BATCH_BYTES, Spool, _plan, drain, is_transient
+from sweeps.tracking.send import MAX_BATCH_BYTES, _plan, drain, is_transient
+from sweeps.tracking.spool import Spool
 
 from .conftest import FAST_HTTP_ENV, CountingClient, pick_free_port
 
@@ -103,17 +104,18 @@ def test_unreachable_store_spools_and_sync_sends_exactly_once(make_tracker, stor
     from .test_mlflow_tracker import _count_connection_attempts
 
     real = make_tracker()
-    eid = real.get_or_create_experiment(store.experiment_name())
-    run = real.start_run(eid, "trial-0")  # created while the store was up
+    run = real.start_run("trial-0", experiment=store.experiment_name())  # created while the store was up
+    real.log(run, tags={"sweeps.reason": "paused"})
+    real.end_run(run, "KILLED")
 
     dead_uri = f"http://127.0.0.1:{pick_free_port()}"
     # retry_interval_s: after a failure the store is left alone this long (long enough for any machine).
     down = make_tracker(dead_uri, flush_every_points=1000, flush_every_s=1e9, retry_interval_s=3600)
     attempts = _count_connection_attempts(monkeypatch)
+    down.start_run(run, tags={"sweeps.reason": None})  # continued (a Ray trial): RUNNING, stale tag removed
     _points(down, run, range(1, 1501))  # 4,500 points: several flushes are due, none raise
-    down.log_params(run, {"lr": 0.1})
-    down.set_tags(run, {layout.TAG_STATE: "PRUNED"})
-    down.log_dict(run, {"seed": 1}, layout.ART_CONFIG)
+    down.log(run, params={"lr": 0.1}, tags={layout.TAG_STATE: "PRUNED", "never_set": None})
+    down.log_artifact(run, {"seed": 1}, layout.ART_CONFIG)
     with caplog.at_level(logging.WARNING):
         down.end_run(run, "KILLED")  # does not raise into training
     # Fast failures, not minutes of HTTP retries: the store is tried twice in all (the first flush,
@@ -124,10 +126,10 @@ def test_unreachable_store_spools_and_sync_sends_exactly_once(make_tracker, stor
 
     lines = down.spool.path(run.run_id).read_text().splitlines()
     kinds = [json.loads(line)[0] for line in lines]
-    assert kinds.count("m") == 4500 and kinds[-1] == "end"  # the terminal status is kept too
+    assert kinds[:2] == ["open", "dt"] and kinds.count("m") == 4500 and kinds[-1] == "end"  # the status too
     command = f"sweeps sync-tracking --uri {dead_uri} --spool {down.spool.directory}"
     assert command in caplog.text and str(down.spool.path(run.run_id)) in caplog.text
-    assert store.client.get_run(run.run_id).info.status == "RUNNING"
+    assert store.client.get_run(run.run_id).data.tags["sweeps.reason"] == "paused"
 
     with pytest.raises(TrackingError, match="cannot reach"):
         sync_spool(dead_uri, down.spool.directory)  # still down: clear error, spool intact
@@ -135,12 +137,12 @@ def test_unreachable_store_spools_and_sync_sends_exactly_once(make_tracker, stor
 
     counting = CountingClient(store.client)
     result = sync_spool(store.uri, down.spool.directory, client=counting)
-    assert result["totals"] == {"metrics": 4500, "params": 1, "tags": 1, "artifacts": 1, "statuses": 1}
+    assert result["totals"] == {"metrics": 4500, "params": 1, "tags": 3, "artifacts": 1, "statuses": 2}
     assert result["runs"][run.run_id]["drained"] and not result["refused"] and not result["failed"]
     assert counting.metrics_accepted == 4500  # each point sent once
     got = store.client.get_run(run.run_id)
     assert got.info.status == "KILLED" and got.data.params == {"lr": "0.1"}
-    assert got.data.tags[layout.TAG_STATE] == "PRUNED"
+    assert got.data.tags[layout.TAG_STATE] == "PRUNED" and "sweeps.reason" not in got.data.tags
     assert [a.path for a in store.client.list_artifacts(run.run_id, "config")] == [layout.ART_CONFIG]
     _assert_exactly(store.client, run.run_id, range(1, 1501))
     assert not down.spool.has_pending(run.run_id) and not list(down.spool.directory.glob("*.files"))
@@ -177,8 +179,7 @@ class FlakyClient(CountingClient):
 @pytest.mark.parametrize("after_store", [False, True])
 def test_a_sync_cut_short_resumes_where_it_stopped(make_tracker, store, tmp_path, after_store):
     real = make_tracker()
-    eid = real.get_or_create_experiment(store.experiment_name())
-    run = real.start_run(eid, "trial-0")
+    run = real.start_run("trial-0", experiment=store.experiment_name())
     spool = Spool(tmp_path / "cut")
     ts = int(time.time() * 1000)
     spool.append(run.run_id, [["m", k, s * (i + 1) * 0.5, ts + s, s]
@@ -200,9 +201,8 @@ def test_a_sync_cut_short_resumes_where_it_stopped(make_tracker, store, tmp_path
 
 def test_refused_spooled_writes_are_reported_and_dropped(make_tracker, store, tmp_path):
     real = make_tracker()
-    eid = real.get_or_create_experiment(store.experiment_name())
-    run = real.start_run(eid, "trial-0")
-    real.log_params(run, {"lr": "0.1"})
+    run = real.start_run("trial-0", experiment=store.experiment_name())
+    real.log(run, params={"lr": "0.1"})
     spool = Spool(tmp_path / "refused")
     spool.append(run.run_id, [["p", "lr", "0.2"], ["t", "after", "yes"], ["end", "FINISHED", 1]])
     result = sync_spool(store.uri, spool.directory)
@@ -232,10 +232,9 @@ def test_server_goes_away_and_comes_back(mlflow_server, tmp_path, fast_http_env)
     tracker = MlflowTracker(mlflow_server.uri, flush_every_points=10**9, flush_every_s=1e9,
                             spool_dir=tmp_path / "spool", retry_interval_s=0.0, client=counting)
     tracker.check_connection()
-    eid = tracker.get_or_create_experiment("outage")
-    study = tracker.start_run(eid, "study", tags={layout.TAG_ROLE: layout.ROLE_STUDY})
-    run = tracker.start_run(eid, "trial-0", parent=study)
-    ended = tracker.start_run(eid, "trial-1", parent=study)  # will end during the outage
+    study = tracker.start_run("study", experiment="outage", tags={layout.TAG_ROLE: layout.ROLE_STUDY})
+    run = tracker.start_run("trial-0", parent=study)
+    ended = tracker.start_run("trial-1", parent=study)  # will end during the outage
 
     _points(tracker, run, range(1, 1001))
     tracker.flush()
@@ -246,8 +245,8 @@ def test_server_goes_away_and_comes_back(mlflow_server, tmp_path, fast_http_env)
         tracker.check_connection()
     _points(tracker, run, range(1001, 2001))
     tracker.flush()  # does not raise: kept in the spool
-    tracker.set_tags(run, {layout.TAG_STATE: "RUNNING"})
-    tracker.log_dict(run, {"while": "down"}, "eval/note.json")
+    tracker.log(run, tags={layout.TAG_STATE: "RUNNING"})
+    tracker.log_artifact(run, {"while": "down"}, "eval/note.json")
     _points(tracker, ended, range(1, 11))
     tracker.end_run(ended, "KILLED")  # no raise; its writes wait in the spool
     assert tracker.spool.has_pending(run.run_id) and tracker.spool.has_pending(ended.run_id)
@@ -257,7 +256,7 @@ def test_server_goes_away_and_comes_back(mlflow_server, tmp_path, fast_http_env)
     tracker.flush()  # the spool goes first, then the new points
     # The run that ended during the outage will never flush again: sent on recovery.
     assert not tracker.spool.has_pending(ended.run_id)
-    tracker.set_tags(run, {layout.TAG_STATE: "COMPLETE"})
+    tracker.log(run, tags={layout.TAG_STATE: "COMPLETE"})
     tracker.end_run(run, "FINISHED")
     assert not tracker.spool.has_pending(run.run_id)
 

@@ -1,0 +1,126 @@
+"""Reading runs back from the tracking store: what ``sweeps status``, ``report``, ``promote``,
+``rerun``, ``compare``, recovery and the Ray driver know about runs that trackers wrote.
+
+Kept apart from :class:`sweeps.tracking.base.Tracker` so that code which only writes (a
+trial) cannot come to depend on reads, and code which only reads (the dashboards) never
+opens a writer with its buffer and spool.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+from sweeps.errors import SweepsError
+from sweeps.tracking.base import RunHandle
+from sweeps.tracking.layout import PARENT_TAG
+from sweeps.tracking.values import tag_values
+
+
+class RunLookupError(SweepsError):
+    """A run id, trial or tracking store named on the command line does not exist."""
+
+    exit_code = 2
+
+
+class TrackingReader:
+    """Reads the MLflow store at ``tracking_uri`` (``client``: an ``MlflowClient`` to use
+    instead of a new one). Thread-safe; the client is made on first use."""
+
+    def __init__(self, tracking_uri: str, client: Any = None) -> None:
+        self.tracking_uri = str(tracking_uri)
+        self._made_client = client
+        self._lock = threading.Lock()
+
+    @property
+    def _client(self) -> Any:
+        if self._made_client is None:
+            with self._lock:
+                if self._made_client is None:
+                    from mlflow.tracking import MlflowClient
+
+                    self._made_client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._made_client
+
+    @property
+    def registry(self) -> Any:
+        """The MLflow client of the model registry (registered models, versions, aliases,
+        logged models), which only ``sweeps promote`` uses; runs are read through the
+        methods below."""
+        return self._client
+
+    # -- experiments and runs ------------------------------------------------------------
+    def experiment_id(self, name: str) -> str | None:
+        """The id of experiment ``name``; None when there is none, or it is deleted."""
+        exp = self._client.get_experiment_by_name(name)
+        return None if exp is None or exp.lifecycle_stage == "deleted" else exp.experiment_id
+
+    def experiment_name(self, experiment_id: str) -> str:
+        return self._client.get_experiment(experiment_id).name
+
+    def get_run(self, run_id: str) -> Any:
+        """The MLflow run ``run_id`` (info, params, tags, latest metrics); RunLookupError
+        (exit 2) naming the store when it is missing or deleted."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self._client.get_run(run_id)
+        except MlflowException as exc:
+            raise RunLookupError(f"MLflow run {run_id!r} not found at {self.tracking_uri}: {str(exc).splitlines()[0]}. "
+                                 "Check the id (`mlflow ui`) or the tracking URI.") from exc
+        if run.info.lifecycle_stage == "deleted":
+            raise RunLookupError(f"MLflow run {run_id!r} at {self.tracking_uri} is deleted; restore it first.")
+        return run
+
+    def handle(self, run_id: str) -> RunHandle:
+        """A handle on the existing run ``run_id``, to write to it (or nest runs under it)."""
+        info = self.get_run(run_id).info
+        return RunHandle(info.run_id, info.experiment_id, info.run_name or "")
+
+    def find_runs(self, experiment_id: str, tags: Mapping[str, Any] | None = None, *, status: str | None = None,
+                  oldest_first: bool = False, max_results: int = 5000) -> list[Any]:
+        """The experiment's runs (not deleted) whose tags include all of ``tags`` and, when
+        given, whose status is ``status``; newest first unless ``oldest_first``."""
+        wanted = {k: v for k, v in tag_values(tags or {}).items() if v is not None}
+        # MLflow's filter grammar has no escapes: a value with a quote is checked below only.
+        clauses = [f"tags.`{key}` = '{value}'" for key, value in wanted.items() if "'" not in value]
+        if status is not None:
+            clauses.append(f"attributes.status = '{status}'")
+        order = ["attributes.start_time " + ("ASC" if oldest_first else "DESC")]
+        found: list[Any] = []
+        token = None
+        while len(found) < max_results:
+            page = self._client.search_runs([experiment_id], filter_string=" and ".join(clauses), order_by=order,
+                                            max_results=min(1000, max_results - len(found)), page_token=token)
+            found += [r for r in page if all(r.data.tags.get(k) == v for k, v in wanted.items())]
+            token = page.token
+            if not token:
+                break
+        return found[:max_results]
+
+    def find_run(self, experiment_id: str, tags: Mapping[str, Any]) -> RunHandle | None:
+        """The most recently started run of the experiment carrying all of ``tags``, or None
+        (a study's parent on resume, a Ray trial's own run)."""
+        runs = self.find_runs(experiment_id, tags, max_results=1)
+        if not runs:
+            return None
+        info = runs[0].info
+        return RunHandle(info.run_id, info.experiment_id, info.run_name or "")
+
+    def children(self, parent_run_id: str, tags: Mapping[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+        """Runs nested under ``parent_run_id`` (in its experiment), as :meth:`find_runs` selects them."""
+        experiment_id = self._client.get_run(parent_run_id).info.experiment_id
+        return self.find_runs(experiment_id, {PARENT_TAG: parent_run_id, **(tags or {})}, **kwargs)
+
+    # -- metrics and artifacts -----------------------------------------------------------
+    def metric_history(self, run_id: str, key: str) -> list[Any]:
+        """Every point of metric ``key`` (``.step``, ``.value``, ``.timestamp``), in no set order."""
+        return self._client.get_metric_history(run_id, key)
+
+    def list_artifacts(self, run_id: str, path: str | None = None) -> list[str]:
+        """Paths of the artifacts in the folder ``path`` of the run (its root when None)."""
+        return [a.path for a in self._client.list_artifacts(run_id, path)]
+
+    def download_artifact(self, run_id: str, path: str, dest: str | Path) -> Path:
+        """The artifact ``path`` of the run, copied into the folder ``dest``."""
+        return Path(self._client.download_artifacts(run_id, path, str(dest)))
