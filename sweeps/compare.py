@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.results import EPOCH_METRICS
-from sweeps.errors import SweepsError
+from sweeps.errors import RunLookupError
 from sweeps.spec import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
 
@@ -25,12 +25,6 @@ TIMING_METRICS = frozenset({"samples_per_s", "epoch_time_s", "peak_mem_mb", "tri
 IGNORED_PREFIXES = ("onnx_",)  # export checks and latencies: about the exporter, not the curves
 DIFF_STYLE = "bold yellow"
 DIFF_MARK = "*"
-
-
-class RunLookupError(SweepsError):
-    """A run id, trial or tracking store named on the command line does not exist."""
-
-    exit_code = 2
 
 
 # ---- the store -------------------------------------------------------------------------------

@@ -16,17 +16,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sweeps.errors import SweepsError
+from sweeps.errors import ResourcesError
 
 # A user's override of where trainers write to MLflow from (see tracking_writer_process).
 TRACKING_WRITER_VAR = "SWEEPS_TRACKING_WRITER"  # "process" or "inline": see tracking_writer_process
-
-
-class ResourcesError(SweepsError, ValueError):
-    """``resources:`` asks for something this machine cannot give. A ValueError too, so
-    callers validating plain values can catch it without knowing the sweeps hierarchy."""
-
-    exit_code = 2
 
 
 # --------------------------------------------------------------------------- discovery

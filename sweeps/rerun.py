@@ -24,17 +24,13 @@ from typing import Any
 
 from rich.text import Text
 
-from sweeps.compare import CurveComparison, RunLookupError, best_over_epochs, compare_curves, get_run, metric_curve
-from sweeps.errors import SweepsError
+from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, get_run, metric_curve
+from sweeps.errors import RerunError, RunLookupError
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 
 _CPU_THREADS = re.compile(r"^cpu \((\d+) threads?\)")
-
-
-class RerunError(SweepsError):
-    """A run cannot be rebuilt (no resolved config, a config this code cannot read)."""
 
 
 # ---- rebuild a trial from its run --------------------------------------------------------------

@@ -10,16 +10,10 @@ import argparse
 import os
 
 from sweeps.commands.base import Command, console, spec_argument
-from sweeps.errors import SweepsError
+from sweeps.errors import UsageError
 
 # The per-file progress bars of MLflow downloads drown the tables these commands print.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-
-
-class UsageError(SweepsError):
-    """Arguments that do not fit together; the message says which to give."""
-
-    exit_code = 2
 
 
 def _seed_list(text: str) -> list[int]:

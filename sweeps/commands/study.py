@@ -51,7 +51,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
-    result = get_backend(spec.backend).run(spec, fresh=a.fresh, quiet=a.quiet)
+    result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet)
     return result.exit_code
 
 
@@ -89,7 +89,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     from sweeps.backends import get_backend
 
     spec = load_spec_file(a.spec)
-    result = get_backend(spec.backend).load(spec)
+    result = get_backend(spec.backend, a.spec).load(spec)
     if a.format != "table":
         sys.stdout.write(status_text(spec, result, a.format))
         sys.stdout.flush()
