@@ -6,9 +6,8 @@ owns their lifecycles, signals, hung trials and the timeout, and draws the live 
 """
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
 from sweeps.backends.base import StudyResult
+from sweeps.backends.run_lock import run_lock
 from sweeps.backends.supervisor import Supervisor, serve_writes_with
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
@@ -121,29 +121,11 @@ class OptunaBackend:
     def _run_lock(self, spec: StudySpec):
         """One ``sweeps run`` per journal study at a time: a second one would race the first
         for orphaned trials. RDB studies may have many (plus ``sweeps worker``s)."""
-        import contextlib
-
         if spec.is_rdb_storage():
             return contextlib.nullcontext()
         path = Path(f"{optuna_study.journal_file(spec)}.runlock")  # absolute, like every journal path (journal_file.py)
         optuna_study.make_folder(path.parent, f"storage: {spec.storage_url()}")  # a clear error if runs/ is a file
-
-        @contextlib.contextmanager
-        def held():
-            with open(path, "a+") as fh:
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    fh.seek(0)
-                    raise StudyStateError(f"study {spec.name!r} is already being run by another sweeps process "
-                                          f"(pid {fh.read().strip() or '?'}); wait for it or stop it first")
-                fh.seek(0)
-                fh.truncate()
-                fh.write(str(os.getpid()))
-                fh.flush()
-                yield
-
-        return held()
+        return run_lock(path, spec.name)
 
     def _recover_orphans(self, spec: StudySpec, study: optuna.Study, tracker) -> list[int]:
         """Journal storage with the run lock held: every RUNNING trial belongs to a process
