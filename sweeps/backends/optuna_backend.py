@@ -133,20 +133,18 @@ class OptunaBackend:
         run closed as FAILED, and its parameters requeued to resume from its checkpoint."""
         if spec.is_rdb_storage():
             return []  # RDB: Optuna's heartbeat fails stale trials (see optuna_study.open_storage)
+        from sweeps.backends.journal_file import LINK_SUFFIX
         from sweeps.backends.journal_repair import check_journal
 
         check_journal(spec.storage_url())
-        stale_lock = Path(spec.storage_url() + ".lock")
+        stale_lock = Path(spec.storage_url() + LINK_SUFFIX)
         if stale_lock.is_symlink():
             stale_lock.unlink()  # Optuna's journal lock, left by a process killed mid-append
         recovered = []
-        callback = recovery.StaleTrialCallback(spec.tracking_store_uri(), tracker)
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             reason = (f"orphaned: worker {t.user_attrs.get(optuna_study.ATTR_WORKER, '?')} died while running it "
                       f"(killed or crashed); requeued to resume from its last checkpoint")
-            study._storage.set_trial_user_attr(t._trial_id, optuna_study.ATTR_REASON, reason)
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            callback(study, study._storage.get_trial(t._trial_id))
+            recovery.fail_trial(study, t, reason, requeue=True, tracker=tracker, tracking_uri=spec.tracking_store_uri())
             recovered.append(t.number)
         recovery.close_orphan_runs(tracker, study)
         return recovered
