@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 
 from core.lr_finder import lr_range_test
-from sweeps.backends import optuna_study as os_
+from sweeps.backends import optuna_study
 from sweeps.objective import trial_config
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
@@ -44,7 +44,7 @@ def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: Tracker, 
                         result.suggestion, p.low, p.high)
         else:
             summary["narrowed"] = list(narrowed)
-            study.set_user_attr(os_.ATTR_LR_RANGE, list(narrowed))
+            study.set_user_attr(optuna_study.ATTR_LR_RANGE, list(narrowed))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "lr_finder.json"
         path.write_text(json.dumps({**result.to_dict(), **summary}))
