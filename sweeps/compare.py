@@ -16,9 +16,10 @@ from rich.table import Table
 from rich.text import Text
 
 from core.results import EPOCH_METRICS
+from sweeps.errors import RunLookupError
 from sweeps.spec import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
-from sweeps.tracking.reader import RunLookupError, TrackingReader
+from sweeps.tracking.reader import TrackingReader
 
 # Metrics that measure the machine, not the training: never part of a curve comparison.
 TIMING_METRICS = frozenset({"samples_per_s", "epoch_time_s", "peak_mem_mb", "trial_seconds"})

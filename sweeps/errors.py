@@ -44,6 +44,50 @@ class TrackingError(SweepsError):
     """The MLflow tracking store cannot be reached or refused a write."""
 
 
+class UsageError(SweepsError):
+    """Command-line arguments that do not fit together; the message says which to give."""
+
+    exit_code = 2
+
+
+class UnknownBackendError(SweepsError, ValueError):
+    """A backend name that is neither optuna nor ray. A ValueError too, as it was before it
+    joined this hierarchy, for callers that catch that."""
+
+    exit_code = 2
+
+
+class ResourcesError(SweepsError, ValueError):
+    """``resources:`` asks for something this machine cannot give. A ValueError too, so
+    callers validating plain values can catch it without knowing the sweeps hierarchy."""
+
+    exit_code = 2
+
+
+class RunLookupError(SweepsError):
+    """A run id, trial or tracking store named on the command line does not exist."""
+
+    exit_code = 2
+
+
+class RerunError(SweepsError):
+    """A run cannot be rebuilt (no resolved config, a config this code cannot read)."""
+
+
+class PromoteError(SweepsError):
+    """Nothing can be promoted (no usable trial, a model that fails its checks)."""
+
+
+class BadNameError(SweepsError):
+    """A model name or alias the registry would refuse."""
+
+    exit_code = 2
+
+
+class PromoteRefused(SweepsError):
+    """The candidate is worse than the alias holder and ``--force`` was not given."""
+
+
 class StudyStateError(SweepsError):
     """The study on storage does not match what was asked (changed search space, missing study)."""
 

@@ -1,12 +1,8 @@
 """Which devices and CPU threads each trial or worker gets (the spec's ``resources:``).
 
-Two ways a backend can use this module, both built on the same validation:
-
-* dynamic leases: a :class:`DevicePool` shared by the threads that run trials. Each trial
-  calls :meth:`DevicePool.acquire` before it starts and :meth:`DevicePool.release` in a
-  ``finally`` when it ends, fails or is pruned, and runs with ``lease.env()``.
-* static slots: :func:`plan_workers` for persistent worker processes. Worker ``i`` keeps
-  ``slots[i].devices`` for its whole life and is started with ``slots[i].env()``.
+Backends run trials in persistent worker processes: :func:`plan_workers` gives each one a
+:class:`WorkerSlot`; worker ``i`` keeps ``slots[i].devices`` for its whole life and is
+started with ``slots[i].env()``.
 
 Device ids are the ids ``CUDA_VISIBLE_DEVICES`` uses for a child process (physical ids
 as this machine numbers them). Only the standard library is imported at module level;
@@ -15,26 +11,15 @@ and testable without a GPU.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import os
-import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sweeps.errors import SweepsError
+from sweeps.errors import ResourcesError
 
 # A user's override of where trainers write to MLflow from (see tracking_writer_process).
 TRACKING_WRITER_VAR = "SWEEPS_TRACKING_WRITER"  # "process" or "inline": see tracking_writer_process
-
-
-class ResourcesError(SweepsError, ValueError):
-    """``resources:`` asks for something this machine cannot give. A ValueError too, so
-    callers validating plain values can catch it without knowing the sweeps hierarchy."""
-
-    exit_code = 2
 
 
 # --------------------------------------------------------------------------- discovery
@@ -77,7 +62,7 @@ def discover_devices(
     devices_setting: str | Sequence[int], *, environ: Mapping[str, str] | None = None
 ) -> list[int]:
     """Resolve ``resources.devices`` to the device ids trials may use. Called once per
-    invocation, before the pool or the worker plan is built.
+    invocation, before the worker plan is built.
 
     ``"auto"``: every CUDA device visible to this process ([] without CUDA); ``"cpu"``: [];
     a list: that list, validated (ints >= 0, unique, and existing when CUDA is present).
@@ -176,7 +161,7 @@ def _pick_devices(free: Sequence[int], k: int) -> tuple[int, ...] | None:
 def ddp_processes(gpus_per_trial: float, devices_setting: object, train_device: str,
                   explicit_nproc: int | None, visible_gpus: int) -> int | None:
     """DDP processes for a trial whose spec leaves ``train.distributed.nproc`` unset: one per
-    GPU of its lease when it holds K >= 2 whole GPUs and sees them, else None (one process).
+    GPU of its worker's slot when it holds K >= 2 whole GPUs and sees them, else None (one process).
     Called in the trial's own process, after the backend set its CUDA_VISIBLE_DEVICES.
 
     An explicit ``nproc`` always wins (a user may want 1 process on 2 GPUs, e.g. for model
@@ -187,133 +172,6 @@ def ddp_processes(gpus_per_trial: float, devices_setting: object, train_device: 
         return None
     k = int(gpus_per_trial)
     return k if visible_gpus >= k else None
-
-
-# --------------------------------------------------------------------------- dynamic leases
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Devices held by one running trial. ``share`` is the fraction of each device the
-    trial may use (1.0 whole, 0.5 half, 0.0 on CPU)."""
-
-    devices: tuple[int, ...]
-    share: float
-    owner: str
-    lease_id: str
-
-    def env(self) -> dict[str, str]:
-        """Environment for the trial process; set before it first touches CUDA.
-        An empty CUDA_VISIBLE_DEVICES hides every GPU, which is what a CPU trial wants."""
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in self.devices)}
-
-
-class DevicePool:
-    """Hands devices to trials and takes them back; safe to share between threads.
-
-    Whole ``gpus_per_trial`` K: each lease holds K devices of its own. Fractional 1/n:
-    each device holds n leases, and a partly used device is filled before a new one is
-    opened, so whole devices stay free as long as possible. With no devices (CPU) every
-    acquire succeeds with ``devices=()``: the worker count bounds concurrency there.
-    """
-
-    def __init__(self, device_ids: Sequence[int], gpus_per_trial: float) -> None:
-        self._devices = list(device_ids)
-        if len(set(self._devices)) != len(self._devices):
-            raise ResourcesError(
-                f"DevicePool: device ids {self._devices!r} repeat. Fix: pass each id once."
-            )
-        self._k, self._slots = _parse_gpus_per_trial(gpus_per_trial, len(self._devices))
-        self._share = 0.0 if not self._devices else 1.0 / self._slots
-        self._used = {d: 0 for d in self._devices}  # leases currently on each device
-        self._leases: dict[str, Lease] = {}
-        self._ids = itertools.count(1)
-        self._cond = threading.Condition()  # one lock guards all state; waiters sleep on it
-
-    @property
-    def capacity(self) -> float:
-        """Trials that fit at once (``math.inf`` on a CPU-only pool)."""
-        if not self._devices:
-            return math.inf
-        return len(self._devices) // self._k * self._slots
-
-    def acquire(self, owner: str) -> Lease | None:
-        """Take devices for one trial, called just before the trial starts. Never blocks:
-        returns None when nothing fits now (the caller waits or tries again later)."""
-        with self._cond:
-            devices = self._choose()
-            if devices is None:
-                return None
-            for d in devices:
-                self._used[d] += 1
-            lease = Lease(devices, self._share, owner, f"lease-{next(self._ids)}")
-            self._leases[lease.lease_id] = lease
-            return lease
-
-    def acquire_blocking(self, owner: str, timeout: float | None = None) -> Lease | None:
-        """Like :meth:`acquire`, but waits for a release; None only after ``timeout`` s."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:  # re-entered by acquire(): Condition wraps an RLock
-            while True:
-                lease = self.acquire(owner)
-                if lease is not None:
-                    return lease
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
-
-    def release(self, lease: Lease | None) -> None:
-        """Give a trial's devices back, called in a ``finally`` when the trial ends, fails
-        or is pruned. Idempotent, and None is ignored, so the ``finally`` needs no checks."""
-        if lease is None:
-            return
-        with self._cond:
-            if self._leases.get(lease.lease_id) != lease:
-                return  # already released (or not from this pool): nothing to give back
-            del self._leases[lease.lease_id]
-            for d in lease.devices:
-                self._used[d] -= 1
-            self._cond.notify_all()  # waiters may want different devices; let each re-check
-
-    @contextmanager
-    def hold(self, owner: str, timeout: float | None = None) -> Iterator[Lease]:
-        """``with pool.hold(owner) as lease:`` waits for a lease and releases it however the
-        block exits. Raises TimeoutError when none came within ``timeout`` seconds."""
-        lease = self.acquire_blocking(owner, timeout)
-        if lease is None:
-            raise TimeoutError(f"no devices free for {owner!r} within {timeout} s")
-        try:
-            yield lease
-        finally:
-            self.release(lease)
-
-    def free_capacity(self) -> float:
-        """How many more trials could start right now (``math.inf`` on a CPU-only pool)."""
-        with self._cond:
-            if not self._devices:
-                return math.inf
-            if self._slots > 1:
-                return sum(self._slots - u for u in self._used.values())
-            # Any K free devices are accepted (non-contiguous fallback), so a plain division.
-            return sum(1 for u in self._used.values() if u == 0) // self._k
-
-    def leases(self) -> list[Lease]:
-        """The leases held now, oldest first (for status displays and tests)."""
-        with self._cond:
-            return list(self._leases.values())
-
-    def _choose(self) -> tuple[int, ...] | None:
-        """Devices for the next lease, or None. Caller holds the lock."""
-        if not self._devices:
-            return ()
-        if self._slots > 1:
-            open_ = [d for d in self._devices if self._used[d] < self._slots]
-            if not open_:
-                return None
-            # Fullest first (packing), then lowest id, so the choice is predictable.
-            return (min(open_, key=lambda d: (-self._used[d], d)),)
-        return _pick_devices([d for d in self._devices if self._used[d] == 0], self._k)
 
 
 # --------------------------------------------------------------------------- static workers
@@ -437,7 +295,7 @@ def _worker_devices(devices: list[int], k: int, slots: int, i: int) -> tuple[int
         # Round-robin, not packing: a worker holds its device for good, so spreading
         # leaves no device idle when fewer workers than slots are asked for.
         return (sorted(devices)[i % len(devices)],)
-    # Whole K: the i-th group the pool's policy would hand out from an empty pool.
+    # Whole K: the i-th group taken in turn from the free devices by _pick_devices.
     free = sorted(devices)
     group: tuple[int, ...] = ()
     for _ in range(i + 1):

@@ -32,7 +32,7 @@ from typing import Any
 from rich.text import Text
 
 from sweeps.compare import best_over_epochs, metric_curve, open_client, side_by_side
-from sweeps.errors import SweepsError
+from sweeps.errors import BadNameError, PromoteError, PromoteRefused, SweepsError
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
@@ -46,20 +46,6 @@ ONNX_TAGS = ("sweeps.onnx", "sweeps.onnx_max_abs_diff", "sweeps.onnx_tolerance",
 EXAMPLE_ROWS = 8  # rows of the input example stored with the model
 CHECK_ROWS = 256  # validation inputs the ONNX re-verification runs on
 _LOWER_IS_BETTER = re.compile(r"loss|error|err$|time|mem|latency|diff", re.IGNORECASE)
-
-
-class PromoteError(SweepsError):
-    """Nothing can be promoted (no usable trial, a model that fails its checks)."""
-
-
-class BadNameError(SweepsError):
-    """A model name or alias the registry would refuse."""
-
-    exit_code = 2
-
-
-class PromoteRefused(SweepsError):
-    """The candidate is worse than the alias holder and ``--force`` was not given."""
 
 
 @dataclass

@@ -25,20 +25,16 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 
 from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, metric_curve, open_client
-from sweeps.errors import SweepsError
+from sweeps.errors import RerunError, RunLookupError
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
-from sweeps.tracking.reader import RunLookupError, TrackingReader
+from sweeps.tracking.reader import TrackingReader
 
 if TYPE_CHECKING:
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 _CPU_THREADS = re.compile(r"^cpu \((\d+) threads?\)")
-
-
-class RerunError(SweepsError):
-    """A run cannot be rebuilt (no resolved config, a config this code cannot read)."""
 
 
 # ---- rebuild a trial from its run --------------------------------------------------------------

@@ -15,17 +15,18 @@ from pathlib import Path
 import optuna
 
 from core.lr_finder import lr_range_test
-from sweeps.backends import optuna_study as os_
+from sweeps.backends import optuna_study
 from sweeps.objective import trial_config
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.base import RunHandle
+from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 log = logging.getLogger("sweeps")
 ATTR_RESULT = "lr_finder"
 
 
-def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: Tracker, parent: RunHandle) -> dict:
+def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: MlflowTracker, parent: RunHandle) -> dict:
     if ATTR_RESULT in study.user_attrs:  # ran when the study started; a resume keeps it
         return study.user_attrs[ATTR_RESULT]
     lf = spec.lr_finder
@@ -44,7 +45,7 @@ def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: Tracker, 
                         result.suggestion, p.low, p.high)
         else:
             summary["narrowed"] = list(narrowed)
-            study.set_user_attr(os_.ATTR_LR_RANGE, list(narrowed))
+            study.set_user_attr(optuna_study.ATTR_LR_RANGE, list(narrowed))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "lr_finder.json"
         path.write_text(json.dumps({**result.to_dict(), **summary}))
@@ -52,7 +53,7 @@ def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: Tracker, 
     for i, (lr, loss) in enumerate(zip(result.lrs, result.smoothed)):
         tracker.log_metrics(parent, {"lr_finder/lr": lr, "lr_finder/smoothed_loss": loss}, i)
     tracker.log_metrics(parent, {"lr_finder/suggestion": result.suggestion}, 0)
-    tracker.flush(parent)
+    tracker.flush(parent)  # the curve is on the parent run before the first trial starts
     study.set_user_attr(ATTR_RESULT, summary)
     return summary
 

@@ -36,6 +36,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
 from core.diskfull import describe_disk_full
+from sweeps.backends import optuna_adapter
 from sweeps.backends.journal_repair import check_journal, check_journal_file, corrupt_message, find_damage
 from sweeps.errors import DiskFullError, StudyStateError
 from sweeps.faults import armed, stop_here
@@ -45,7 +46,7 @@ log = logging.getLogger("sweeps")
 ENV_LOCK_WAIT = "SWEEPS_JOURNAL_LOCK_WAIT_S"
 LOCK_WAIT_S = 120.0  # an append takes milliseconds; a holder this slow is stuck or stopped
 FAULT_MID_APPEND = "journal_mid_append"
-LINK_SUFFIX = ".lock"  # Optuna's name (optuna.storages.journal._file.LOCK_FILE_SUFFIX)
+LINK_SUFFIX = optuna_adapter.JOURNAL_LOCK_SUFFIX  # ".lock": Optuna's own link, so plain Optuna waits for us
 FLOCK_SUFFIX = ".appendlock"
 
 

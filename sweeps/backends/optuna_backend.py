@@ -6,9 +6,8 @@ owns their lifecycles, signals, hung trials and the timeout, and draws the live 
 """
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
 from sweeps.backends.base import StudyResult
+from sweeps.backends.run_lock import run_lock
 from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
@@ -119,29 +119,11 @@ class OptunaBackend:
     def _run_lock(self, spec: StudySpec):
         """One ``sweeps run`` per journal study at a time: a second one would race the first
         for orphaned trials. RDB studies may have many (plus ``sweeps worker``s)."""
-        import contextlib
-
         if spec.is_rdb_storage():
             return contextlib.nullcontext()
         path = Path(f"{optuna_study.journal_file(spec)}.runlock")  # absolute, like every journal path (journal_file.py)
         optuna_study.make_folder(path.parent, f"storage: {spec.storage_url()}")  # a clear error if runs/ is a file
-
-        @contextlib.contextmanager
-        def held():
-            with open(path, "a+") as fh:
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    fh.seek(0)
-                    raise StudyStateError(f"study {spec.name!r} is already being run by another sweeps process "
-                                          f"(pid {fh.read().strip() or '?'}); wait for it or stop it first")
-                fh.seek(0)
-                fh.truncate()
-                fh.write(str(os.getpid()))
-                fh.flush()
-                yield
-
-        return held()
+        return run_lock(path, spec.name)
 
     def _recover_orphans(self, spec: StudySpec, study: optuna.Study, tracker) -> list[int]:
         """Journal storage with the run lock held: every RUNNING trial belongs to a process
@@ -149,20 +131,18 @@ class OptunaBackend:
         run closed as FAILED, and its parameters requeued to resume from its checkpoint."""
         if spec.is_rdb_storage():
             return []  # RDB: Optuna's heartbeat fails stale trials (see optuna_study.open_storage)
+        from sweeps.backends.journal_file import LINK_SUFFIX
         from sweeps.backends.journal_repair import check_journal
 
         check_journal(spec.storage_url())
-        stale_lock = Path(spec.storage_url() + ".lock")
+        stale_lock = Path(spec.storage_url() + LINK_SUFFIX)
         if stale_lock.is_symlink():
             stale_lock.unlink()  # Optuna's journal lock, left by a process killed mid-append
         recovered = []
-        callback = recovery.StaleTrialCallback(spec.tracking_store_uri(), tracker)
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             reason = (f"orphaned: worker {t.user_attrs.get(optuna_study.ATTR_WORKER, '?')} died while running it "
                       f"(killed or crashed); requeued to resume from its last checkpoint")
-            study._storage.set_trial_user_attr(t._trial_id, optuna_study.ATTR_REASON, reason)
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            callback(study, study._storage.get_trial(t._trial_id))
+            recovery.fail_trial(study, t, reason, requeue=True, tracker=tracker, tracking_uri=spec.tracking_store_uri())
             recovered.append(t.number)
         recovery.close_orphan_runs(tracker, study)
         return recovered

@@ -9,6 +9,7 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
+from sweeps.backends import optuna_adapter
 from sweeps.backends.optuna_study import ATTR_PARENT_RUN, ATTR_REASON, ATTR_RUN_ID, MAX_RETRIES
 
 
@@ -65,11 +66,13 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     """Fail another process's RUNNING trial with a reason, close its MLflow run, and
     optionally requeue its parameters. ``interrupted``: stopped by the user or the timeout,
     not the trial's fault (it does not count toward budget.max_failures)."""
-    study._storage.set_trial_user_attr(t._trial_id, ATTR_REASON, reason)
+    # Through the storage: the trial is another process's, so there is no Trial object to set it on.
+    storage, trial_id = optuna_adapter.storage_of(study), optuna_adapter.trial_id_of(t)
+    storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
     if interrupted:
-        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-    frozen = study._storage.get_trial(t._trial_id)
+        storage.set_trial_user_attr(trial_id, "interrupted", True)
+    storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    frozen = storage.get_trial(trial_id)
     if requeue:
         StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
     elif frozen.user_attrs.get(ATTR_RUN_ID) and (tracker is not None or tracking_uri):

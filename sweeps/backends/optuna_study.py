@@ -25,6 +25,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from sweeps import search_space as ss
+from sweeps.backends import optuna_adapter
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
@@ -288,29 +289,17 @@ def _pruned_value(t: FrozenTrial) -> float | None:
     return t.value if t.value is not None else t.user_attrs.get("best_value")
 
 
-def is_rdb_heartbeat(study: optuna.Study) -> bool:
-    from optuna.storages._heartbeat import is_heartbeat_enabled
-
-    return is_heartbeat_enabled(study._storage)
-
-
-def grace_seconds(study: optuna.Study) -> int:
-    """Silence after which a RUNNING trial of this RDB study counts as stale."""
-    rdb = getattr(study._storage, "_backend", study._storage)  # Optuna wraps RDBStorage in a cache
-    return rdb.grace_period or 2 * rdb.heartbeat_interval
-
-
 def fail_stale_trials(study: optuna.Study) -> list[int]:
     """``optuna.storages.fail_stale_trials``, with the reason recorded on each trial first:
     RUNNING trials whose worker has been silent for longer than the grace period are failed
     (once, whichever worker gets there first), then StaleTrialCallback closes their MLflow
     runs and requeues them. Returns the numbers of the trials this call failed."""
-    if not is_rdb_heartbeat(study):
+    if not optuna_adapter.heartbeat_enabled(study):
         return []
-    storage = study._storage
-    grace = grace_seconds(study)
+    storage = optuna_adapter.storage_of(study)
+    grace = optuna_adapter.heartbeat_grace_seconds(study)
     failed = []
-    for trial_id in storage._get_stale_trial_ids(study._study_id):
+    for trial_id in optuna_adapter.stale_trial_ids(study):
         worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
         reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or cut "
                   f"off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its last "

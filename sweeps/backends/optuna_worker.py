@@ -20,7 +20,7 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from sweeps import search_space as ss
-from sweeps.backends import optuna_study as os_
+from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
@@ -86,31 +86,31 @@ def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s
         if study is None:
             return signals.exit_code()
     else:
-        study = os_.open_study(spec, worker_index=worker_index)
-        if study.user_attrs.get(os_.ATTR_STUDY_UID) != go.study_uid:  # never work for another study
+        study = optuna_study.open_study(spec, worker_index=worker_index)
+        if study.user_attrs.get(optuna_study.ATTR_STUDY_UID) != go.study_uid:  # never work for another study
             raise StudyStateError(f"study {study.study_name!r} in {redact_url(spec.storage_url())} is not the one "
                                   f"`sweeps run` started (its identity changed); run `sweeps run {spec.path}` again")
     since = go.since if go is not None else time.time()
     deadline = go.deadline if go is not None else None
     beat_file = Path(go.beat_file) if go is not None else None
-    parent_id = go.parent_run_id if go is not None else study.user_attrs[os_.ATTR_PARENT_RUN]
+    parent_id = go.parent_run_id if go is not None else study.user_attrs[optuna_study.ATTR_PARENT_RUN]
     parent = reader_for(spec).handle(parent_id)
     n_trials = spec.budget.n_trials
 
     while not signals.event.is_set():
         if deadline is not None and time.time() >= deadline:
             break
-        if os_.failures_in_a_row(study, since) >= spec.budget.max_failures:
+        if optuna_study.failures_in_a_row(study, since) >= spec.budget.max_failures:
             log.error("stopping: %d trials failed in a row (budget.max_failures=%d); see the reasons with "
                       "sweeps status %s", spec.budget.max_failures, spec.budget.max_failures, spec.path)
             return EXIT_MAX_FAILURES
-        rdb = os_.is_rdb_heartbeat(study)
+        rdb = optuna_adapter.heartbeat_enabled(study)
         if rdb:
-            os_.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
-        with os_.ask_lock(spec):
-            trial = study.ask() if os_.budget_left(study, n_trials) > 0 else None
+            optuna_study.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
+        with optuna_study.ask_lock(spec):
+            trial = study.ask() if optuna_study.budget_left(study, n_trials) > 0 else None
             if trial is not None:  # named at once: if this process dies, its supervisor finds the trial
-                trial.set_user_attr(os_.ATTR_WORKER, worker_name())
+                trial.set_user_attr(optuna_study.ATTR_WORKER, worker_name())
         if trial is None:
             # The budget is taken. On RDB storage another machine's trial may still die and be
             # requeued: stay until no trial runs, so someone is there to retry it (and so
@@ -138,7 +138,7 @@ def join_study(spec: StudySpec, worker_index: int, wait_s: float,
     said = False
     while True:
         study, missing = _find_study(spec, worker_index)
-        if study is not None and study.user_attrs.get(os_.ATTR_PARENT_RUN):
+        if study is not None and study.user_attrs.get(optuna_study.ATTR_PARENT_RUN):
             if said:
                 log.warning("study %r found; joining it", study.study_name)
             return study
@@ -160,17 +160,17 @@ def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None
     """(study, "") when it exists; (None, what is missing) while the storage has no tables
     or no study of that name yet. Any other problem (credentials, a changed search space) raises."""
     try:
-        storage = os_.open_storage(spec, create=False)
+        storage = optuna_study.open_storage(spec, create=False)
     except BackendError as exc:
         if not _tables_missing(exc):
             raise
         return None, "the storage has no Optuna tables yet (no study was ever run on it)"
     try:
-        if os_.current_study_name(storage, spec.name) is None:
+        if optuna_study.current_study_name(storage, spec.name) is None:
             return None, f"study {spec.name!r} does not exist yet"
     finally:
         storage.engine.dispose()  # polled every 2 s: do not pile up connection pools
-    return os_.open_study(spec, worker_index=worker_index, create=False), ""
+    return optuna_study.open_study(spec, worker_index=worker_index, create=False), ""
 
 
 def _tables_missing(exc: BaseException | None) -> bool:
@@ -185,22 +185,23 @@ def _tables_missing(exc: BaseException | None) -> bool:
 
 def _poll_seconds(study: optuna.Study) -> float:
     """How often a worker that is out of trials to start checks for dead workers' trials."""
-    return min(5.0, max(0.5, os_.grace_seconds(study) / 4))
+    return min(5.0, max(0.5, optuna_adapter.heartbeat_grace_seconds(study) / 4))
 
 
 def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_file) -> int | None:
-    params = ss.suggest(trial, os_.effective_search(spec, study))
-    retry_of = study._storage.get_trial(trial._trial_id).system_attrs.get("failed_trial")
+    params = ss.suggest(trial, optuna_study.effective_search(spec, study))
+    retry_of = optuna_adapter.stored_trial(study, trial).system_attrs.get("failed_trial")
     if retry_of is not None:
         # A retry inherits the failed attempt's user attributes (its folder, to resume from);
         # the attempt's own outcome is not this trial's.
-        trial.set_user_attr(os_.ATTR_REASON, "")
+        trial.set_user_attr(optuna_study.ATTR_REASON, "")
         trial.set_user_attr("interrupted", False)
-    out_dir = Path(trial.user_attrs.get(os_.ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
-    overrides = dict(trial.user_attrs.get(os_.ATTR_BATCH_OVERRIDES) or {})
-    trial.set_user_attr(os_.ATTR_OUT_DIR, str(out_dir))
-    uid = study.user_attrs[os_.ATTR_STUDY_UID]
-    tags = {"sweeps.worker_slot": worker_index, "sweeps.optuna_trial_id": trial._trial_id, layout.TAG_STUDY_UID: uid}
+    out_dir = Path(trial.user_attrs.get(optuna_study.ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
+    overrides = dict(trial.user_attrs.get(optuna_study.ATTR_BATCH_OVERRIDES) or {})
+    trial.set_user_attr(optuna_study.ATTR_OUT_DIR, str(out_dir))
+    uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
+    tags = {"sweeps.worker_slot": worker_index, "sweeps.optuna_trial_id": optuna_adapter.trial_id_of(trial),
+            layout.TAG_STUDY_UID: uid}
     if retry_of is not None:
         tags["sweeps.retry_of_trial"] = retry_of
     beat = _heartbeat(study, trial, beat_file)
@@ -215,7 +216,7 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     spec_trial = TrialSpec(trial.number, params, out_dir, tags=tags, overrides=overrides, owner=owner)
 
     def on_start(run) -> None:
-        trial.set_user_attr(os_.ATTR_RUN_ID, run.run_id)
+        trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
         beat()  # creating the MLflow run can take a while; the trial is alive
 
     outcome = run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,
@@ -224,13 +225,13 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     try:
         exhausted = _record(spec, study, trial, outcome, overrides)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
-        if not study._storage.get_trial(trial._trial_id).state.is_finished():
+        if not optuna_adapter.stored_trial(study, trial).state.is_finished():
             raise
         # This worker was silent past the grace period and another one failed the trial as
         # stale and requeued it: this attempt's result is dropped, the retry counts instead.
         log.warning("trial %d was failed as stale by another worker (no heartbeat for longer than %s=%d s); "
                     "this attempt's result is dropped and its retry counts instead", trial.number,
-                    os_.ENV_GRACE, os_.heartbeat_settings()[1])
+                    optuna_study.ENV_GRACE, optuna_study.heartbeat_settings()[1])
         exhausted = False
     if outcome.state == "INTERRUPTED":
         return signals.exit_code()
@@ -246,7 +247,7 @@ def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, 
     if outcome.value is not None:
         trial.set_user_attr("best_value", outcome.value)
     if outcome.reason:
-        trial.set_user_attr(os_.ATTR_REASON, outcome.reason)
+        trial.set_user_attr(optuna_study.ATTR_REASON, outcome.reason)
     if outcome.state == "COMPLETE":
         return _tell(study, trial, values=outcome.value)
     if outcome.state == "PRUNED":
@@ -254,12 +255,12 @@ def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, 
     if outcome.state == "INTERRUPTED":
         trial.set_user_attr("interrupted", True)
     exhausted = _tell(study, trial, state=TrialState.FAIL)
-    frozen = study._storage.get_trial(trial._trial_id)
+    frozen = optuna_adapter.stored_trial(study, trial)
     if outcome.state == "INTERRUPTED":
         # Requeue the same parameters; the retry resumes from the checkpoint just saved.
-        RetryHeartbeatStaleTrialCallback(max_retry=os_.MAX_RETRIES)(study, frozen)
+        RetryHeartbeatStaleTrialCallback(max_retry=optuna_study.MAX_RETRIES)(study, frozen)
     elif outcome.oom and spec.budget.oom_retry_smaller_batch and not overrides:
-        os_.enqueue_smaller_batch(spec, study, frozen)
+        optuna_study.enqueue_smaller_batch(spec, study, frozen)
     return exhausted
 
 
@@ -281,14 +282,14 @@ def _heartbeat(study: optuna.Study, trial: optuna.Trial, beat_file: Path | None)
     """Called by the trial about once a second: touches the worker's beat file (the local
     orchestrator stops a trial with no progress for budget.trial_timeout) and, on RDB
     storage, records Optuna's heartbeat so other machines can tell this worker is alive."""
-    storage = study._storage
-    rdb = os_.is_rdb_heartbeat(study)
+    storage, trial_id = optuna_adapter.storage_of(study), optuna_adapter.trial_id_of(trial)
+    rdb = optuna_adapter.heartbeat_enabled(study)
 
     def beat() -> None:
         if beat_file is not None:
             beat_file.touch()
         if rdb:
-            storage.record_heartbeat(trial._trial_id)
+            storage.record_heartbeat(trial_id)
 
     beat()
     return beat

@@ -19,8 +19,6 @@ good and end the search). SIGTERM does the same, with exit code 143.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -33,6 +31,7 @@ from sweeps.backends.base import StudyResult
 from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise
 from sweeps.backends.ray_trainable import (TAG_RAY_TRIAL_ID, TrialContext, TrialNamer, ended_for_good, make_trainable,
                                            trial_dirname)
+from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec
 from sweeps.study_run import (find_or_create_parent, parent_status, reader_for, tracker_for, update_parent_best,
@@ -63,7 +62,9 @@ class RayBackend:
         tracker = tracker_for(spec)
         tracker.check_connection()  # before anything is created or trained
         study_name = self._study_name(spec, fresh)
-        with _run_lock(study_name):
+        path = rr.lock_path(study_name)  # one driver per study (a second would restore the same experiment)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with run_lock(path, study_name):
             meta = self._checked_meta(spec, study_name)
             parent = find_or_create_parent(tracker, spec, study_name, self.name)
             rr.write_meta(study_name, {**meta, "parent_run_id": parent.run_id})
@@ -182,28 +183,6 @@ def _is_complete(spec: StudySpec, result: StudyResult) -> bool:
 # ---- where ---------------------------------------------------------------------------------------
 def trials_dir(study_name: str) -> Path:
     return (Path("runs") / study_name).resolve()
-
-
-@contextlib.contextmanager
-def _run_lock(study_name: str):
-    """One driver per study at a time (a second would restore the same experiment)."""
-    path = rr.lock_path(study_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            raise StudyStateError(f"study {study_name!r} is already being run by another sweeps process "
-                                  f"(pid {fh.read().strip() or '?'}); wait for it or stop it first") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # ---- while the fit runs ---------------------------------------------------------------------------

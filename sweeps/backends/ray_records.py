@@ -15,7 +15,6 @@ State mapping (each Ray trial -> one TrialRecord, ``number`` = creation order):
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.backends.run_lock import run_lock_held
 from sweeps.backends.ray_trainable import (R_DONE, R_NUMBER, R_REASON, R_RUN_ID, R_STATE, R_VALUE,
                                            TAG_RAY_TRIAL_ID, number_of)
 from sweeps.spec import StudySpec
@@ -81,16 +81,7 @@ def write_meta(study_name: str, meta: dict) -> None:
 
 def driver_running(study_name: str) -> bool:
     """Whether a ``sweeps run`` holds the study's run lock now."""
-    path = lock_path(study_name)
-    if not path.exists():
-        return False
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fh, fcntl.LOCK_UN)
-    return False
+    return run_lock_held(lock_path(study_name))
 
 
 # ---- records -------------------------------------------------------------------------------------

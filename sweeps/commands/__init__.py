@@ -1,2 +1,3 @@
-"""Commands that live in their own modules; ``sweeps.cli`` imports them when present and
-they register themselves with ``@command``."""
+"""The ``sweeps`` subcommands. Each module lists the ones it defines in ``COMMANDS`` (a tuple
+of :class:`sweeps.commands.base.Command`); ``sweeps.cli`` builds the parser from those lists,
+in one place."""

@@ -1,5 +1,5 @@
 """What to do once a study has run: ``promote`` its best model, ``rerun`` a trial and
-compare the curves, ``compare`` two runs. Registered on import (see ``sweeps.cli``).
+compare the curves, ``compare`` two runs; listed in ``COMMANDS`` for ``sweeps.cli``.
 
 Each command only parses its arguments here; the work lives in ``sweeps.registry``,
 ``sweeps.rerun`` and ``sweeps.compare``.
@@ -9,17 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from sweeps.cli import args, command, console
-from sweeps.errors import SweepsError
+from sweeps.commands.base import Command, console, spec_argument
+from sweeps.errors import UsageError
 
 # The per-file progress bars of MLflow downloads drown the tables these commands print.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-
-
-class UsageError(SweepsError):
-    """Arguments that do not fit together; the message says which to give."""
-
-    exit_code = 2
 
 
 def _seed_list(text: str) -> list[int]:
@@ -34,7 +28,7 @@ def _seed_list(text: str) -> list[int]:
 
 # ---- promote ---------------------------------------------------------------------------------
 def _promote_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="study spec YAML file")
+    spec_argument(p)
     p.add_argument("--alias", default="champion", help="registry alias to move to the promoted version "
                                                        "(default: champion)")
     p.add_argument("--model-name", default=None, help="registered model name (default: the study name)")
@@ -47,8 +41,6 @@ def _promote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="move the alias even to a worse model than its holder")
 
 
-@command("promote", "register the study's best trial in the MLflow model registry and move an alias to it")
-@args(_promote_args)
 def cmd_promote(a: argparse.Namespace) -> int:
     from sweeps.registry import promote
     from sweeps.spec import load_spec
@@ -72,8 +64,6 @@ def _rerun_args(p: argparse.ArgumentParser) -> None:
                                                         "$MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
 
 
-@command("rerun", "train a trial again from its MLflow run and compare every curve with the original")
-@args(_rerun_args)
 def cmd_rerun(a: argparse.Namespace) -> int:
     from sweeps.compare import open_client, resolve_tracking_uri
     from sweeps.rerun import find_trial_run, print_outcome, print_seed_summary, rerun_once, rerun_seeds
@@ -104,9 +94,17 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
                                                         "else sqlite:///runs/mlflow.db)")
 
 
-@command("compare", "two runs' params and final metrics side by side, the differences marked")
-@args(_compare_args)
 def cmd_compare(a: argparse.Namespace) -> int:
     from sweeps.compare import compare_runs, open_client, resolve_tracking_uri
 
     return compare_runs(open_client(resolve_tracking_uri(a.tracking_uri)), a.run_a, a.run_b, console)
+
+
+COMMANDS = (
+    Command("promote", "register the study's best trial in the MLflow model registry and move an alias to it",
+            _promote_args, cmd_promote),
+    Command("rerun", "train a trial again from its MLflow run and compare every curve with the original",
+            _rerun_args, cmd_rerun),
+    Command("compare", "two runs' params and final metrics side by side, the differences marked",
+            _compare_args, cmd_compare),
+)

@@ -11,16 +11,10 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from sweeps.errors import SweepsError
+from sweeps.errors import RunLookupError
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.values import tag_values
-
-
-class RunLookupError(SweepsError):
-    """A run id, trial or tracking store named on the command line does not exist."""
-
-    exit_code = 2
 
 
 class TrackingReader:

@@ -98,9 +98,9 @@ def weak_study(tmp_path_factory, finished_study) -> Study:
 @pytest.fixture
 def in_study(finished_study, monkeypatch) -> Study:
     """The test runs in the study's folder (commands find runs/mlflow.db there)."""
-    from sweeps import cli
+    from sweeps.commands.base import console
 
     monkeypatch.chdir(finished_study.root)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(cli.console, "width", 200)  # long run ids on one line
+    monkeypatch.setattr(console, "width", 200)  # long run ids on one line
     return finished_study

@@ -1,0 +1,86 @@
+"""The one module of sweeps that touches Optuna's private API (names starting with ``_``).
+
+Optuna may rename or drop a private name in any release, without a deprecation warning.
+Keeping every such use here makes an upgrade a review of one short file: re-check each
+function below against the new Optuna's source, then update :data:`OPTUNA_CHECKED`
+(tests/sweeps/backends/test_optuna_adapter.py fails until then, and a static test there
+fails if any other module of sweeps/ or dashboards/ reaches into Optuna's privates).
+
+Each function says what it does and why Optuna's public API does not do it. Callers get
+plain storage objects and ids back and use the public storage API (``BaseStorage``'s
+methods) with them.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import optuna
+from optuna.storages import BaseStorage
+from optuna.storages._heartbeat import is_heartbeat_enabled
+from optuna.storages.journal._file import LOCK_FILE_SUFFIX
+from optuna.trial import FrozenTrial
+
+OPTUNA_CHECKED = "5.1.0"  # the Optuna version every function below was read against
+
+# The suffix of the symlink lock Optuna's journal file backend (JournalFileSymlinkLock) puts
+# next to the journal. sweeps takes and clears the same link (journal_file.JournalLock), so a
+# plain Optuna process appending to a sweeps journal waits for sweeps; Optuna exports the
+# lock class, not the name of its link.
+JOURNAL_LOCK_SUFFIX: str = LOCK_FILE_SUFFIX
+
+AnyTrial = Union[optuna.Trial, FrozenTrial]
+
+
+def storage_of(study: optuna.Study) -> BaseStorage:
+    """The storage a study reads and writes (for RDB, Optuna's caching wrapper around it).
+
+    ``Study`` has no public accessor for it (only a live ``Trial`` has ``trial.storage``), yet
+    failing another process's trial, recording a heartbeat and reading a trial's latest stored
+    state are storage calls. Reopening the storage from the spec instead would mean a second
+    connection pool (RDB) or a second in-memory replay of the journal per call."""
+    return study._storage
+
+
+def trial_id_of(trial: AnyTrial) -> int:
+    """The storage's id of a trial (a ``Trial`` or a ``FrozenTrial``), which every
+    ``BaseStorage`` trial method takes; ``trial.number`` counts within the study only.
+
+    The public route, ``storage.get_trial_id_from_study_id_trial_number(
+    storage.get_study_id_from_name(name), number)``, costs two storage round trips, and a
+    worker needs the id for the heartbeat it records every second."""
+    return trial._trial_id
+
+
+def stored_trial(study: optuna.Study, trial: AnyTrial) -> FrozenTrial:
+    """The trial as the storage has it now. A ``Trial`` caches its frozen copy and a
+    ``FrozenTrial`` is a snapshot; after another process may have written to the trial (failed
+    it as stale, say), only the storage knows its state."""
+    return storage_of(study).get_trial(trial_id_of(trial))
+
+
+def heartbeat_enabled(study: optuna.Study) -> bool:
+    """Whether the study's storage records heartbeats (RDB storage opened with a heartbeat
+    interval). Optuna's own check (``is_heartbeat_enabled``) lives in a private module; using it
+    keeps our answer the one Optuna acts on (``study.ask`` warns, ``fail_stale_trials`` runs)."""
+    return is_heartbeat_enabled(storage_of(study))
+
+
+def heartbeat_grace_seconds(study: optuna.Study) -> int:
+    """Silence after which a RUNNING trial of a heartbeat-enabled study counts as stale.
+
+    Optuna wraps an ``RDBStorage`` in ``_CachedStorage``, which forwards the heartbeat interval
+    (``get_heartbeat_interval``) but not the grace period; the ``RDBStorage`` it wraps has both
+    as public attributes. ``None`` as grace period means twice the interval (RDBStorage's rule)."""
+    storage = storage_of(study)
+    rdb = getattr(storage, "_backend", storage)
+    return rdb.grace_period or 2 * rdb.heartbeat_interval
+
+
+def stale_trial_ids(study: optuna.Study) -> list[int]:
+    """Storage ids of the study's RUNNING trials whose heartbeat is older than the grace period.
+
+    The public ``optuna.storages.fail_stale_trials`` fails them and runs the stale-trial
+    callback in one go, and returns nothing: sweeps must record why each trial failed (and that
+    it was not the trial's fault) before the callback copies the trial into its retry, and must
+    know which trials this process failed. Only heartbeat-enabled storages answer."""
+    return storage_of(study)._get_stale_trial_ids(study._study_id)

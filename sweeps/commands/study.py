@@ -1,0 +1,163 @@
+"""The commands that run a study and look after it: ``validate``, ``run``, ``worker``,
+``status``, ``sync-tracking`` and ``repair-journal``.
+
+Every command that takes a spec validates it first; a bad spec exits with code 2 and creates
+nothing. The heavy imports (backends, MLflow, the dashboards) happen inside the handlers, so
+``--help`` and a bad spec stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
+
+STATUS_FORMATS = ("table", "csv", "json")
+
+
+# ---- validate -------------------------------------------------------------------------------
+def _validate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", nargs="+", help="study spec YAML file(s)")
+
+
+def cmd_validate(a: argparse.Namespace) -> int:
+    from sweeps.errors import SpecError
+
+    code = 0
+    for path in a.spec:
+        try:
+            spec = load_spec_file(path)
+        except SpecError as exc:  # report it and go on: every file named gets its verdict
+            err_console.print(str(exc), markup=False, highlight=False)
+            code = 2
+            continue
+        console.print(f"{path}: ok (study {spec.name!r}, {len(spec.search)} searched parameters, "
+                      f"backend {spec.backend}, {spec.budget.n_trials} trials)", markup=False, highlight=False)
+    return code
+
+
+# ---- run / worker ---------------------------------------------------------------------------
+def _run_args(p: argparse.ArgumentParser) -> None:
+    spec_argument(p)
+    p.add_argument("--fresh", action="store_true", help="start a new version of the study; keep the old one")
+    p.add_argument("--quiet", action="store_true", help="plain line output instead of the live view")
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from core.faults import pause_here
+    from sweeps.backends import get_backend
+
+    spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
+    pause_here("spec_read")  # tests edit the file here: nothing may read it again
+    result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet)
+    return result.exit_code
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="study spec YAML file whose storage is a shared RDB URL (postgresql://...)")
+    p.add_argument("--slot", type=int, default=None, help="the worker's slot, tagged on its trial runs (default: from the pid)")
+    p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                   help="how long to wait for `sweeps run SPEC` to create the study and its MLflow parent run "
+                        "when the worker starts first (default: 600; 0: fail at once)")
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    from sweeps.backends.optuna_worker import run_worker
+    from sweeps.errors import StudyStateError
+
+    spec = load_spec_file(a.spec)
+    if spec.backend != "optuna":
+        raise StudyStateError(f"{a.spec}: backend: {spec.backend!r}; workers join Optuna studies. For Ray, "
+                              "start Ray nodes with `ray start --address ...` instead")
+    if not spec.is_rdb_storage():
+        raise StudyStateError(f"{a.spec}: storage: {spec.storage_url()!r} is a local journal file; workers on "
+                              "several machines need a shared RDB URL such as postgresql://user@host/db")
+    slot = a.slot if a.slot is not None else os.getpid() % 10_000
+    return run_worker(spec, worker_index=slot, wait_s=a.wait)
+
+
+# ---- status ----------------------------------------------------------------------------------
+def _status_args(p: argparse.ArgumentParser) -> None:
+    spec_argument(p)
+    p.add_argument("--format", choices=STATUS_FORMATS, default="table",
+                   help="table (default), or the trials table as csv or json on stdout")
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from sweeps.backends import get_backend
+
+    spec = load_spec_file(a.spec)
+    result = get_backend(spec.backend, a.spec).load(spec)
+    if a.format != "table":
+        sys.stdout.write(status_text(spec, result, a.format))
+        sys.stdout.flush()
+        return 0
+    from sweeps.live import results_table
+
+    counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(result.counts().items())) or "no trials"
+    console.print(results_table(result, title=f"study {result.name} ({result.backend}): {counts}; "
+                                              f"budget {spec.budget.n_trials}"))
+    for t in result.trials:
+        if t.state == "FAIL" and t.reason:
+            console.print(f"trial {t.number} failed: {t.reason}", markup=False, highlight=False)
+    return 0
+
+
+def status_text(spec, result, fmt: str) -> str:
+    """The study's trials as ``sweeps status --format csv|json`` prints them: the trials table of
+    :func:`dashboards.tables.trials_table` (the one the HTML report shows), completed trials best
+    first, then the rest by number. JSON is one object: study, backend, metric, direction,
+    budget, counts, best (number or null), trials (one record per row, NaN as null)."""
+    from dashboards.tables import ranked_trials, table_records, trials_table
+
+    df = ranked_trials(trials_table(result, spec.search), result.direction)
+    if fmt == "csv":
+        return df.to_csv(index=False)
+    if fmt == "json":
+        best = result.best()
+        doc = {"study": result.name, "backend": result.backend, "metric": result.metric,
+               "direction": result.direction, "budget": spec.budget.n_trials, "counts": result.counts(),
+               "best": None if best is None else best.number,
+               "trials": table_records(df)}
+        return json.dumps(doc, indent=2) + "\n"
+    raise ValueError(f"format {fmt!r} is not one of {', '.join(STATUS_FORMATS)}")
+
+
+# ---- maintenance -----------------------------------------------------------------------------
+def _sync_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--uri", required=True, help="MLflow tracking URI to send the kept points to")
+    p.add_argument("--spool", default="runs/.mlflow_spool", help="folder of kept points")
+
+
+def cmd_sync_tracking(a: argparse.Namespace) -> int:
+    from sweeps.tracking.sync import sync_spool
+
+    report = sync_spool(a.uri, a.spool)
+    console.print(report)
+    return 1 if report.get("failed") or report.get("refused") else 0
+
+
+def _repair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("journal", help="path of the journal file")
+
+
+def cmd_repair_journal(a: argparse.Namespace) -> int:
+    from sweeps.backends.journal_repair import repair_journal
+
+    console.print(repair_journal(a.journal), markup=False, highlight=False)
+    return 0
+
+
+COMMANDS = (
+    Command("validate", "check a study spec and report every problem at once", _validate_args, cmd_validate),
+    Command("run", "run (or resume) the study of a spec until its total budget is met", _run_args, cmd_run),
+    Command("worker", "join a study on shared RDB storage and run its trials until the total budget is met",
+            _worker_args, cmd_worker),
+    Command("status", "a table of the study's trials, the best marked", _status_args, cmd_status),
+    Command("sync-tracking", "send metrics kept locally while the MLflow server was unreachable", _sync_args,
+            cmd_sync_tracking),
+    Command("repair-journal", "keep the intact records of a damaged Optuna journal file (a backup is kept)",
+            _repair_args, cmd_repair_journal),
+)
