@@ -389,8 +389,7 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
     else:
         console.print(f"reusing version {existing.version} of {name} (made from run {cand.run_id})",
                       markup=False, highlight=False)
-    # LAST: a crash before this keeps the old holder.
-    reader.registry.set_registered_model_alias(name, alias, existing.version)
+    reader.registry.set_registered_model_alias(name, alias, existing.version)  # LAST: a crash keeps the holder
     console.print(f"{where} -> version {existing.version} (trial {cand.number} of study {result.name}, "
                   f"{metric}={cand.value:.6g}, run {cand.run_id})\nload it with: "
                   f"mlflow.pyfunc.load_model('models:/{where}') (MLFLOW_TRACKING_URI={uri})",
