@@ -7,7 +7,8 @@ has E*S scheduler steps in total.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 import torch
 from torch import nn

@@ -196,7 +196,7 @@ class StepReader:
 
     def _report(self, done: PendingStep) -> Decision:
         """Add a read step to the epoch's sums and report it; every rank gets rank 0's decision."""
-        group_loss = sum(v * n for v, n in zip(done.loss_values, done.sizes))
+        group_loss = sum(v * n for v, n in zip(done.loss_values, done.sizes, strict=True))
         group_n = sum(done.sizes)
         self.loss_sum, self.grad_norm = self.loss_sum + group_loss, done.norm_value
         if self.ctx.enabled:  # the step loss over the global batch, not rank 0's shard

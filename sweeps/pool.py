@@ -34,7 +34,7 @@ def visible_gpu_count() -> int:
     try:
         # device_count() does not create a CUDA context, so forking workers later is safe.
         return int(torch.cuda.device_count())
-    except Exception:  # a broken driver means no usable CUDA, not a crash at planning time
+    except Exception:  # noqa: BLE001 - a broken driver means no usable CUDA, not a crash at planning time
         return 0
 
 

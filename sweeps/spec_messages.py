@@ -85,7 +85,7 @@ def _walk(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None
             clean.append(item)
             field = ann.model_fields.get(item) if isinstance(item, str) else None
             ann = field.annotation if field else None
-        elif get_origin(ann) is Union and item in _PARAM_MODELS:
+        elif get_origin(ann) in (Union, types.UnionType) and item in _PARAM_MODELS:
             ann = _PARAM_MODELS[item]  # the discriminator tag pydantic adds: not a spec key
         elif get_origin(ann) is dict:
             clean.append(item)

@@ -49,7 +49,7 @@ def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: Tracker, 
         path = Path(tmp) / "lr_finder.json"
         path.write_text(json.dumps({**result.to_dict(), **summary}))
         tracker.log_artifact(parent, path, layout.ART_LR_FINDER_DIR)
-    for i, (lr, loss) in enumerate(zip(result.lrs, result.smoothed)):
+    for i, (lr, loss) in enumerate(zip(result.lrs, result.smoothed, strict=True)):
         tracker.log_metrics(parent, {"lr_finder/lr": lr, "lr_finder/smoothed_loss": loss}, i)
     tracker.log_metrics(parent, {"lr_finder/suggestion": result.suggestion}, 0)
     tracker.flush(parent)

@@ -12,8 +12,9 @@ forever, at 100% CPU (the failing stat skips both its sleep and its grace period
   flock and still finding the ``.lock`` link means its owner died mid-append, and the link is
   removed. The link itself is still taken, so a plain Optuna process appending to the same
   journal waits for us (the reverse does not hold: a sweeps journal is written by sweeps
-  processes; a plain Optuna writer's link could be taken for a dead one's). Waiting for a live holder is bounded (``SWEEPS_JOURNAL_LOCK_WAIT_S``)
-  and ends in an error that names the lock, the holder's pid and what to do;
+  processes; a plain Optuna writer's link could be taken for a dead one's). Waiting for a live
+  holder is bounded (``SWEEPS_JOURNAL_LOCK_WAIT_S``) and ends in an error that names the lock,
+  the holder's pid and what to do;
 - every append first cuts a torn last record left by a writer that died (under the lock no
   one else is mid-append), so the next record never glues onto it;
 - :func:`open_journal` refuses a journal with a corrupt record inside (Optuna would raise a

@@ -12,8 +12,6 @@ methods) with them.
 """
 from __future__ import annotations
 
-from typing import Union
-
 import optuna
 from optuna.storages import BaseStorage
 from optuna.storages._heartbeat import is_heartbeat_enabled
@@ -28,7 +26,7 @@ OPTUNA_CHECKED = "5.1.0"  # the Optuna version every function below was read aga
 # lock class, not the name of its link.
 JOURNAL_LOCK_SUFFIX: str = LOCK_FILE_SUFFIX
 
-AnyTrial = Union[optuna.Trial, FrozenTrial]
+AnyTrial = optuna.Trial | FrozenTrial
 
 
 def storage_of(study: optuna.Study) -> BaseStorage:

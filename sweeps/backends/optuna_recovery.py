@@ -52,7 +52,8 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
     parent = study.user_attrs.get(ATTR_PARENT_RUN)
     if not parent:
         return
-    running_ids = {t.user_attrs.get(ATTR_RUN_ID) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    running_ids = {t.user_attrs.get(ATTR_RUN_ID)
+                   for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     from sweeps.study_run import running_children
 
     for run_id in running_children(tracker, parent):

@@ -16,9 +16,9 @@ import os
 import re
 import uuid
 import warnings
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
 
 import optuna
 from optuna.storages import RDBStorage

@@ -29,8 +29,14 @@ from sweeps import search_space as ss
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
 from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise
-from sweeps.backends.ray_trainable import (TAG_RAY_TRIAL_ID, TrialContext, TrialNamer, ended_for_good, make_trainable,
-                                           trial_dirname)
+from sweeps.backends.ray_trainable import (
+    TAG_RAY_TRIAL_ID,
+    TrialContext,
+    TrialNamer,
+    ended_for_good,
+    make_trainable,
+    trial_dirname,
+)
 from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec

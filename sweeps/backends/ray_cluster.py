@@ -121,7 +121,7 @@ class Interrupts:
         self._old: dict = {}
         self._threads: list[threading.Thread] = []
 
-    def __enter__(self) -> "Interrupts":
+    def __enter__(self) -> Interrupts:
         if threading.current_thread() is not threading.main_thread():
             return self  # signals need the main thread; a timeout is then not enforced
         self._old = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda *_: None),

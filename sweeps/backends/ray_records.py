@@ -18,13 +18,22 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.backends.ray_trainable import (
+    R_DONE,
+    R_NUMBER,
+    R_REASON,
+    R_RUN_ID,
+    R_STATE,
+    R_VALUE,
+    TAG_RAY_TRIAL_ID,
+    number_of,
+)
 from sweeps.backends.run_lock import run_lock_held
-from sweeps.backends.ray_trainable import (R_DONE, R_NUMBER, R_REASON, R_RUN_ID, R_STATE, R_VALUE,
-                                           TAG_RAY_TRIAL_ID, number_of)
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 

@@ -60,8 +60,13 @@ def make_search(spec: StudySpec, workers: int) -> tuple[Any, dict, int, int]:
 
 
 def make_scheduler(spec: StudySpec):
-    from ray.tune.schedulers import (ASHAScheduler, FIFOScheduler, HyperBandScheduler, MedianStoppingRule,
-                                     PopulationBasedTraining)
+    from ray.tune.schedulers import (
+        ASHAScheduler,
+        FIFOScheduler,
+        HyperBandScheduler,
+        MedianStoppingRule,
+        PopulationBasedTraining,
+    )
 
     p, metric, mode = spec.pruner, spec.objective.metric, _mode(spec)
     epochs = int(spec.resolved_train_config().epochs)

@@ -11,8 +11,7 @@ import time
 import pytest
 
 from sweeps.errors import TrackingError, UnsafeNameError
-from sweeps.tracking import MlflowTracker, RunHandle, Tracker
-from sweeps.tracking import layout
+from sweeps.tracking import MlflowTracker, RunHandle, Tracker, layout
 from sweeps.tracking.mlflow_tracker import MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH, sanitize_key
 
 from .conftest import CountingClient, pick_free_port
