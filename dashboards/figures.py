@@ -192,7 +192,7 @@ def learning_curves(t: StudyTables, metric: str | None = None) -> go.Figure:
         is_best = number == best_number
         style = dict(color=STATE_COLORS.get(state, "#7f7f7f"), width=1.5)
         opacity = 0.85
-        marker = dict(size=5)
+        marker: dict[str, int | str] = dict(size=5)
         if state == "PRUNED":  # the cross marks where it was stopped (a trial pruned after 1 epoch is one point)
             style.update(dash="dash")
             opacity = 0.55

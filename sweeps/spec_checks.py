@@ -69,7 +69,8 @@ def _valid_sections(data: dict[str, Any]) -> dict[str, Any]:
             out[key] = params
             continue
         try:
-            out[key] = _adapter(field.annotation).validate_python(data[key])
+            # A field's annotation (a type or typing form) is hashable; typeshed's lru_cache wants Hashable.
+            out[key] = _adapter(field.annotation).validate_python(data[key])  # type: ignore[arg-type]
         except ValidationError:
             out[key] = None
     return out
@@ -230,7 +231,7 @@ def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Prob
     limit = {"median": "warmup_epochs", "percentile": "warmup_epochs", "asha": "min_resource",
              "hyperband": "min_resource", "pbt": "perturbation_interval"}.get(pruner.name)
     # Only a value the user chose: the defaults (1 epoch) merely make pruning a no-op on tiny runs.
-    if limit in used and getattr(pruner, limit) != PrunerSection.model_fields[limit].default \
+    if limit is not None and limit in used and getattr(pruner, limit) != PrunerSection.model_fields[limit].default \
             and getattr(pruner, limit) >= cfg.epochs:
         out.append((("pruner", limit), f"{getattr(pruner, limit)} is not below train.epochs = {cfg.epochs}, so the "
                                        f"pruner could never act; lower it, raise epochs, or use pruner: none"))

@@ -17,6 +17,7 @@ import optuna
 from core.lr_finder import lr_range_test
 from sweeps.backends import optuna_study
 from sweeps.objective import trial_config
+from sweeps.search_space import CategoricalParam
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, Tracker
@@ -38,6 +39,7 @@ def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: Tracker, 
                "steps": result.steps, "epochs_cost": result.epochs_cost, "narrowed": None}
     if lf.narrow_search and "lr" in spec.search:
         p = spec.search["lr"]
+        assert not isinstance(p, CategoricalParam)  # spec validation: narrow_search needs a float lr
         narrowed = lf.narrowed_range(result.suggestion, p.low, p.high)
         if narrowed is None:
             log.warning("lr_finder: suggestion %.3g is outside search.lr [%g, %g]; the range is kept",

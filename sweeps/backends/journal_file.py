@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
@@ -74,7 +74,7 @@ class JournalLock(JournalFileSymlinkLock):
         self.journal = Path(os.path.abspath(journal))
         self.link = Path(f"{self.journal}{LINK_SUFFIX}")
         self.flock_path = Path(f"{self.journal}{FLOCK_SUFFIX}")
-        self._fh = None
+        self._fh: IO[str] | None = None
 
     def acquire(self) -> bool:
         fh = open(self.flock_path, "a+")

@@ -76,4 +76,5 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     if requeue:
         StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
     elif frozen.user_attrs.get(ATTR_RUN_ID) and (tracker is not None or tracking_uri):
-        _close_run(tracker or StaleTrialCallback(tracking_uri)._get_tracker(), frozen.user_attrs[ATTR_RUN_ID], reason)
+        _close_run(tracker or StaleTrialCallback(tracking_uri or "")._get_tracker(), frozen.user_attrs[ATTR_RUN_ID],
+                   reason)
