@@ -109,14 +109,18 @@ def run(ctx: Context) -> dict:
     if check is None and bench is None:
         return {"status": "skipped", "target": "none (reported)",
                 "summary": "GPU section: no CUDA device here and no stored GPU results (results/gpu_*.json)",
-                "rows": [], "notes": ["Run `python benchmarks/gpu_check.py` and `python benchmarks/gpu_bench.py` on a GPU machine."]}
+                "rows": [], "notes": ["Run `python benchmarks/gpu_check.py` and `python benchmarks/gpu_bench.py` "
+                                      "on a GPU machine."]}
     rows = (check_rows(check) if check else []) + (bench_rows(bench) if bench else [])
     where = _where(check, bench)
-    origin = "measured in this run" if measured_here else "NOT measured in this run (no CUDA here): the last GPU run's results"
+    origin = ("measured in this run" if measured_here
+              else "NOT measured in this run (no CUDA here): the last GPU run's results")
     passed = check.get("passed") if check else None
     return {
-        "target": "gpu_check's own checks pass (bf16/fp16 loss parity with fp32, few skipped fp16 steps, exact resume, ONNX)",
-        "summary": f"GPU section ({origin}; {where}): gpu_check {'passed' if passed else 'FAILED' if check else 'absent'}; "
+        "target": "gpu_check's own checks pass (bf16/fp16 loss parity with fp32, few skipped fp16 steps, "
+                  "exact resume, ONNX)",
+        "summary": f"GPU section ({origin}; {where}): "
+                   f"gpu_check {'passed' if passed else 'FAILED' if check else 'absent'}; "
                    + "; ".join(r["headline"].split(" (")[0] for r in rows if r["case"].startswith("gpu_bench")),
         "rows": rows,
         "notes": [f"Origin: {origin}; machine: {where}.",

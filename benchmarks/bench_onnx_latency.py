@@ -34,6 +34,17 @@ def _block_ms(fn, calls: int) -> float:
     return statistics.median(times)
 
 
+def _torch_block_ms(model, x, calls: int) -> float:
+    import torch
+
+    with torch.inference_mode():
+        return _block_ms(lambda: model(x), calls)
+
+
+def _ort_block_ms(session, arr, calls: int) -> float:
+    return _block_ms(lambda: session.run(["logits"], {"input": arr}), calls)
+
+
 def run(ctx: Context) -> dict:
     import onnxruntime as ort
     import torch
@@ -68,20 +79,11 @@ def run(ctx: Context) -> dict:
             x = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(1))
             arr = x.numpy()
             calls = ctx.pick(3, (10 if batch > 1 else 30) if heavy else (30 if batch > 1 else 200))
-
-            def torch_block():
-                with torch.inference_mode():
-                    return _block_ms(lambda: model(x), calls)
-
-            def ort_block():
-                return _block_ms(lambda: session.run(["logits"], {"input": arr}), calls)
-
             # First calls allocate and pick kernels; they also time one call of each side, so that a
             # round (a block of each) is sized to fit in what is left of the time budget.
             t_warm = time.perf_counter()
-            with torch.inference_mode():
-                _block_ms(lambda: model(x), 2)
-            _block_ms(lambda: session.run(["logits"], {"input": arr}), 2)
+            _torch_block_ms(model, x, 2)
+            _ort_block_ms(session, arr, 2)
             per_pair_s = (time.perf_counter() - t_warm) / 2
             share = ctx.time_left() / (4 * (len(batches) * (len(models) - models.index(model_name))))
             if calls * per_pair_s > share:
@@ -97,7 +99,7 @@ def run(ctx: Context) -> dict:
                                                                        f"{r - warmup + 1}-{repeats}"):
                     break
                 t_round = time.perf_counter()
-                t_ms, o_ms = torch_block(), ort_block()
+                t_ms, o_ms = _torch_block_ms(model, x, calls), _ort_block_ms(session, arr, calls)
                 last = time.perf_counter() - t_round
                 if r >= warmup:
                     vals["torch"].append(t_ms)
@@ -109,7 +111,8 @@ def run(ctx: Context) -> dict:
                 f"{model_name} batch {batch}", metric="ms per forward (median of a block)",
                 baseline=arm("PyTorch eager", vals["torch"]), candidate=arm("onnxruntime CPU", vals["ort"]),
                 ratio=ratio,
-                headline=f"ORT {statistics.median(vals['ort']):.3f} ms vs torch {statistics.median(vals['torch']):.3f} ms "
+                headline=f"ORT {statistics.median(vals['ort']):.3f} ms "
+                         f"vs torch {statistics.median(vals['torch']):.3f} ms "
                          f"({ratio['median']:.2f}x {'faster' if ratio['median'] >= 1 else 'as fast'})",
                 details={"calls_per_block": calls, "threads": threads, "export": exports[model_name]}))
             ctx.keep(rows)

@@ -76,7 +76,7 @@ def run(ctx: Context) -> dict:
                             f"steady {out['steady_tpm']:.1f} trials/min, end to end {out['e2e_tpm']:.1f}, "
                             f"wall {out['wall_s']:.1f} s"))
         last = time.monotonic() - t_round
-    pairs = [(a, b) for a, b in zip(runs[1], runs[2]) if "error" not in a and "error" not in b]
+    pairs = [(a, b) for a, b in zip(runs[1], runs[2], strict=True) if "error" not in a and "error" not in b]
     if not pairs:
         err = next((r["error"] for w in (1, 2) for r in runs[w] if "error" in r), "no run finished")
         rows = [error_row("2 workers vs 1", err, target=f">= {TARGET}x", details={"runs": runs})]

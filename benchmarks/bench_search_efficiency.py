@@ -160,8 +160,8 @@ def run(ctx: Context) -> dict:
         rows = errors
     else:
         head = arm_row("all seeds ({n})", own_label, per_seed, OWN, judged=True)
-        others = [arm_row("compared, all seeds ({n})", labels[k], per_seed, k, judged=False)
-                  for k in compared if any(k in v for v in per_seed.values())]
+        shown = [k for k in compared if any(k in v for v in per_seed.values())]
+        others = [arm_row("compared, all seeds ({n})", labels[k], per_seed, k, judged=False) for k in shown]
         per_seed_rows = [arm_row(f"seed {s}", own_label, {s: v}, OWN, judged=True)
                          for s, v in judged.items() if "error" not in v[OWN] and "error" not in v[NONE]]
         rows = [head, *others, *per_seed_rows, *errors]
@@ -171,7 +171,7 @@ def run(ctx: Context) -> dict:
                    f"(target <= {EPOCH_FRACTION}x, <= {100 * ACC_TOL:.1f} points)")
         summary += "".join(f"; {labels[k]}: {r['details']['epochs_ratio_total']:.2f}x, gap "
                            f"{100 * statistics.median(r['details']['accuracy_gaps']):+.2f}"
-                           for k, r in zip(compared, others))
+                           for k, r in zip(shown, others, strict=True))
     return {
         "target": f"same best val_acc within {100 * ACC_TOL:.1f} points using <= {EPOCH_FRACTION:.0%} of the epochs",
         "summary": summary, "rows": rows,

@@ -248,7 +248,7 @@ def run(ctx: Context) -> dict:
     overhead = paired_ratio(on_t, off_t, "tracked wall / untracked wall (per round)")
     cpu_ratio = paired_ratio(cpu["tracked"][warmup:], cpu["off"][warmup:],
                              "tracked trainer-process CPU s / untracked CPU s (per round)")
-    direct = paired_ratio([i + o for i, o in zip(inside[warmup:], off_t)], off_t,
+    direct = paired_ratio([i + o for i, o in zip(inside[warmup:], off_t, strict=True)], off_t,
                           "(untracked wall + time inside tracking calls) / untracked wall")
     mine = [c for c in checks if c["arm"] == "tracked"]
     complete = all(c["found"] == c["expected"] for c in mine)

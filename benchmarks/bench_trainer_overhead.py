@@ -162,9 +162,9 @@ def breakdown(task, cfg, store, ctx: Context) -> dict:
 
     from core.data import make_train_loader
     from core.distributed import DistContext
+    from core.gradients import StepGradients
     from core.optim import build_optimizer, current_lr, param_groups
     from core.precision import Precision
-    from core.gradients import StepGradients
 
     torch.manual_seed(0)
     model = task.build_model()
@@ -213,7 +213,8 @@ def breakdown(task, cfg, store, ctx: Context) -> dict:
         "grad norm: StepGradients.norm() (pooled small gradients + per-tensor large ones)":
             _time_per_call(lambda: float(grads.norm()), norm_calls, blocks),
         "optimizer step: SGD's fused kernel (core on CPU) instead of the default (hand loop)":
-            _time_per_call(core_optimizer.step, norm_calls, blocks) - _time_per_call(optimizer.step, norm_calls, blocks),
+            _time_per_call(core_optimizer.step, norm_calls, blocks)
+            - _time_per_call(optimizer.step, norm_calls, blocks),
         "reporter.report_step (TrialReporter -> MlflowTracker buffer)":
             _time_per_call(lambda: reporter.report_step(next(counter), metrics), cheap_calls, blocks),
         "loop bookkeeping: x/y .to(device), autocast ctx, loss / group_size, unscale_, current_lr":

@@ -37,9 +37,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -136,12 +137,12 @@ def stats(values: Iterable[float]) -> dict:
 def paired_ratio(numerators: Sequence[float], denominators: Sequence[float], definition: str) -> dict:
     """Stats of the per-pair ratios ``numerators[i] / denominators[i]`` (pairs from one ABAB round,
     so slow drift of the machine cancels inside each ratio)."""
-    ratios = [n / d for n, d in zip(numerators, denominators) if d]
+    ratios = [n / d for n, d in zip(numerators, denominators, strict=True) if d]
     return {**stats(ratios), "definition": definition}
 
 
 def alternate(arms: Mapping[str, Callable[[], float]], repeats: int, warmup: int = 1,
-              log: Callable[[str], None] | None = None, ctx: "Context | None" = None,
+              log: Callable[[str], None] | None = None, ctx: Context | None = None,
               what: str = "rounds", budget_s: float | None = None) -> dict[str, list[float]]:
     """Run the arms round-robin (A B A B ... or A B C A B C ...) ``warmup + repeats`` times and
     return each arm's measured values (the first ``warmup`` rounds are discarded). With a ``ctx``
@@ -253,7 +254,7 @@ def machine_info() -> dict:
         "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "cpus_usable": affinity,
         "ram_gib": _ram_gib(), "platform": platform.platform(), "hostname": platform.node(),
         "torch_threads": threads, "cuda_available": cuda, "versions": package_versions(),
-        "git_commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -314,7 +315,7 @@ def new_result(name: str, title: str, ctx: Context) -> dict:
 def execute(name: str, title: str, run: Callable[[Context], dict], ctx: Context) -> dict:
     """Run one benchmark and return its result; never raises (an exception becomes status "error")."""
     result = new_result(name, title, ctx)
-    result["started_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    result["started_at"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     result["machine"] = machine_info()
     monitor = CpuMonitor()
     t0 = time.perf_counter()
@@ -327,7 +328,8 @@ def execute(name: str, title: str, run: Callable[[Context], dict], ctx: Context)
             result["status"] = "partial"
     except Exception as exc:  # noqa: BLE001 - a benchmark reports, it never takes the suite down
         result.update(status="error", error=traceback.format_exc()[-4000:],
-                      summary=f"{title}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+                      summary=f"{title}: failed "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     result["load"] = monitor.result()
     return result
@@ -339,7 +341,7 @@ def interim_result(name: str, title: str, ctx: Context, rows: list[dict]) -> dic
     result = new_result(name, title, ctx)
     result.update(status="partial", machine=machine_info(), rows=rows,
                   started_at=_dt.datetime.fromtimestamp(time.time() - (time.monotonic() - ctx.t_start),
-                                                        _dt.timezone.utc).isoformat(timespec="seconds"),
+                                                        _dt.UTC).isoformat(timespec="seconds"),
                   error="stopped before it finished; the rows it had measured are kept",
                   summary=f"{title}: stopped before it finished; measured: "
                           + "; ".join(f"{r['case']}: {r.get('headline', '')}" for r in rows),

@@ -212,13 +212,14 @@ def section_dataloader(size: dict, on_gpu: bool, sampler: UtilSampler) -> dict:
                     continue
                 rows.append({"num_workers": workers, "pin_memory": pin,
                              "samples_per_s": hist[-1]["samples_per_s"],
-                             "gpu_util_pct": sampler.mean(clock.ends[0], clock.ends[-1]) if len(clock.ends) > 1 else None})
+                             "gpu_util_pct": (sampler.mean(clock.ends[0], clock.ends[-1]) if len(clock.ends) > 1
+                                              else None)})
     done = [r for r in rows if "samples_per_s" in r]
     base = next((r for r in done if r["num_workers"] == 0 and not r["pin_memory"]), None)
     for r in done:
         r["speedup_vs_0_workers_unpinned"] = r["samples_per_s"] / base["samples_per_s"] if base else None
-    return {"what": f"imagefolder PNG {size['image_px']}px -> RandomResizedCrop {size['image_size']} + flip, ResNet-18, "
-                    f"batch {size['img_batch']}, epoch 2 of 2", "rows": rows}
+    return {"what": f"imagefolder PNG {size['image_px']}px -> RandomResizedCrop {size['image_size']} + flip, "
+                    f"ResNet-18, batch {size['img_batch']}, epoch 2 of 2", "rows": rows}
 
 
 def trial_worker(args_json: str) -> int:
@@ -241,7 +242,7 @@ def section_trials_per_gpu(size: dict, on_gpu: bool, sampler: UtilSampler) -> di
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
         outs = [p.communicate(timeout=300) for p in procs]
         t1 = time.perf_counter()
-        for p, (_, err) in zip(procs, outs):
+        for p, (_, err) in zip(procs, outs, strict=True):
             if p.returncode != 0:
                 raise RuntimeError(f"a trial process exited {p.returncode}: {err.strip()[-800:]}")
         per = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]

@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-skipped-frac", type=float, default=0.10,
                    help="allowed fraction of fp16 steps skipped for overflow (default 0.10)")
     p.add_argument("--run-timeout", type=int, default=240, help="seconds per training run before it is stopped")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/gpu_check[.dry_run].json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default: benchmarks/results/gpu_check[.dry_run].json)")
     p.add_argument("--resume-check", action="store_true", help=argparse.SUPPRESS)  # the subprocess below
     return p.parse_args(argv)
 
@@ -197,7 +198,8 @@ def check(rows: dict[str, dict], args: argparse.Namespace) -> tuple[list[dict], 
         else:
             checks.append({"check": "stop after epoch 1 + resume == 2 epochs straight, bit for bit",
                            "passed": bool(resume["bitwise_equal"]),
-                           "detail": f"{resume['tensors']} tensors, differing: {resume['tensors_differing'] or 'none'}; "
+                           "detail": f"{resume['tensors']} tensors, "
+                                     f"differing: {resume['tensors_differing'] or 'none'}; "
                                      f"steps {resume['resumed_steps']} vs {resume['straight_steps']}"})
             checks.append({"check": "ONNX export of the device-trained model verified by onnxruntime",
                            "passed": resume["onnx_passed"], "detail": f"max abs diff {resume['onnx_max_abs_diff']}"})
@@ -211,7 +213,8 @@ def environment(on_gpu: bool, nproc: int) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
            "cuda_available": torch.cuda.is_available(), "nproc": nproc}
     if on_gpu:
-        env.update(cuda=torch.version.cuda, devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        env.update(cuda=torch.version.cuda,
+                   devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                    bf16_supported=torch.cuda.is_bf16_supported())
         try:
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -228,7 +231,8 @@ def table(rows: dict[str, dict], checks: list[dict], ratios: dict) -> str:
             continue
         if r["status"] in ("completed", "pruned", "interrupted"):
             lines.append(f"| {name} | {r['nproc']} | {r['backend']} | {r['status']} | {r['final_train_loss']:.4f} | "
-                         f"{r['final_val_acc']:.3f} | {r['samples_per_s']:.0f} | {r['skipped_steps']} | {r['peak_mem_mb']:.0f} |")
+                         f"{r['final_val_acc']:.3f} | {r['samples_per_s']:.0f} | {r['skipped_steps']} | "
+                         f"{r['peak_mem_mb']:.0f} |")
         else:
             lines.append(f"| {name} | {r['nproc']} | {r['backend']} | {r['status']} | {r.get('error', '')} | | | | |")
     lines += ["", "| check | result | detail |", "|---|---|---|"]

@@ -12,6 +12,7 @@ of the other side's).
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -102,7 +103,7 @@ class StepClock:
         return self.inner.log_artifact(path, kind)
 
     def intervals(self, which: int = 0) -> list[float]:
-        return [b[which] - a[which] for epoch in self.stamps for a, b in zip(epoch, epoch[1:])]
+        return [b[which] - a[which] for epoch in self.stamps for a, b in itertools.pairwise(epoch)]
 
 
 class Lockstep:

@@ -22,8 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (RESULTS_DIR, RESULTS_MD, ROOT, SHARED_THRESHOLD_CORES, CpuMonitor, fmt_stats,
-                               machine_info, new_result, Context, write_result)
+from benchmarks.common import (
+    RESULTS_DIR,
+    RESULTS_MD,
+    ROOT,
+    SHARED_THRESHOLD_CORES,
+    Context,
+    CpuMonitor,
+    fmt_stats,
+    machine_info,
+    new_result,
+    write_result,
+)
 
 # name -> (section number, planned seconds in the full suite on 2 idle cores, time limit with --quick)
 BENCHMARKS: dict[str, tuple[int, int, int]] = {
@@ -177,7 +187,8 @@ def render(results: list[dict], suite: dict | None) -> str:
     else:
         lines.append(f"- Date: {min((r.get('started_at') or '') for r in results)} (UTC)")
     lines += ["", "## Headline", ""]
-    lines.append("| # | benchmark | case | baseline | candidate | ratio: median [min, max] (n) | result | target | met |")
+    lines.append("| # | benchmark | case | baseline | candidate | ratio: median [min, max] (n) | result | target "
+                 "| met |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         num = {**BENCHMARKS, **OPTIONAL}.get(r["name"], (0,))[0]

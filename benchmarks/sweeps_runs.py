@@ -10,10 +10,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from benchmarks.common import ROOT
+
 
 def sweeps_env(**extra: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
@@ -25,7 +27,8 @@ def sweeps_env(**extra: str) -> dict:
 def tiny_spec(name: str, **overrides: Any) -> dict:
     """The tests' tiny digits-MLP study (tests/sweeps/study_helpers.py), one epoch per
     trial and no checkpoints: well under a second of training per trial on 2 cores."""
-    from tests.sweeps.study_helpers import tiny_spec as test_study, with_overrides
+    from tests.sweeps.study_helpers import tiny_spec as test_study
+    from tests.sweeps.study_helpers import with_overrides
 
     spec = test_study(name, description="benchmark study", train={"epochs": 1, "save_checkpoints": False})
     return with_overrides(spec, **overrides)

@@ -12,7 +12,7 @@ import tempfile
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -146,7 +146,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module under DDP and torch.compile wrappers."""
     while True:
         if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+            model = cast(torch.nn.Module, model._orig_mod)  # torch.compile's wrapper keeps the module there
         elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
         else:

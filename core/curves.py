@@ -28,9 +28,9 @@ class StepLog:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The log as one tensor per column, for the checkpoint."""
-        columns = list(zip(*self._rows)) if self._rows else [()] * (1 + len(STEP_METRICS))
+        columns = list(zip(*self._rows, strict=True)) if self._rows else [()] * (1 + len(STEP_METRICS))
         out = {"step": torch.tensor(columns[0], dtype=torch.int64)}
-        out.update({k: torch.tensor(c, dtype=torch.float64) for k, c in zip(STEP_METRICS, columns[1:])})
+        out.update({k: torch.tensor(c, dtype=torch.float64) for k, c in zip(STEP_METRICS, columns[1:], strict=True)})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
@@ -38,11 +38,11 @@ class StepLog:
         if not state:
             self._rows = []
             return
-        self._rows = list(zip(state["step"].tolist(), *[state[k].tolist() for k in STEP_METRICS]))
+        self._rows = list(zip(state["step"].tolist(), *[state[k].tolist() for k in STEP_METRICS], strict=True))
 
     def reports(self) -> list[StepReport]:
         """The steps as ``report_step`` received them."""
-        return [(row[0], dict(zip(STEP_METRICS, row[1:]))) for row in self._rows]
+        return [(row[0], dict(zip(STEP_METRICS, row[1:], strict=True))) for row in self._rows]
 
 
 def epoch_reports(history: list[dict]) -> list[EpochReport]:

@@ -281,7 +281,7 @@ def _raise_failure(ranks: list[_Rank], fallback: tuple[int, str] | None = None) 
     causes = [r for r in failed if not r.peer_lost] or failed
     if causes:
         cause = causes[0]
-        raise RankFailedError(cause.rank, cause.error, failures, _tail(cause.details))
+        raise RankFailedError(cause.rank, failures[cause.rank], failures, _tail(cause.details))
     assert fallback is not None
     raise RankFailedError(fallback[0], fallback[1], failures)
 

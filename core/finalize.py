@@ -46,7 +46,7 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
 
     if not cfg.export_onnx:
         return
-    n = min(ONNX_SAMPLES, len(val_ds))
+    n = min(ONNX_SAMPLES, len(val_ds))  # type: ignore[arg-type]  # map-style: has a len
     sample = torch.stack([val_ds[i][0] for i in range(n)])
     report_path = out / "onnx_parity.json"
     try:

@@ -12,8 +12,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 # Mode for a file that did not exist before; an existing file keeps its own mode. mkstemp
 # creates 0600 files, which would hide reports from a dashboard running as another user.

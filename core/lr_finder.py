@@ -62,7 +62,7 @@ def lr_range_test(task: Task, cfg: TrainConfig, start_lr: float = 1e-7, end_lr: 
 
     optimizer = build_optimizer(param_groups(model, cfg, task.backbone(model)), cfg)
     base = [g["lr"] for g in optimizer.param_groups]
-    for g, b in zip(optimizer.param_groups, base):
+    for g, b in zip(optimizer.param_groups, base, strict=True):
         g["lr"] = start_lr * b / cfg.lr  # keep the groups' ratios (backbone multiplier)
     ratio = end_lr / start_lr
     ramp = LambdaLR(optimizer, lambda i: ratio ** (i / max(num_steps - 1, 1)))

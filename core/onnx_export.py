@@ -171,7 +171,7 @@ def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | Non
                 verbose=False, artifacts_dir=str(dest.parent),
             )
         return
-    except Exception as dynamo_exc:  # capture failures surface as many exception types
+    except Exception as dynamo_exc:  # noqa: BLE001 - capture failures surface as many exception types
         log.warning("torch.onnx dynamo export failed (%s); retrying with the TorchScript exporter",
                     str(dynamo_exc).splitlines()[0] if str(dynamo_exc) else type(dynamo_exc).__name__)
         for leftover in dest.parent.iterdir():  # partial output or an error report
@@ -185,7 +185,7 @@ def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | Non
                     opset_version=opset, dynamo=False,
                     dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
                 )
-        except Exception as legacy_exc:
+        except Exception as legacy_exc:  # noqa: BLE001 - raised again below, with the dynamo failure
             raise RuntimeError(
                 f"ONNX export failed with both exporters: dynamo: {dynamo_exc}; torchscript: {legacy_exc}"
             ) from dynamo_exc

@@ -7,7 +7,8 @@ has E*S scheduler steps in total.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -60,10 +61,10 @@ def optimizer_steps_per_epoch(micro_batches: int, accum: int) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-                    steps_per_epoch: int) -> tuple[lr_scheduler.LRScheduler | lr_scheduler.ReduceLROnPlateau, Interval]:
+                    steps_per_epoch: int) -> tuple[lr_scheduler.LRScheduler, Interval]:
     """Return the scheduler and when the loop must step it:
     "step" after every optimizer step, "epoch" after every epoch,
-    "plateau" after validation with the monitored metric."""
+    "plateau" after validation with the monitored metric (a ReduceLROnPlateau, an LRScheduler too)."""
     total = cfg.epochs * steps_per_epoch
     max_lrs = [g["lr"] for g in optimizer.param_groups]
     if cfg.scheduler == "onecycle":

@@ -98,6 +98,7 @@ class RunCheckpoints:
         too when ``best``: everything needed to continue bitwise-identically."""
         if not self.saving:
             return
+        assert self.out is not None  # saving implies a folder
         state = {
             "model": ckpt.strip_prefixes(ckpt.unwrap_model(self.model).state_dict()),
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import cast
 
 import numpy as np
 import torch
@@ -43,7 +44,8 @@ def worker_init_fn(worker_id: int) -> None:
 
 def rng_state() -> dict:
     """All RNG states as tensors and plain lists, loadable with ``torch.load(weights_only=True)``."""
-    np_state = np.random.get_state()
+    # The legacy tuple (the default); numpy's stub types a call without arguments as the dict form.
+    np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state = {
         "python": list(random.getstate()[1]) + [random.getstate()[0]],
         "python_gauss": random.getstate()[2],

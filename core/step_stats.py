@@ -58,7 +58,7 @@ class PendingStep:
     loss_values: list[float] = field(default_factory=list)  # filled by read()
     norm_value: float = math.nan  # filled by read()
     _host: torch.Tensor | None = field(default=None, init=False, repr=False)  # staged copy
-    _ready: object = field(default=None, init=False, repr=False)  # CUDA event after the copy
+    _ready: torch.cuda.Event | None = field(default=None, init=False, repr=False)  # CUDA event after the copy
 
     def add(self, loss: torch.Tensor, size: int) -> None:
         self.losses.append(loss.detach())
@@ -88,6 +88,7 @@ class PendingStep:
             self.loss_values = [float(t) for t in self.losses]
             self.norm_value = float(self.grad_norm) if self.grad_norm is not None else math.nan
         else:
+            assert self._ready is not None  # stage() records it with the copy
             self._ready.synchronize()
             *self.loss_values, self.norm_value = self._host.tolist()
         return self.loss_values, self.norm_value
@@ -196,8 +197,8 @@ class StepReader:
 
     def _report(self, done: PendingStep) -> Decision:
         """Add a read step to the epoch's sums and report it; every rank gets rank 0's decision."""
-        group_loss = sum(v * n for v, n in zip(done.loss_values, done.sizes))
-        group_n = sum(done.sizes)
+        group_loss = sum(v * n for v, n in zip(done.loss_values, done.sizes, strict=True))
+        group_n: float = sum(done.sizes)
         self.loss_sum, self.grad_norm = self.loss_sum + group_loss, done.norm_value
         if self.ctx.enabled:  # the step loss over the global batch, not rank 0's shard
             group_loss, group_n = self.ctx.all_reduce_sum([group_loss, group_n], self.device)

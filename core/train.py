@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim import lr_scheduler
+from torch.utils.data.distributed import DistributedSampler
 
 from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
@@ -107,9 +110,10 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     # Each step's numbers are read now (lag 0) or one step later (lag 1): core/step_stats.py.
     steps = StepReader(read_lag(device, ctx.enabled), reporter, run.step_log, ctx, device,
                        check_grad=not precision.tolerates_nonfinite_grads)
+    sampler = cast(DistributedSampler, train_loader.sampler)  # make_train_loader's
     for epoch in range(run.start_epoch, cfg.epochs + 1):
         # ---- train one epoch
-        train_loader.sampler.set_epoch(epoch)  # the shuffle of epoch k depends only on (seed, k)
+        sampler.set_epoch(epoch)  # the shuffle of epoch k depends only on (seed, k)
         for p in backbone_params:  # frozen for the first `freeze_backbone_epochs` epochs
             p.requires_grad_(epoch > cfg.freeze_backbone_epochs)
         grads.attach()
@@ -130,7 +134,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             if device.type != "cpu":  # on CPU .to() returns the same tensors, at a dispatch each
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # DDP: skip the gradient all-reduce on non-final accumulation micro-steps.
-            sync = ddp_model.no_sync() if ctx.enabled and not final_micro else contextlib.nullcontext()
+            sync = (cast(nn.parallel.DistributedDataParallel, ddp_model).no_sync() if ctx.enabled and not final_micro
+                    else contextlib.nullcontext())
             with sync:
                 with precision.autocast():
                     logits, loss = _forward(fwd_model, criterion, x, y, cfg.mixup_alpha)
@@ -172,6 +177,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         if sched_interval == "epoch":
             scheduler.step()
         elif sched_interval == "plateau":
+            assert isinstance(scheduler, lr_scheduler.ReduceLROnPlateau)  # build_scheduler pairs them
             scheduler.step(metrics[cfg.monitor])
         checkpoints.save(run, epoch, best=improved)
         decision = ctx.agree(reporter.report_epoch(epoch, run.step, metrics), device)
@@ -225,7 +231,8 @@ def _wrap(model: nn.Module, cfg: TrainConfig, ctx: DistContext,
     if ctx.enabled:
         ddp_model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    fwd_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    # torch.compile of a module returns a module (OptimizedModule); its stub says any callable.
+    fwd_model = cast(nn.Module, torch.compile(ddp_model)) if cfg.compile else ddp_model
     return ddp_model, fwd_model
 
 

@@ -160,7 +160,7 @@ def param_pair(t: StudyTables) -> go.Figure:
         ytitle, yaxis = pair[1], _axis(t.param_kinds.get(pair[1], "linear"), df[pair[1]])
     symbols = ["circle" if s == "COMPLETE" else "x" for s in df["state"]]
     sizes = [16 if b else 11 for b in df["is_best"]]
-    text = [f"trial {n} ({s.lower()})" for n, s in zip(df["number"], df["state"])]
+    text = [f"trial {n} ({s.lower()})" for n, s in zip(df["number"], df["state"], strict=True)]
     fig = go.Figure(go.Scatter(
         x=x, y=y, mode="markers", text=text, customdata=df["value"],
         marker=dict(color=df["value"], colorscale="Viridis", reversescale=t.direction == "minimize", size=sizes,
@@ -192,7 +192,7 @@ def learning_curves(t: StudyTables, metric: str | None = None) -> go.Figure:
         is_best = number == best_number
         style = dict(color=STATE_COLORS.get(state, "#7f7f7f"), width=1.5)
         opacity = 0.85
-        marker = dict(size=5)
+        marker: dict[str, int | str] = dict(size=5)
         if state == "PRUNED":  # the cross marks where it was stopped (a trial pruned after 1 epoch is one point)
             style.update(dash="dash")
             opacity = 0.55

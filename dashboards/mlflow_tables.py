@@ -67,7 +67,7 @@ def curves_table(result: StudyResult, reader: TrackingReader | None = None,
             series[result.metric] = {int(k): float(v) for k, v in t.intermediate.items()}
         epochs = sorted(set().union(*series.values()))
         for epoch in epochs:
-            row = {"run_id": t.run_id, "number": t.number, "state": t.state, "epoch": epoch}
+            row: dict[str, Any] = {"run_id": t.run_id, "number": t.number, "state": t.state, "epoch": epoch}
             row.update({m: series[m].get(epoch, math.nan) for m in metrics})
             rows.append(row)
     df = pd.DataFrame(rows, columns=[*CURVE_KEYS, *metrics])

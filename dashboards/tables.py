@@ -158,7 +158,7 @@ def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -
         rebuilt = optuna.create_study(direction=result.direction, sampler=optuna.samplers.RandomSampler(seed=seed))
     finally:
         optuna.logging.set_verbosity(verbosity)
-    used = []
+    used, values = [], []  # the trials rebuilt, and their values
     for t in result.trials:
         if t.state != "COMPLETE" or t.value is None or not math.isfinite(t.value) or set(t.params) != set(dists):
             continue
@@ -168,6 +168,7 @@ def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -
             continue
         rebuilt.add_trial(frozen)
         used.append(t)
+        values.append(float(t.value))
     if len(used) < IMPORTANCE_MIN_TRIALS:
         return empty, (f"parameter importances need at least {IMPORTANCE_MIN_TRIALS} completed trials; "
                        f"this study has {len(used)}")
@@ -178,9 +179,9 @@ def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -
         return empty, (f"parameter importances are unavailable: all {n} completed trials have the same "
                        f"parameters ({_params_text(used[0].params)}), so none of them can explain a "
                        f"difference in {metric}")
-    if len({float(t.value) for t in used}) == 1:
+    if len(set(values)) == 1:
         return empty, (f"parameter importances are unavailable: all {n} completed trials reached the same "
-                       f"{metric} ({float(used[0].value):g}), so there is no difference to explain")
+                       f"{metric} ({values[0]:g}), so there is no difference to explain")
     try:
         scores = get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=seed))
     except RuntimeError as exc:  # fANOVA's forest found no split that changes the value

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import cast
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -102,7 +103,7 @@ def results_table(result: StudyResult, top: int | None = None, title: str | None
     best = result.best()
     reverse = result.direction == "maximize"
     ranked = sorted([t for t in result.trials if t.state == "COMPLETE" and t.value is not None],
-                    key=lambda t: t.value, reverse=reverse)
+                    key=lambda t: cast(float, t.value), reverse=reverse)
     others = sorted([t for t in result.trials if t not in ranked], key=lambda t: t.number)
     rows = ranked[:top] if top else ranked + others
     table = Table(title=title, header_style="bold")

@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from sweeps.errors import ResourcesError
 
@@ -34,7 +35,7 @@ def visible_gpu_count() -> int:
     try:
         # device_count() does not create a CUDA context, so forking workers later is safe.
         return int(torch.cuda.device_count())
-    except Exception:  # a broken driver means no usable CUDA, not a crash at planning time
+    except Exception:  # noqa: BLE001 - a broken driver means no usable CUDA, not a crash at planning time
         return 0
 
 
@@ -84,7 +85,9 @@ def discover_devices(
             f"resources.devices: {devices_setting!r} is not a non-empty list of device ids. "
             "Fix: write auto, cpu, or a list such as [0, 1]."
         )
-    ids = list(devices_setting)
+    # Not a str (returned above), though mypy's isinstance(Sequence) check widens it back; the
+    # entries are checked below (a spec is user input).
+    ids = list(cast(Sequence[int], devices_setting))
     bad = [d for d in ids if isinstance(d, bool) or not isinstance(d, int) or d < 0]
     if bad:
         raise ResourcesError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from decimal import Decimal
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -73,7 +73,7 @@ class CategoricalParam(_Param):
         return choices
 
 
-SearchParam = Annotated[Union[FloatParam, IntParam, CategoricalParam], Field(discriminator="type")]
+SearchParam = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
 PARAM_TYPES = ("float", "int", "categorical")
 
 
@@ -172,7 +172,7 @@ def grid_search_space(search: dict[str, Any]) -> dict[str, list[Any]]:
     return {key: _values(p) for key, p in search.items()}
 
 
-def optuna_distributions(search: dict[str, Any]) -> dict[str, "optuna.distributions.BaseDistribution"]:
+def optuna_distributions(search: dict[str, Any]) -> dict[str, optuna.distributions.BaseDistribution]:
     """Optuna distributions of ``search`` (e.g. for ``study.enqueue_trial`` or ``ask(fixed_distributions)``)."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -187,7 +187,7 @@ def optuna_distributions(search: dict[str, Any]) -> dict[str, "optuna.distributi
     return out
 
 
-def suggest(trial: "optuna.trial.BaseTrial", search: dict[str, Any]) -> dict[str, Any]:
+def suggest(trial: optuna.trial.BaseTrial, search: dict[str, Any]) -> dict[str, Any]:
     """Draw one value per parameter from an Optuna trial, in the spec's key order."""
     params: dict[str, Any] = {}
     for key, p in search.items():

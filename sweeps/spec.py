@@ -284,7 +284,7 @@ class StudySpec(_Section):
         """``task.args`` with the sampled ``task.<arg>`` params on top (``model`` too if searched)."""
         return {**self.task.args, **ss.split_params(params or {})[1]}
 
-    def make_task(self, params: dict[str, Any] | None = None) -> "Task":
+    def make_task(self, params: dict[str, Any] | None = None) -> Task:
         """Build the trial's :class:`core.tasks.Task` from the task section and sampled params."""
         from core.tasks.base import make_task
 

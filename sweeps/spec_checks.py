@@ -69,7 +69,8 @@ def _valid_sections(data: dict[str, Any]) -> dict[str, Any]:
             out[key] = params
             continue
         try:
-            out[key] = _adapter(field.annotation).validate_python(data[key])
+            # A field's annotation (a type or typing form) is hashable; typeshed's lru_cache wants Hashable.
+            out[key] = _adapter(field.annotation).validate_python(data[key])  # type: ignore[arg-type]
         except ValidationError:
             out[key] = None
     return out
@@ -171,7 +172,8 @@ def _train_problems(s: dict[str, Any], out: list[Problem]) -> TrainConfig | None
         return None
     if cfg.monitor not in EPOCH_METRICS:
         out.append((("train", "monitor"), f"{cfg.monitor!r} is not a reported metric"
-                                          f"{did_you_mean(cfg.monitor, list(EPOCH_METRICS))}; use one of {', '.join(EPOCH_METRICS)}"))
+                                          f"{did_you_mean(cfg.monitor, list(EPOCH_METRICS))}; "
+                                          f"use one of {', '.join(EPOCH_METRICS)}"))
     return cfg
 
 
@@ -181,7 +183,8 @@ def _objective_problems(s: dict[str, Any], out: list[Problem]) -> None:
         return
     if obj.metric not in EPOCH_METRICS:
         out.append((("objective", "metric"), f"{obj.metric!r} is not a metric the task reports"
-                                             f"{did_you_mean(obj.metric, list(EPOCH_METRICS))}; use one of {', '.join(EPOCH_METRICS)}"))
+                                             f"{did_you_mean(obj.metric, list(EPOCH_METRICS))}; "
+                                             f"use one of {', '.join(EPOCH_METRICS)}"))
     elif obj.metric in LOWER_IS_BETTER and "direction" not in obj.model_fields_set:
         out.append((("objective", "direction"), f"not set, so the default maximize would maximize {obj.metric}; "
                                                 "set direction: minimize (or maximize explicitly)"))
@@ -209,10 +212,12 @@ def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Prob
         return
     if pruner.name == "pbt" and backend == "ray":
         if search is not None and not {"lr", "momentum"} & set(search):
-            out.append((("pruner", "name"), "pbt perturbs lr or momentum during training; add lr or momentum to search"))
+            out.append((("pruner", "name"), "pbt perturbs lr or momentum during training; "
+                                            "add lr or momentum to search"))
         if sampler and sampler.name not in ("random", "grid"):
             out.append((("sampler", "name"), f"{sampler.name!r} cannot be combined with pruner pbt (Ray refuses a "
-                                             "search algorithm with PBT, which explores by itself); use random or grid"))
+                                             "search algorithm with PBT, which explores by itself); "
+                                             "use random or grid"))
     used = pruner.option_names(backend or "optuna")
     for opt in ("warmup_epochs", "percentile", "min_resource", "reduction_factor", "perturbation_interval"):
         value = getattr(pruner, opt)
@@ -226,7 +231,7 @@ def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Prob
     limit = {"median": "warmup_epochs", "percentile": "warmup_epochs", "asha": "min_resource",
              "hyperband": "min_resource", "pbt": "perturbation_interval"}.get(pruner.name)
     # Only a value the user chose: the defaults (1 epoch) merely make pruning a no-op on tiny runs.
-    if limit in used and getattr(pruner, limit) != PrunerSection.model_fields[limit].default \
+    if limit is not None and limit in used and getattr(pruner, limit) != PrunerSection.model_fields[limit].default \
             and getattr(pruner, limit) >= cfg.epochs:
         out.append((("pruner", limit), f"{getattr(pruner, limit)} is not below train.epochs = {cfg.epochs}, so the "
                                        f"pruner could never act; lower it, raise epochs, or use pruner: none"))
@@ -240,13 +245,15 @@ def _resource_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Pro
         out.append((("resources", "ray_address"), f"{res.ray_address!r} is set but backend is optuna; "
                                                   "remove it or use backend: ray"))
     if res.devices == "cpu" and res.gpus_per_trial != 1:
-        out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is set but devices: cpu uses no GPUs; remove it"))
+        out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is set but devices: cpu uses no GPUs; "
+                                                     "remove it"))
     if isinstance(res.devices, list) and res.gpus_per_trial > len(res.devices):
         out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is more than the {len(res.devices)} "
                                                      f"devices listed; lower it or list more devices"))
     if cfg is not None and cfg.distributed.nproc > 1 and res.gpus_per_trial < 1:
-        out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is a GPU share but train.distributed.nproc "
-                                                     f"= {cfg.distributed.nproc}; DDP needs whole GPUs per process"))
+        out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is a GPU share but "
+                                                     f"train.distributed.nproc = {cfg.distributed.nproc}; "
+                                                     "DDP needs whole GPUs per process"))
     # What OptunaBackend._plan would refuse from the spec alone, so `sweeps validate` says it too.
     if s["backend"] != "optuna" or not isinstance(res.workers, int):
         return
@@ -259,7 +266,8 @@ def _resource_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Pro
     storage = s["storage"]
     if isinstance(storage, str) and storage.startswith("sqlite") and res.workers > 1:
         out.append((("storage",), f"{storage!r} is SQLite, which {res.workers} parallel workers would lock ('database "
-                                  "is locked'); remove storage (a journal file) or use postgresql://..., or workers: 1"))
+                                  "is locked'); remove storage (a journal file) or use postgresql://..., "
+                                  "or workers: 1"))
 
 
 def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:
@@ -267,14 +275,16 @@ def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:
     if lf is None:
         return
     if lf.end_lr <= lf.start_lr:
-        out.append((("lr_finder", "end_lr"), f"{lf.end_lr!r} is not above start_lr {lf.start_lr!r}; use end_lr > start_lr"))
+        out.append((("lr_finder", "end_lr"), f"{lf.end_lr!r} is not above start_lr {lf.start_lr!r}; "
+                                             "use end_lr > start_lr"))
     if lf.enabled and lf.narrow_search and search is not None:
         p = search.get("lr")
         if p is None:
             out.append((("lr_finder", "narrow_search"), "true but lr is not in search, so there is no range to "
                                                         "narrow; add lr to search or set narrow_search: false"))
         elif not isinstance(p, FloatParam):
-            out.append((("lr_finder", "narrow_search"), f"true but search.lr is type {p.type}; narrowing needs type: float"))
+            out.append((("lr_finder", "narrow_search"), f"true but search.lr is type {p.type}; "
+                                                        "narrowing needs type: float"))
 
 
 def cross_problems(sections: dict[str, Any]) -> list[Problem]:

@@ -13,6 +13,7 @@ import types
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from sweeps import search_space as ss
 from sweeps.search_space import CategoricalParam, FloatParam, IntParam, Problem
@@ -85,7 +86,7 @@ def _walk(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None
             clean.append(item)
             field = ann.model_fields.get(item) if isinstance(item, str) else None
             ann = field.annotation if field else None
-        elif get_origin(ann) is Union and item in _PARAM_MODELS:
+        elif get_origin(ann) in (Union, types.UnionType) and item in _PARAM_MODELS:
             ann = _PARAM_MODELS[item]  # the discriminator tag pydantic adds: not a spec key
         elif get_origin(ann) is dict:
             clean.append(item)
@@ -110,7 +111,7 @@ def _type_text(kind: str, value: Any) -> str:
     return f"expected {kind}, got {show(value)}{hint}"
 
 
-def _error_text(err: dict[str, Any], loc: tuple[Any, ...], parent: type[BaseModel] | None) -> tuple[tuple, str]:
+def _error_text(err: ErrorDetails, loc: tuple[Any, ...], parent: type[BaseModel] | None) -> tuple[tuple, str]:
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
     if loc and loc[-1] == "[key]":  # pydantic's marker for a bad mapping key: ('search', 1, '[key]')
         return loc[:-2], f"the key {show(value)} is not a string; put it in quotes"
@@ -153,7 +154,7 @@ def _error_text(err: dict[str, Any], loc: tuple[Any, ...], parent: type[BaseMode
 def pydantic_problems(exc: ValidationError) -> list[Problem]:
     """pydantic's errors as spec problems; a 'missing' key explained by a misspelt one is dropped."""
     items = [(err, *_walk(tuple(err["loc"]))) for err in exc.errors(include_url=False)]
-    explained = set()
+    explained: set[tuple[Any, ...]] = set()
     for err, loc, parent in items:
         if err["type"] == "extra_forbidden" and parent is not None:
             close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1, cutoff=0.6)

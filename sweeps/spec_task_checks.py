@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator, get_type_hints
+from collections.abc import Iterator
+from typing import Any, get_type_hints
 
 from sweeps import search_space as ss
 from sweeps.search_space import CategoricalParam, Problem
@@ -40,14 +41,20 @@ def _declared_models(factory: Any) -> tuple[str, ...]:
     if not isinstance(factory, type):
         try:
             cls = get_type_hints(factory).get("return")
-        except Exception:  # unresolvable annotations in a user's module: no cheap check possible
+        except Exception:  # noqa: BLE001 - unresolvable annotations in a user's module: no cheap check possible
             return ()
     return tuple(cls.models) if isinstance(cls, type) and issubclass(cls, Task) else ()
 
 
 def task_problems(s: dict[str, Any], out: list[Problem]) -> TaskInfo | None:
-    from core.tasks.base import (TaskError, builtin_task_names, declared_name, factory_arg_names, resolve_factory,
-                                 task_names)
+    from core.tasks.base import (
+        TaskError,
+        builtin_task_names,
+        declared_name,
+        factory_arg_names,
+        resolve_factory,
+        task_names,
+    )
 
     task = s["task"]
     if task is None:
@@ -65,13 +72,13 @@ def task_problems(s: dict[str, Any], out: list[Problem]) -> TaskInfo | None:
         loc, text = foreign(str(exc), ("task", which))
         out.append((loc, text + hint))
         return None
-    except Exception as exc:  # a user's module failing at import time: report, don't crash the loader
+    except Exception as exc:  # noqa: BLE001 - a user's module failing at import time: report, don't crash the loader
         out.append((("task", which), f"{getattr(task, which)!r} could not be loaded: {type(exc).__name__}: {exc}"))
         return None
     accepted = factory_arg_names(factory)
     try:
         hints = get_type_hints(factory)
-    except Exception:
+    except Exception:  # noqa: BLE001 - unresolvable annotations in a user's module: no hints
         hints = {}
     # Only built-in tasks are built while validating (instantiate_checks); an entry point's is a user's task.
     builtin = task.name is not None and task.name in builtin_task_names()
@@ -88,7 +95,8 @@ def task_problems(s: dict[str, Any], out: list[Problem]) -> TaskInfo | None:
     # torchvision model, more than its `models` lists. A user's task is not built, so read `models`.
     if not info.builtin and task.model is not None and info.models and task.model not in info.models:
         out.append((("task", "model"), f"{task.model!r} is not offered by task {info.label!r}"
-                                       f"{did_you_mean(task.model, list(info.models))}; use one of {', '.join(info.models)}"))
+                                       f"{did_you_mean(task.model, list(info.models))}; "
+                                       f"use one of {', '.join(info.models)}"))
     return info
 
 
@@ -116,7 +124,7 @@ def instantiate_checks(s: dict[str, Any], info: TaskInfo, out: list[Problem]) ->
         model = args.pop("model", task.model)
         try:
             make_task(task.name, model=model, args=args)
-        except Exception as exc:  # TaskError, or ValueError/TypeError from a task's own checks
+        except Exception as exc:  # noqa: BLE001 - TaskError, or ValueError/TypeError from a task's own checks
             if not loc:
                 out.append(foreign(str(exc), ("task",)))
                 return  # every searched value would fail the same way

@@ -17,6 +17,7 @@ import optuna
 from core.lr_finder import lr_range_test
 from sweeps.backends import optuna_study
 from sweeps.objective import trial_config
+from sweeps.search_space import CategoricalParam
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
@@ -39,6 +40,7 @@ def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: MlflowTra
                "steps": result.steps, "epochs_cost": result.epochs_cost, "narrowed": None}
     if lf.narrow_search and "lr" in spec.search:
         p = spec.search["lr"]
+        assert not isinstance(p, CategoricalParam)  # spec validation: narrow_search needs a float lr
         narrowed = lf.narrowed_range(result.suggestion, p.low, p.high)
         if narrowed is None:
             log.warning("lr_finder: suggestion %.3g is outside search.lr [%g, %g]; the range is kept",
@@ -50,7 +52,7 @@ def run_study_lr_finder(spec: StudySpec, study: optuna.Study, tracker: MlflowTra
         path = Path(tmp) / "lr_finder.json"
         path.write_text(json.dumps({**result.to_dict(), **summary}))
         tracker.log_artifact(parent, path, layout.ART_LR_FINDER_DIR)
-    for i, (lr, loss) in enumerate(zip(result.lrs, result.smoothed)):
+    for i, (lr, loss) in enumerate(zip(result.lrs, result.smoothed, strict=True)):
         tracker.log_metrics(parent, {"lr_finder/lr": lr, "lr_finder/smoothed_loss": loss}, i)
     tracker.log_metrics(parent, {"lr_finder/suggestion": result.suggestion}, 0)
     tracker.flush(parent)  # the curve is on the parent run before the first trial starts

@@ -15,8 +15,8 @@ import fcntl
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from core.io_utils import save_json_atomic
 from sweeps.errors import StudyStateError

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a model or data is built, not to name or check a task
     from torch import nn
@@ -192,4 +193,5 @@ def make_task(name: str | None = None, *, target: str | None = None, model: str 
 
 def check_model_name(task_name: str, model: str, models: tuple[str, ...]) -> None:
     if model not in models:
-        raise TaskError(f"task.model: {model!r} is not offered by task {task_name!r}; choose one of {', '.join(models)}")
+        raise TaskError(f"task.model: {model!r} is not offered by task {task_name!r}; "
+                        f"choose one of {', '.join(models)}")

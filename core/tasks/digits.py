@@ -88,7 +88,7 @@ def load_split(val_fraction: float, split_seed: int) -> tuple[np.ndarray, ...]:
     if path is not None:
         try:
             with np.load(path, allow_pickle=False) as z:
-                arrays = z["images"], z["labels"], z["train"], z["val"]
+                arrays: tuple[np.ndarray, ...] = z["images"], z["labels"], z["train"], z["val"]
             if _sound(*arrays):
                 return arrays
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):

@@ -205,7 +205,8 @@ def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
         # weights_only=True: unpickling an arbitrary file could run code; tensors and dicts suffice.
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # unpickling errors have many types; all mean "not a usable file"
-        raise TaskError(f"task.args.pretrained_weights: cannot load {os.path.abspath(path)} as a state dict ({exc})") from exc
+        raise TaskError(f"task.args.pretrained_weights: cannot load {os.path.abspath(path)} "
+                        f"as a state dict ({exc})") from exc
     for key in _NESTED_STATE_KEYS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, cast
 
 from sweeps.spec import StudySpec
 
@@ -25,7 +25,7 @@ class TrialRecord:
 class StudyResult:
     name: str
     backend: str
-    direction: str  # maximize | minimize
+    direction: Literal["maximize", "minimize"]
     metric: str
     trials: list[TrialRecord]
     parent_run_id: str | None = None
@@ -40,7 +40,7 @@ class StudyResult:
         if not done:
             return None
         pick = max if self.direction == "maximize" else min
-        return pick(done, key=lambda t: t.value)
+        return pick(done, key=lambda t: cast(float, t.value))  # done: trials with a value
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -12,8 +12,9 @@ forever, at 100% CPU (the failing stat skips both its sleep and its grace period
   flock and still finding the ``.lock`` link means its owner died mid-append, and the link is
   removed. The link itself is still taken, so a plain Optuna process appending to the same
   journal waits for us (the reverse does not hold: a sweeps journal is written by sweeps
-  processes; a plain Optuna writer's link could be taken for a dead one's). Waiting for a live holder is bounded (``SWEEPS_JOURNAL_LOCK_WAIT_S``)
-  and ends in an error that names the lock, the holder's pid and what to do;
+  processes; a plain Optuna writer's link could be taken for a dead one's). Waiting for a live
+  holder is bounded (``SWEEPS_JOURNAL_LOCK_WAIT_S``) and ends in an error that names the lock,
+  the holder's pid and what to do;
 - every append first cuts a torn last record left by a writer that died (under the lock no
   one else is mid-append), so the next record never glues onto it;
 - :func:`open_journal` refuses a journal with a corrupt record inside (Optuna would raise a
@@ -30,7 +31,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
@@ -73,7 +74,7 @@ class JournalLock(JournalFileSymlinkLock):
         self.journal = Path(os.path.abspath(journal))
         self.link = Path(f"{self.journal}{LINK_SUFFIX}")
         self.flock_path = Path(f"{self.journal}{FLOCK_SUFFIX}")
-        self._fh = None
+        self._fh: IO[str] | None = None
 
     def acquire(self) -> bool:
         fh = open(self.flock_path, "a+")

@@ -12,11 +12,12 @@ methods) with them.
 """
 from __future__ import annotations
 
-from typing import Union
+from collections.abc import Callable
+from typing import cast
 
 import optuna
-from optuna.storages import BaseStorage
-from optuna.storages._heartbeat import is_heartbeat_enabled
+from optuna.storages import BaseStorage, RDBStorage
+from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.storages.journal._file import LOCK_FILE_SUFFIX
 from optuna.trial import FrozenTrial
 
@@ -28,7 +29,7 @@ OPTUNA_CHECKED = "5.1.0"  # the Optuna version every function below was read aga
 # lock class, not the name of its link.
 JOURNAL_LOCK_SUFFIX: str = LOCK_FILE_SUFFIX
 
-AnyTrial = Union[optuna.Trial, FrozenTrial]
+AnyTrial = optuna.Trial | FrozenTrial
 
 
 def storage_of(study: optuna.Study) -> BaseStorage:
@@ -72,7 +73,8 @@ def heartbeat_grace_seconds(study: optuna.Study) -> int:
     (``get_heartbeat_interval``) but not the grace period; the ``RDBStorage`` it wraps has both
     as public attributes. ``None`` as grace period means twice the interval (RDBStorage's rule)."""
     storage = storage_of(study)
-    rdb = getattr(storage, "_backend", storage)
+    rdb = cast(RDBStorage, getattr(storage, "_backend", storage))
+    assert rdb.heartbeat_interval is not None, "the study's storage records no heartbeats"
     return rdb.grace_period or 2 * rdb.heartbeat_interval
 
 
@@ -83,4 +85,15 @@ def stale_trial_ids(study: optuna.Study) -> list[int]:
     callback in one go, and returns nothing: sweeps must record why each trial failed (and that
     it was not the trial's fault) before the callback copies the trial into its retry, and must
     know which trials this process failed. Only heartbeat-enabled storages answer."""
-    return storage_of(study)._get_stale_trial_ids(study._study_id)
+    return _heartbeat_storage(study)._get_stale_trial_ids(study._study_id)
+
+
+def stale_trial_callback(study: optuna.Study) -> Callable[[optuna.Study, FrozenTrial], None] | None:
+    """The callback a heartbeat-enabled study's storage runs for each trial it fails as stale."""
+    return _heartbeat_storage(study).get_heartbeat_stale_trial_callback()
+
+
+def _heartbeat_storage(study: optuna.Study) -> BaseHeartbeat:
+    """The storage of a heartbeat-enabled study (``RDBStorage`` or the cache around it), as
+    Optuna's heartbeat interface."""
+    return cast(BaseHeartbeat, storage_of(study))

@@ -52,7 +52,8 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
     parent = study.user_attrs.get(ATTR_PARENT_RUN)
     if not parent:
         return
-    running_ids = {t.user_attrs.get(ATTR_RUN_ID) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    running_ids = {t.user_attrs.get(ATTR_RUN_ID)
+                   for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     from sweeps.study_run import running_children
     from sweeps.tracking.reader import TrackingReader
 
@@ -76,4 +77,5 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     if requeue:
         StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
     elif frozen.user_attrs.get(ATTR_RUN_ID) and (tracker is not None or tracking_uri):
-        _close_run(tracker or StaleTrialCallback(tracking_uri)._get_tracker(), frozen.user_attrs[ATTR_RUN_ID], reason)
+        _close_run(tracker or StaleTrialCallback(tracking_uri or "")._get_tracker(), frozen.user_attrs[ATTR_RUN_ID],
+                   reason)

@@ -16,9 +16,10 @@ import os
 import re
 import uuid
 import warnings
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
+from typing import cast
 
 import optuna
 from optuna.storages import RDBStorage
@@ -69,7 +70,7 @@ def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseSt
                 heartbeat_stale_trial_callback=_stale_trial_callback(spec.tracking_store_uri()),
             )
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
-            root = exc
+            root: BaseException = exc
             while root.__cause__ is not None:  # Optuna wraps the database's own message
                 root = root.__cause__
             detail = (str(root).strip() or type(root).__name__).splitlines()[0]
@@ -311,7 +312,7 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
                 failed.append(trial_id)
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # another worker failed it first
-    callback = storage.get_heartbeat_stale_trial_callback()
+    callback = optuna_adapter.stale_trial_callback(study)
     for trial_id in failed:
         if callback is not None:
             callback(study, copy.deepcopy(storage.get_trial(trial_id)))
@@ -359,7 +360,7 @@ def failures_in_a_row(study: optuna.Study, since: float) -> int:
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
                                                                  TrialState.FAIL))
             if t.datetime_complete and t.datetime_complete >= since_dt and not t.user_attrs.get("interrupted")]
-    done.sort(key=lambda t: t.datetime_complete)
+    done.sort(key=lambda t: cast(datetime, t.datetime_complete))  # all set: filtered above
     n = 0
     for t in reversed(done):
         if t.state != TrialState.FAIL:

@@ -29,8 +29,14 @@ from sweeps import search_space as ss
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
 from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise
-from sweeps.backends.ray_trainable import (TAG_RAY_TRIAL_ID, TrialContext, TrialNamer, ended_for_good, make_trainable,
-                                           trial_dirname)
+from sweeps.backends.ray_trainable import (
+    TAG_RAY_TRIAL_ID,
+    TrialContext,
+    TrialNamer,
+    ended_for_good,
+    make_trainable,
+    trial_dirname,
+)
 from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec
@@ -189,7 +195,7 @@ def trials_dir(study_name: str) -> Path:
 try:
     from ray.tune import Callback as _Callback
 except ImportError:  # pragma: no cover - ray is a dependency; keeps `import sweeps` light if absent
-    _Callback = object
+    _Callback = object  # type: ignore[misc,assignment]  # a plain base class without Ray
 
 
 class _DriverCallback(_Callback):
@@ -262,13 +268,15 @@ def settle_runs(tracker: Tracker, reader: TrackingReader, result: StudyResult) -
         log.warning("could not read the trial runs back from MLflow: %s", exc)
         return
     for t in result.trials:
-        run = runs.get(getattr(t, "ray_trial_id", None))
+        ray_id: str | None = getattr(t, "ray_trial_id", None)  # set by ray_records.load_result
+        run = runs.get(ray_id) if ray_id is not None else None
         if run is None:
             continue
         if ended_for_good(run):
             continue  # finished in MLflow even if Ray had not recorded it yet (a driver crash)
         tags, status = run.data.tags, run.info.status
         handle = RunHandle(run.info.run_id, run.info.experiment_id, run.info.run_name or "")
+        drop: tuple[str, ...]  # tags to remove
         if t.state == "PRUNED":
             want, new_tags, drop = "KILLED", {layout.TAG_STATE: "PRUNED", layout.TAG_PRUNED: "true"}, ()
             if t.reason and "sweeps.reason" not in tags:

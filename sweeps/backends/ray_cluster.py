@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 from sweeps.errors import BackendError
 from sweeps.spec import StudySpec
@@ -24,7 +25,7 @@ def init_ray(spec: StudySpec) -> bool:
         return False  # the caller (a notebook, a test) owns the connection
     from sweeps.pool import cpu_threads_available
 
-    kwargs = {"logging_level": logging.WARNING, "log_to_driver": False}
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     env_vars = _worker_pythonpath(spec)
     if env_vars:
         kwargs["runtime_env"] = {"env_vars": env_vars}
@@ -121,7 +122,7 @@ class Interrupts:
         self._old: dict = {}
         self._threads: list[threading.Thread] = []
 
-    def __enter__(self) -> "Interrupts":
+    def __enter__(self) -> Interrupts:
         if threading.current_thread() is not threading.main_thread():
             return self  # signals need the main thread; a timeout is then not enforced
         self._old = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda *_: None),

@@ -18,13 +18,22 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, TypeGuard
 
 from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.backends.ray_trainable import (
+    R_DONE,
+    R_NUMBER,
+    R_REASON,
+    R_RUN_ID,
+    R_STATE,
+    R_VALUE,
+    TAG_RAY_TRIAL_ID,
+    number_of,
+)
 from sweeps.backends.run_lock import run_lock_held
-from sweeps.backends.ray_trainable import (R_DONE, R_NUMBER, R_REASON, R_RUN_ID, R_STATE, R_VALUE,
-                                           TAG_RAY_TRIAL_ID, number_of)
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
@@ -47,7 +56,7 @@ def lock_path(study_name: str) -> Path:
 
 def versions(spec: StudySpec) -> list[tuple[int, str]]:
     """Studies of this spec that exist: ``(1, name)``, ``(2, name-v2)``, ..."""
-    found = []
+    found: list[tuple[int, str]] = []
     root = ray_root()
     if not root.is_dir():
         return found
@@ -122,8 +131,8 @@ def record_of(trial, spec: StudySpec, rows: Iterable[dict], live: bool) -> Trial
         value = (max if maximize else min)(intermediate.values()) if intermediate else None
     # Training time over every segment of the trial (a restore or a PBT exploit restarts
     # Ray's own time_total_s); started = when its first epoch began.
-    times = [(row.get("timestamp"), row.get("time_this_iter_s")) for row in rows]
-    times = [(ts, dt) for ts, dt in times if _finite(ts) and _finite(dt)]
+    stamps = [(row.get("timestamp"), row.get("time_this_iter_s")) for row in rows]
+    times = [(ts, dt) for ts, dt in stamps if _finite(ts) and _finite(dt)]
     total = sum(dt for _, dt in times) if times else last.get("time_total_s")
     started = min(ts - dt for ts, dt in times) if times else None
     params = {k: trial.config[k] for k in spec.search if k in (trial.config or {})}
@@ -152,7 +161,7 @@ def error_reason(trial) -> str:
     return lines[-1][:500] if lines else ""
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -199,12 +208,15 @@ def fill_from_mlflow(reader: TrackingReader, result: StudyResult) -> None:
     outcome of trials that finished after Ray's last snapshot (the driver died first)."""
     from sweeps.backends.ray_trainable import ended_for_good
 
+    if not result.parent_run_id:
+        return
     try:
         runs = trial_runs(reader, result.parent_run_id)
     except Exception:  # noqa: BLE001 - the table still shows without MLflow
         return
     for t in result.trials:
-        run = runs.get(getattr(t, "ray_trial_id", None))
+        ray_id: str | None = getattr(t, "ray_trial_id", None)  # set by load_result
+        run = runs.get(ray_id) if ray_id is not None else None
         if run is None:
             continue
         t.run_id = t.run_id or run.info.run_id

@@ -60,12 +60,17 @@ def make_search(spec: StudySpec, workers: int) -> tuple[Any, dict, int, int]:
 
 
 def make_scheduler(spec: StudySpec):
-    from ray.tune.schedulers import (ASHAScheduler, FIFOScheduler, HyperBandScheduler, MedianStoppingRule,
-                                     PopulationBasedTraining)
+    from ray.tune.schedulers import (
+        ASHAScheduler,
+        FIFOScheduler,
+        HyperBandScheduler,
+        MedianStoppingRule,
+        PopulationBasedTraining,
+    )
 
     p, metric, mode = spec.pruner, spec.objective.metric, _mode(spec)
     epochs = int(spec.resolved_train_config().epochs)
-    common = {"time_attr": "training_iteration", "metric": metric, "mode": mode}
+    common: dict[str, Any] = {"time_attr": "training_iteration", "metric": metric, "mode": mode}
     if p.name == "none":
         return FIFOScheduler()
     if p.name == "asha":
@@ -78,8 +83,8 @@ def make_scheduler(spec: StudySpec):
     if p.name == "pbt":
         space = ss.to_ray_space(spec.search)
         # A categorical value moves to a neighbouring choice; a range is resampled or scaled.
-        mutations = {k: list(spec.search[k].choices) if isinstance(spec.search[k], ss.CategoricalParam)
-                     else space[k] for k in spec.search if k in PBT_KEYS}
+        mutations = {k: list(p.choices) if isinstance(p, ss.CategoricalParam) else space[k]
+                     for k, p in spec.search.items() if k in PBT_KEYS}
         if not mutations:
             raise BackendError("pruner pbt perturbs lr or momentum; add one of them to search")
         return PopulationBasedTraining(**common, perturbation_interval=p.perturbation_interval,

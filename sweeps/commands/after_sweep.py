@@ -20,7 +20,7 @@ def _seed_list(text: str) -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,1,2")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,1,2") from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"{text!r}: give at least one seed, each once, e.g. 0,1,2")
     return seeds

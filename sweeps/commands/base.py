@@ -8,8 +8,8 @@ second copy of it for them to import.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rich.console import Console
 

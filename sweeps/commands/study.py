@@ -57,7 +57,8 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="study spec YAML file whose storage is a shared RDB URL (postgresql://...)")
-    p.add_argument("--slot", type=int, default=None, help="the worker's slot, tagged on its trial runs (default: from the pid)")
+    p.add_argument("--slot", type=int, default=None,
+                   help="the worker's slot, tagged on its trial runs (default: from the pid)")
     p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for `sweeps run SPEC` to create the study and its MLflow parent run "
                         "when the worker starts first (default: 600; 0: fail at once)")

@@ -7,9 +7,9 @@ import json
 import math
 import os
 import signal
-import time
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -138,7 +138,8 @@ def test_gpu_section_reports_the_stored_device_results_as_not_measured_here(tmp_
     rows = {r["case"]: r for r in result["rows"]}
     trainer = rows["gpu_bench: core.train() vs hand CUDA loop"]
     assert trainer["ratio"]["median"] == pytest.approx(bench["sections"]["trainer"]["ratio_median"])
-    assert len([c for c in rows if c.startswith("gpu_check: ") and rows[c]["metric"] == "check"]) == len(check["checks"])
+    check_rows = [c for c in rows if c.startswith("gpu_check: ") and rows[c]["metric"] == "check"]
+    assert len(check_rows) == len(check["checks"])
     assert rows["gpu_check: nccl_ddp"]["status"] == "skipped"
 
     monkeypatch.setattr(bench_gpu, "RESULTS", tmp_path / "none")

@@ -18,7 +18,6 @@ from core.config import DistributedConfig
 from core.ddp_launch import RankFailedError, TaskSpec, train_distributed
 from core.reporting import Decision, RecordingReporter
 from core.train import train
-
 from tests.core.ddp_tasks import DdpTestTask
 from tests.core.helpers import fast_config
 
@@ -55,13 +54,14 @@ def test_ddp_loss_curve_matches_one_process_with_the_same_global_batch(tmp_path)
     assert ddp.status == single.status == "completed"
     assert ddp.global_batch_size == single.global_batch_size == 32
     assert [s for s, _ in two.steps] == [s for s, _ in one.steps] and len(one.steps) == 16
-    for (_, a), (_, b) in zip(one.steps, two.steps):  # the step loss is over the global batch
+    for (_, a), (_, b) in zip(one.steps, two.steps, strict=True):  # the step loss is over the global batch
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=CURVE_TOL)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=CURVE_TOL)
-    for (_, a), (_, b) in zip(one.epochs, two.epochs):
+    for (_, a), (_, b) in zip(one.epochs, two.epochs, strict=True):
         for key in ("train_loss", "train_acc", "val_loss", "val_acc"):
             assert a[key] == pytest.approx(b[key], abs=CURVE_TOL), key
-    w1, w2 = ckpt.load_checkpoint(tmp_path / "one" / "last.pt")["model"], ckpt.load_checkpoint(tmp_path / "two" / "last.pt")["model"]
+    w1 = ckpt.load_checkpoint(tmp_path / "one" / "last.pt")["model"]
+    w2 = ckpt.load_checkpoint(tmp_path / "two" / "last.pt")["model"]
     assert w1.keys() == w2.keys()  # saved from the unwrapped model: no "module." prefix
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < CURVE_TOL
     _assert_gone(_rank_pids(tmp_path / "pids"))

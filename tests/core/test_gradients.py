@@ -57,7 +57,7 @@ def test_pooled_training_is_bitwise_the_same_as_fresh_gradients():
         opt_pooled.step()
         grads.zero_()
         assert isinstance(norm, float) and norm == pytest.approx(reference_norm, rel=1e-5)
-    for a, b in zip(fresh.parameters(), pooled.parameters()):
+    for a, b in zip(fresh.parameters(), pooled.parameters(), strict=True):
         assert torch.equal(a, b)
     # After zero_(): pooled gradients are zero views, the large one is dropped as set_to_none does.
     assert pooled[0].weight.grad is None
@@ -129,7 +129,7 @@ def test_clip_matches_clip_grad_norm(max_norm):
         grads.zero_()
         assert norm == pytest.approx(expected, rel=1e-5)
         assert clipped == pytest.approx(min(norm, max_norm), rel=1e-4)
-    for a, b in zip(reference.parameters(), pooled.parameters()):
+    for a, b in zip(reference.parameters(), pooled.parameters(), strict=True):
         if max_norm > 1.0:  # never clipped: nothing was multiplied, so bitwise the same
             assert torch.equal(a, b)
         else:  # the factor may differ in its last bit (computed in double here, float in torch)

@@ -1,13 +1,14 @@
 """LR range test: leaves the caller's objects alone, stops on divergence, suggests a good rate."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from core.lr_finder import lr_range_test, suggest_steepest, suggest_valley
 from core.tasks.digits import DigitsTask
 from core.train import train
-
 from tests.core.helpers import fast_config
 
 
@@ -31,7 +32,7 @@ def test_range_test_builds_a_fresh_model_and_leaves_the_callers_untouched():
     assert len(task.built) == 2 and task.built[1] is not callers_model
     assert all(torch.equal(before[k], v) for k, v in callers_model.state_dict().items())
     assert result.lrs[0] == pytest.approx(1e-7)
-    assert all(b > a for a, b in zip(result.lrs, result.lrs[1:]))  # exponential ramp
+    assert all(b > a for a, b in itertools.pairwise(result.lrs))  # exponential ramp
 
 
 def test_divergence_stops_early():

@@ -46,9 +46,10 @@ def test_cpu_optimizers_are_fused_and_train_as_the_default_implementation(name):
             optimizer.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
-    for a, b in zip(ours.parameters(), theirs.parameters()):
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
-    assert any((a - b).abs().max() > 0 for a, b in zip(ours.parameters(), _model().parameters()))  # it trained
+    # it trained
+    assert any((a - b).abs().max() > 0 for a, b in zip(ours.parameters(), _model().parameters(), strict=True))
 
 
 def test_a_parameter_type_without_a_fused_kernel_gets_the_default_implementation():

@@ -11,7 +11,6 @@ from core.results import STEP_METRICS
 from core.tasks.digits import DigitsTask
 from core.tasks.synthetic import SyntheticTask
 from core.train import train
-
 from tests.core.helpers import fast_config
 
 TIMINGS = ("samples_per_s", "epoch_time_s", "peak_mem_mb")  # measure the machine: differ between runs

@@ -10,7 +10,6 @@ from torch.optim import lr_scheduler
 from core.reporting import RecordingReporter
 from core.tasks.synthetic import SyntheticTask
 from core.train import train
-
 from tests.core.helpers import fast_config
 
 N_TRAIN, BATCH, ACCUM, EPOCHS = 200, 8, 3, 3

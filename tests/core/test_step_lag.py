@@ -14,7 +14,6 @@ from core.reporting import RecordingReporter
 from core.step_stats import PendingStep, gradient_norm, read_lag
 from core.tasks.digits import DigitsTask
 from core.train import train
-
 from tests.core.helpers import fast_config
 from tests.core.test_train import _InterruptAtStep, _PoisonedTask
 
@@ -42,7 +41,7 @@ def test_lag_one_reports_the_same_steps_and_trains_the_same_weights(tmp_path, mo
     assert rec_late.steps == rec_now.steps and len(rec_now.steps) == now.steps_completed
     a, b = _weights(tmp_path / "now" / "last.pt"), _weights(tmp_path / "late" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    for h_now, h_late in zip(now.history, late.history):
+    for h_now, h_late in zip(now.history, late.history, strict=True):
         assert {k: v for k, v in h_now.items() if k not in ("samples_per_s", "epoch_time_s", "peak_mem_mb")} == \
                {k: v for k, v in h_late.items() if k not in ("samples_per_s", "epoch_time_s", "peak_mem_mb")}
 

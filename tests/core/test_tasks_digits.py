@@ -48,7 +48,7 @@ def test_datasets_are_identical_with_and_without_the_cache(cache_dir, monkeypatc
     warm = DigitsTask("mlp").datasets()
     monkeypatch.setattr(digits, "split_cache_file", lambda *_: None)
     none = DigitsTask("mlp").datasets()
-    for a, b, c in zip(cold, warm, none):
+    for a, b, c in zip(cold, warm, none, strict=True):
         x = [torch.stack([a[i][0] for i in range(len(a))]) for a in (a, b, c)]
         y = [torch.tensor([a[i][1] for i in range(len(a))]) for a in (a, b, c)]
         assert torch.equal(x[0], x[1]) and torch.equal(x[0], x[2])

@@ -12,7 +12,6 @@ from core.tasks.base import TaskError
 from core.tasks.digits import DigitsTask
 from core.tasks.synthetic import SyntheticTask
 from core.train import train
-
 from tests.core.helpers import fast_config
 
 
@@ -36,7 +35,7 @@ def test_resume_is_bitwise_identical_to_a_straight_run(tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert resumed.history == straight.history or all(
-        h1[k] == h2[k] for h1, h2 in zip(resumed.history, straight.history) for k in h1 if "time" not in k
+        h1[k] == h2[k] for h1, h2 in zip(resumed.history, straight.history, strict=True) for k in h1 if "time" not in k
         and k not in ("samples_per_s", "peak_mem_mb"))
 
 
@@ -64,7 +63,7 @@ def test_gradient_accumulation_matches_one_large_batch():
     # Same data order is not guaranteed between batch sizes, so compare on a fixed order:
     # the sampler shuffles indices identically (same seed, same epoch), and batches of 8 x 4
     # consume the same 32 indices per optimizer step as one batch of 32.
-    for (_, m_big), (_, m_small) in zip(rec_big.steps, rec_small.steps):
+    for (_, m_big), (_, m_small) in zip(rec_big.steps, rec_small.steps, strict=True):
         assert m_big["train_loss"] == pytest.approx(m_small["train_loss"], abs=1e-6)
         assert m_big["grad_norm"] == pytest.approx(m_small["grad_norm"], abs=1e-5)
     assert big.metrics["val_loss"] == pytest.approx(small.metrics["val_loss"], abs=1e-6)
@@ -156,7 +155,7 @@ def _head_weights(model) -> dict[str, torch.Tensor]:
 class _BackboneAtEpochEnd(RecordingReporter):
     """Copies the model's backbone and head weights as each epoch ends (report_epoch)."""
 
-    def __init__(self, task: "_BackboneDigits") -> None:
+    def __init__(self, task: _BackboneDigits) -> None:
         super().__init__()
         self.task = task
         self.backbone: dict[int, dict[str, torch.Tensor]] = {}

@@ -131,7 +131,7 @@ def test_every_trial_has_its_learning_curve_from_mlflow(study):
         else:  # pruned: shorter
             assert c["epoch"].tolist() == list(range(1, len(c) + 1)) and len(c) < EPOCHS
         # MLflow's history and the study's intermediate values agree, epoch by epoch
-        assert dict(zip(c["epoch"], c["val_acc"])) == pytest.approx(t.intermediate)
+        assert dict(zip(c["epoch"], c["val_acc"], strict=True)) == pytest.approx(t.intermediate)
         assert c[["val_acc", "val_loss", "train_loss"]].notna().all().all()
 
 
@@ -143,7 +143,7 @@ def test_importances_cover_the_searched_params_and_sum_to_one(study):
 
 def test_state_counts_match(study):
     df = study.tables.state_counts
-    assert dict(zip(df["state"], df["count"])) == study.result.counts()
+    assert dict(zip(df["state"], df["count"], strict=True)) == study.result.counts()
     assert df["count"].sum() == 4
 
 

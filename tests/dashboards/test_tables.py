@@ -9,8 +9,16 @@ import pytest
 
 from dashboards.figures import all_figures
 from dashboards.page import PageHeader, question_of, render_page, write_page
-from dashboards.tables import (best_so_far_table, build_tables, importances_table, ranked_trials, table_records,
-                               state_counts_table, top_two_params, trials_table)
+from dashboards.tables import (
+    best_so_far_table,
+    build_tables,
+    importances_table,
+    ranked_trials,
+    state_counts_table,
+    table_records,
+    top_two_params,
+    trials_table,
+)
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.search_space import CategoricalParam, FloatParam
 
@@ -63,7 +71,7 @@ def test_best_so_far_is_monotone_and_counts_only_complete_trials(direction):
 def test_state_counts_match_the_study():
     result = _result()
     df = state_counts_table(trials_table(result, SEARCH))
-    assert dict(zip(df["state"], df["count"])) == result.counts()
+    assert dict(zip(df["state"], df["count"], strict=True)) == result.counts()
     assert list(df["state"]) == ["COMPLETE", "PRUNED", "FAIL", "RUNNING"]
     assert df.loc[df["state"] == "COMPLETE", "total_duration_s"].iloc[0] == pytest.approx(16.5)
 

@@ -8,6 +8,7 @@ and requeues the dead worker's trial. A kill of `sweeps run` itself waits for a 
 RUNNING trial whose last.pt exists), never for a transient file."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import signal
@@ -65,7 +66,7 @@ def _running_trial_with_checkpoint(tmp_path: Path, name: str):
         return None
     try:
         study = load_study(tmp_path, name)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the journal may be mid-write while the study runs: poll again
         return None
     running = [t for t in study.trials if t.state.name == "RUNNING"]
     return next((t for t in running if (tmp_path / t.user_attrs.get("out_dir", "/nonexistent") / ckpt.LAST).exists()),
@@ -74,7 +75,11 @@ def _running_trial_with_checkpoint(tmp_path: Path, name: str):
 
 def _assert_pids_gone(pids: list[int]) -> None:
     for pid in pids:
-        _wait_for(lambda: not Path(f"/proc/{pid}").exists() or "zombie" in _proc_state(pid), every=0.05)
+        _wait_for(functools.partial(_gone, pid), every=0.05)
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or "zombie" in _proc_state(pid)
 
 
 def _proc_state(pid: int) -> str:
@@ -158,7 +163,7 @@ def test_kills_mid_trial_mid_checkpoint_and_after_training_then_a_rerun_complete
     runs = [r for r in mlflow_runs(tmp_path, "kill") if r.data.tags.get("sweeps.role") == "trial"]
     assert not [r for r in runs if r.info.status == "RUNNING"]
     by_number = {int(r.data.tags["sweeps.trial_number"]): r for r in runs}
-    for t, word in zip(failed, ("orphaned", "killed by SIGKILL", "killed by SIGKILL")):
+    for t, word in zip(failed, ("orphaned", "killed by SIGKILL", "killed by SIGKILL"), strict=True):
         assert by_number[t.number].info.status == "FAILED"
         assert word in by_number[t.number].data.tags["sweeps.error"]
     # The finished retry's run holds the whole curve (one point per epoch), as the checkpoint does.

@@ -2,9 +2,8 @@
 never a traceback; generated YAML text never executes code."""
 from __future__ import annotations
 
-import string
-
 import os
+import string
 
 import pytest
 from hypothesis import HealthCheck, given, settings

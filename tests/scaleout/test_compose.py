@@ -8,7 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -60,7 +60,7 @@ def resolve(value, env: dict[str, str]):
     return value
 
 
-@lru_cache(maxsize=None)
+@cache
 def flags_of(program: tuple[str, str]) -> frozenset[str]:
     out = subprocess.run(HELP[program], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

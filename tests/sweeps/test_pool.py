@@ -17,7 +17,6 @@ from sweeps.pool import (
     plan_workers,
 )
 
-
 # --------------------------------------------------------------------------- device groups
 
 

@@ -129,7 +129,8 @@ def test_two_cpu_workers_run_trials_at_the_same_time_without_lock_errors(tmp_pat
 
 
 def test_bad_spec_exits_2_and_creates_nothing(tmp_path):
-    spec = write_spec(tmp_path, name="bad", seed_store=False, search={"lr": {"type": "float", "low": 0.0, "high": 1.0, "log": True}},
+    spec = write_spec(tmp_path, name="bad", seed_store=False,
+                      search={"lr": {"type": "float", "low": 0.0, "high": 1.0, "log": True}},
                       budget={"n_trials": 0})
     before = sorted(p.name for p in tmp_path.iterdir())
     proc = run_cli(tmp_path, "run", str(spec))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import optuna
 import pytest
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from sweeps import search_space as ss
 from sweeps.search_space import CategoricalParam, FloatParam, IntParam, SearchParam
@@ -30,9 +30,9 @@ def test_models_parse_and_refuse_bad_fields():
     assert isinstance(SPACE["lr"], FloatParam) and isinstance(SPACE["epochs"], IntParam)
     assert isinstance(SPACE["batch_size"], CategoricalParam)
     assert SPACE["epochs"].step is None  # None means 1
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         space(x={"type": "int", "low": 1.5, "high": 3})  # strict: an int param takes ints only
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         space(x={"type": "categorical", "choices": [[1, 2]]})  # choices are scalars
 
 

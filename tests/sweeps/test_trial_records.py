@@ -36,7 +36,7 @@ def test_a_worker_killed_after_training_leaves_the_retry_with_every_curve(tmp_pa
     assert val_acc == [(h["epoch"], h["val_acc"]) for h in _history(state)] and len(val_acc) == 2
     losses = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "step/train_loss"))
     assert [s for s, _ in losses] == list(range(1, state["step"] + 1))  # one point per step, no gap, no repeat
-    assert losses == list(zip(state["steps"]["step"].tolist(), state["steps"]["train_loss"].tolist()))
+    assert losses == list(zip(state["steps"]["step"].tolist(), state["steps"]["train_loss"].tolist(), strict=True))
     assert run.data.metrics["objective"] == max(v for _, v in val_acc)
     # One MLflow run per attempt (sweeps run replaces a dead worker, so one invocation may make several);
     # every killed attempt's run is closed FAILED, only the finished one is FINISHED.

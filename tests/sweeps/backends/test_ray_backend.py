@@ -13,8 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.sweeps.backends.conftest import (kill_ray_processes, mlflow_client, run_cli, start_cli, study_runs,
-                                            write_spec)
+from tests.sweeps.backends.conftest import kill_ray_processes, mlflow_client, run_cli, start_cli, study_runs, write_spec
 
 pytestmark = pytest.mark.ray
 
@@ -79,8 +78,7 @@ def test_spec_refuses_what_ray_cannot_honour(tmp_path):
 
 
 def test_samplers_and_pruners_map_to_ray(tmp_path):
-    from ray.tune.schedulers import (ASHAScheduler, HyperBandScheduler, MedianStoppingRule,
-                                     PopulationBasedTraining)
+    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, MedianStoppingRule, PopulationBasedTraining
     from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
     from sweeps.backends.ray_search import make_scheduler, make_search

@@ -87,7 +87,7 @@ def test_tpe_past_its_startup_trials_draws_from_its_model_under_the_wrapper():
     # come from its Parzen estimators, so they differ.
     random_drawn = _params(studies["random"])
     assert drawn[:3] == random_drawn[:3]
-    assert all(d != r for d, r in zip(drawn[3:], random_drawn[3:]))
+    assert all(d != r for d, r in zip(drawn[3:], random_drawn[3:], strict=True))
 
 
 def test_cmaes_keeps_its_optimizer_across_fresh_inner_samplers():

@@ -9,8 +9,7 @@ import time
 import pytest
 
 from sweeps.errors import TrackingError
-from sweeps.tracking import MlflowTracker, RunHandle
-from sweeps.tracking import layout
+from sweeps.tracking import MlflowTracker, RunHandle, layout
 from sweeps.tracking.values import sanitize_key
 
 from .conftest import CountingClient, pick_free_port
