@@ -14,9 +14,10 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 from core.config import TrainConfig, apply_overrides
 from core.ddp_launch import TaskSpec, train_distributed
@@ -28,7 +29,7 @@ from core.train import train
 from sweeps.pool import ddp_processes, visible_gpu_count
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 
 TrialState = Literal["COMPLETE", "PRUNED", "FAIL", "INTERRUPTED"]
 PruneFn = Callable[[int, float], bool]
@@ -37,7 +38,8 @@ _ARTIFACT_DIRS = {
     "checkpoint_best": layout.ART_CHECKPOINT_DIR, "onnx": layout.ART_ONNX_DIR, "onnx_report": layout.ART_ONNX_DIR,
     "confusion_matrix": layout.ART_EVAL_DIR, "lr_finder": layout.ART_LR_FINDER_DIR,
 }
-_MLFLOW_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED", "INTERRUPTED": "KILLED"}
+_MLFLOW_STATUS: dict[str, RunStatus] = {
+    "COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED", "INTERRUPTED": "KILLED"}
 
 
 @dataclass

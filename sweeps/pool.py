@@ -19,10 +19,6 @@ from typing import cast
 
 from sweeps.errors import ResourcesError
 
-# A user's override of where trainers write to MLflow from (see tracking_writer_process).
-TRACKING_WRITER_VAR = "SWEEPS_TRACKING_WRITER"  # "process" or "inline": see tracking_writer_process
-
-
 # --------------------------------------------------------------------------- discovery
 
 
@@ -202,7 +198,6 @@ class WorkerSlot:
     index: int
     devices: tuple[int, ...]
     threads: int
-    writer_process: bool = False  # tracking store writes from a child process (tracking_writer_process)
 
     def env(self) -> dict[str, str]:
         """Environment to start the worker with. OPENBLAS_* is left alone on purpose:
@@ -259,35 +254,7 @@ def plan_workers(
     # would otherwise start one thread per core); with more workers than threads the
     # floor of 1 is the least oversubscription possible.
     per_worker = max(1, threads_total // n)
-    writer = tracking_writer_process(bool(devices), per_worker * n, threads_total)
-    return [WorkerSlot(i, _worker_devices(devices, k, slots, i), per_worker, writer) for i in range(n)]
-
-
-def tracking_writer_process(on_gpu: bool, training_threads: int, cpu_threads: int) -> bool:
-    """Whether trainers write to the tracking store from a child process
-    (``sweeps.tracking.writer``) rather than their own: when the trials leave a core for it.
-    On GPUs the trainer's CPU mostly feeds the device; on CPU, when the workers' threads
-    (``training_threads`` in all) leave some of the ``cpu_threads`` free. Where every core
-    trains, a writer process would take its CPU from training, and cost more than writing
-    inline (benchmarks/RESULTS.md, tracking overhead). ``SWEEPS_TRACKING_WRITER=process`` or
-    ``inline`` in the environment decides instead."""
-    forced = _writer_chosen_in_env()
-    return forced if forced is not None else on_gpu or training_threads < cpu_threads
-
-
-def worker_writes_from_a_process() -> bool:
-    """For a ``sweeps worker`` started by hand (``sweeps run`` decides for its own workers and
-    says so in their go): ``SWEEPS_TRACKING_WRITER`` if set, else the rule above for one worker
-    using every thread of this machine."""
-    forced = _writer_chosen_in_env()
-    if forced is not None:  # decided: no torch import for the GPU count
-        return forced
-    return tracking_writer_process(visible_gpu_count() > 0, cpu_threads_available(), cpu_threads_available())
-
-
-def _writer_chosen_in_env() -> bool | None:
-    value = os.environ.get(TRACKING_WRITER_VAR)
-    return value == "process" if value in ("process", "inline") else None
+    return [WorkerSlot(i, _worker_devices(devices, k, slots, i), per_worker) for i in range(n)]
 
 
 def _worker_devices(devices: list[int], k: int, slots: int, i: int) -> tuple[int, ...]:

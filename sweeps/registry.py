@@ -53,7 +53,7 @@ class Candidate:
     number: int
     run_id: str
     params: dict
-    value: float | None
+    value: float  # only trials with a finite value are candidates
     run: Any = None  # the mlflow Run
 
 
@@ -194,7 +194,7 @@ def build_model(reader: TrackingReader, spec, cand: Candidate, tmp: str):
     return model.cpu().float().eval(), task, resolved
 
 
-def example_inputs(task) -> "Any":
+def example_inputs(task) -> Any:
     """Real validation inputs (float32, N x C x H x W) when the task can load them, else
     seeded random inputs of the task's input shape."""
     import numpy as np

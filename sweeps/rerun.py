@@ -215,7 +215,8 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     # A pruned original stopped early: the rerun stops after the same epoch, so both trained alike.
     stop_after = (len([s for s in metric_curve(reader, original_id, metric) if s >= 1])
                   if tags.get(layout.TAG_PRUNED) == "true" else None)
-    reporter = TrialReporter(tracker, run, metric, lambda epoch, value: bool(stop_after) and epoch >= stop_after,
+    limit = stop_after or 0
+    reporter = TrialReporter(tracker, run, metric, lambda epoch, value: limit > 0 and epoch >= limit,
                              threading.Event())
     out_dir = Path(out_root) / safe_component(study, "study name") / "reruns" / run.run_id
     if console is not None:
@@ -298,7 +299,7 @@ def rerun_seeds(tracker: MlflowTracker, original_id: str, seeds: list[int], cons
     except BaseException:
         tracker.end_run(run, "FAILED")
         raise
-    mean, std = seed_statistics([o.objective for o in outcomes])
+    mean, std = seed_statistics([math.nan if o.objective is None else o.objective for o in outcomes])
     summary = {"run_id": run.run_id, "metric": metric, "direction": direction, "seeds": seeds,
                "values": {o.seed: o.objective for o in outcomes}, "mean": mean, "std": std,
                "original": original_value, "rerun_run_ids": {o.seed: o.run_id for o in outcomes}}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from sweeps.backends.base import StudyResult
 from sweeps.spec import StudySpec, dump_spec_dict
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.reader import TrackingReader
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def update_parent_best(tracker: MlflowTracker, parent: RunHandle, result: StudyR
     counts = {**dict.fromkeys(TRIAL_STATES_COUNTED, 0), **result.counts()}
     metrics = {f"trials_{state.lower()}": float(n) for state, n in counts.items()}
     tags = {}
-    if best is not None:
+    if best is not None and best.value is not None:  # best() only picks trials with a value
         metrics["best_value"] = float(best.value)
         tags = {layout.TAG_BEST_TRIAL: best.number, layout.TAG_BEST_RUN_ID: best.run_id or ""}
     step = len(result.finished())
@@ -114,7 +114,7 @@ def update_parent_best(tracker: MlflowTracker, parent: RunHandle, result: StudyR
     tracker.flush(parent)
 
 
-def parent_status(result: StudyResult, exit_code: int) -> str:
+def parent_status(result: StudyResult, exit_code: int) -> RunStatus:
     """FINISHED when the invocation ended normally (budget met or timeout), KILLED after a
     signal, FAILED when it stopped on errors (max_failures, crashed workers)."""
     if exit_code in (130, 143):

@@ -93,6 +93,12 @@ def stale_trial_callback(study: optuna.Study) -> Callable[[optuna.Study, FrozenT
     return _heartbeat_storage(study).get_heartbeat_stale_trial_callback()
 
 
+def record_heartbeat(study: optuna.Study, trial_id: int) -> None:
+    """Records that ``trial_id`` is alive, as ``Study.optimize`` does for its own trials; a
+    worker that runs trials through ask/tell must do it itself."""
+    _heartbeat_storage(study).record_heartbeat(trial_id)
+
+
 def _heartbeat_storage(study: optuna.Study) -> BaseHeartbeat:
     """The storage of a heartbeat-enabled study (``RDBStorage`` or the cache around it), as
     Optuna's heartbeat interface."""

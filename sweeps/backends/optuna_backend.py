@@ -62,7 +62,8 @@ class OptunaBackend:
 
                 run_study_lr_finder(spec, study, tracker, parent)
             started = time.time()
-            deadline = started + spec.timeout_seconds() if spec.timeout_seconds() else None
+            timeout = spec.timeout_seconds()
+            deadline = started + timeout if timeout else None
             view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered)
             if optuna_study.budget_left(study, spec.budget.n_trials) <= 0 and not study.get_trials(
                     deepcopy=False, states=(TrialState.RUNNING,)):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import optuna
-from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from sweeps import search_space as ss
@@ -57,7 +57,8 @@ class _Signals:
 
 
 def trial_dir(spec: StudySpec, study_name: str, number: int) -> Path:
-    base = spec.journal_path().parent if spec.journal_path() else Path("runs")
+    journal = spec.journal_path()
+    base = journal.parent if journal is not None else Path("runs")
     return base / study_name / f"trial-{number:04d}"
 
 
@@ -142,7 +143,7 @@ def join_study(spec: StudySpec, worker_index: int, wait_s: float,
             if said:
                 log.warning("study %r found; joining it", study.study_name)
             return study
-        what = missing or f"study {study.study_name!r} has no MLflow parent run yet"
+        what = missing or f"study {spec.name!r} has no MLflow parent run yet"
         if time.monotonic() >= give_up:
             waited = f" after waiting {wait_s:.0f} s" if wait_s > 0 else ""
             raise StudyStateError(f"{what} in {where}{waited}. Workers join a study that `sweeps run` "
@@ -169,7 +170,8 @@ def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None
         if optuna_study.current_study_name(storage, spec.name) is None:
             return None, f"study {spec.name!r} does not exist yet"
     finally:
-        storage.engine.dispose()  # polled every 2 s: do not pile up connection pools
+        if isinstance(storage, RDBStorage):  # polled every 2 s: do not pile up connection pools
+            storage.engine.dispose()
     return optuna_study.open_study(spec, worker_index=worker_index, create=False), ""
 
 
@@ -282,14 +284,14 @@ def _heartbeat(study: optuna.Study, trial: optuna.Trial, beat_file: Path | None)
     """Called by the trial about once a second: touches the worker's beat file (the local
     orchestrator stops a trial with no progress for budget.trial_timeout) and, on RDB
     storage, records Optuna's heartbeat so other machines can tell this worker is alive."""
-    storage, trial_id = optuna_adapter.storage_of(study), optuna_adapter.trial_id_of(trial)
+    trial_id = optuna_adapter.trial_id_of(trial)
     rdb = optuna_adapter.heartbeat_enabled(study)
 
     def beat() -> None:
         if beat_file is not None:
             beat_file.touch()
         if rdb:
-            storage.record_heartbeat(trial_id)
+            optuna_adapter.record_heartbeat(study, trial_id)
 
     beat()
     return beat

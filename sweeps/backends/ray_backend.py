@@ -40,10 +40,16 @@ from sweeps.backends.ray_trainable import (
 from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec
-from sweeps.study_run import (find_or_create_parent, parent_status, reader_for, tracker_for, update_parent_best,
-                              write_summary)
+from sweeps.study_run import (
+    find_or_create_parent,
+    parent_status,
+    reader_for,
+    tracker_for,
+    update_parent_best,
+    write_summary,
+)
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.reader import TrackingReader
 
 log = logging.getLogger("sweeps")
@@ -276,6 +282,7 @@ def settle_runs(tracker: Tracker, reader: TrackingReader, result: StudyResult) -
             continue  # finished in MLflow even if Ray had not recorded it yet (a driver crash)
         tags, status = run.data.tags, run.info.status
         handle = RunHandle(run.info.run_id, run.info.experiment_id, run.info.run_name or "")
+        want: RunStatus
         drop: tuple[str, ...]  # tags to remove
         if t.state == "PRUNED":
             want, new_tags, drop = "KILLED", {layout.TAG_STATE: "PRUNED", layout.TAG_PRUNED: "true"}, ()

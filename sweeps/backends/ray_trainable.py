@@ -31,9 +31,10 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
 from sweeps.spec import StudySpec
@@ -126,7 +127,7 @@ def make_trainable(ctx: TrialContext):
     def sweeps_trial(config: dict) -> None:
         run_ray_trial(config, ctx)
 
-    sweeps_trial.__mixins__ = (TrialActorMixin,)
+    sweeps_trial.__mixins__ = (TrialActorMixin,)  # type: ignore[attr-defined]  # read by Ray's wrap_function
     return sweeps_trial
 
 
@@ -198,7 +199,7 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
         clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
 
     tracker = ContinuingTracker(_tracker(spec), existing)
-    state = {"stopped": False, "best": None, "run_id": existing.run_id if existing else None}
+    state: dict[str, Any] = {"stopped": False, "best": None, "run_id": existing.run_id if existing else None}
 
     def base_metrics(epoch: int, value: float) -> dict:
         best = state["best"]
@@ -232,7 +233,7 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
         raise RuntimeError(f"trial {number} failed: {outcome.reason}")
     history = outcome.result.history if outcome.result is not None else []
     last = history[-1] if history else None
-    metrics = base_metrics(last["epoch"], last[objective]) if last else {
+    metrics = base_metrics(int(last["epoch"]), last[objective]) if last else {
         "epoch": 0, objective: math.nan, R_OBJECTIVE: math.nan, R_NUMBER: number, R_RUN_ID: state["run_id"] or ""}
     metrics.update({R_DONE: 1, R_STATE: outcome.state, R_REASON: outcome.reason or "",
                     R_VALUE: math.nan if outcome.value is None else float(outcome.value)})

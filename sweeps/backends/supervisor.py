@@ -18,9 +18,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
@@ -250,6 +250,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker"]
         proc = subprocess.Popen(cmd, env={**os.environ, **slot.env()}, stdin=subprocess.PIPE, text=True,
                                 preexec_fn=_die_with_parent)
+        assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.write(self.go_for(slot, beat).to_line())
             proc.stdin.close()

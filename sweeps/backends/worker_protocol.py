@@ -30,7 +30,7 @@ class WorkerGo:
         return json.dumps(asdict(self)) + "\n"
 
     @classmethod
-    def from_line(cls, line: str) -> "WorkerGo":
+    def from_line(cls, line: str) -> WorkerGo:
         """Parse one line; raises ValueError naming what is missing or unexpected."""
         data = json.loads(line)
         names = {f.name for f in fields(cls)}

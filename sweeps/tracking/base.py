@@ -20,9 +20,10 @@ is the life of the object behind a Tracker (``MlflowTracker.check_connection``, 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 RUN_STATUSES: tuple[str, ...] = ("FINISHED", "FAILED", "KILLED")

@@ -15,8 +15,9 @@ import os
 import posixpath
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from sweeps.errors import TrackingError
 from sweeps.safe_names import safe_component, safe_subpath
@@ -24,9 +25,9 @@ from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.send import drain, is_transient, send_records
 from sweeps.tracking.spool import Spool
-from sweeps.tracking.values import clean_key, param_values, tag_values
 from sweeps.tracking.store_errors import disk_full_error, disk_full_raised, short_reason, store_folder
 from sweeps.tracking.sync import apply_fast_fail_http_defaults, check_store, is_http_uri, sync_command
+from sweeps.tracking.values import clean_key, param_values, tag_values
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class MlflowTracker:
         self._buffer: dict[str, list[list[Any]]] = {}
         self._n_buffered = 0
         self._last_flush = time.monotonic()
-        self._metric_keys: dict[str, str] = {}
+        self._metric_keys: dict[object, str] = {}
         self._down_until = 0.0  # monotonic time before which we do not try the store
         self._down_reason = ""
         # Runs this tracker spooled for: sent as soon as the store answers again, even

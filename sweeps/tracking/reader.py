@@ -8,8 +8,9 @@ opens a writer with its buffer and spool.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from sweeps.errors import RunLookupError
 from sweeps.tracking.base import RunHandle

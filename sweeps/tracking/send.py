@@ -7,9 +7,10 @@ Used by ``MlflowTracker`` for every write, and by ``drain`` for what waited in t
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from sweeps.tracking.spool import Spool
 
@@ -173,7 +174,7 @@ def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
     by one (a param whose value changed on resume must not take the others with it)."""
     from mlflow.entities import Metric, Param, RunTag
 
-    groups = {
+    groups: dict[str, list[Any]] = {
         "metrics": [Metric(r[1], float(r[2]), int(r[3]), int(r[4])) for r in chunk if r[0] == "m"],
         "params": [Param(r[1], r[2]) for r in chunk if r[0] == "p"],
         "tags": [RunTag(r[1], r[2]) for r in chunk if r[0] == "t"],

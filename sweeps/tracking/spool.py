@@ -35,8 +35,9 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from sweeps.safe_names import safe_component, safe_subpath
 

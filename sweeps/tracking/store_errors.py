@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from core.diskfull import describe_disk_full
 from sweeps.errors import TrackingDiskFullError

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.tracking.send import drain, is_transient
@@ -238,8 +239,9 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
             # A run the store does not know means the wrong --uri: every write would be
             # refused and dropped, so keep the spool and say so instead.
             client.get_run(run_id)
-        except Exception as exc:
-            reason = f"run {run_id} not found at {tracking_uri} ({str(exc).splitlines()[0]}): is --uri the store the sweep used?"
+        except Exception as exc:  # noqa: BLE001 - whatever the store answers, this run cannot be synced there
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            reason = f"run {run_id} not found at {tracking_uri} ({first}): is --uri the store the sweep used?"
             result["failed"][run_id] = reason
             log.error("%s; its spool is kept", reason)
             continue

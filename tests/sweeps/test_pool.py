@@ -182,34 +182,6 @@ def test_worker_env_leaves_openblas_alone():
     assert plan_workers([], 1, 1, 2)[0].env()["CUDA_VISIBLE_DEVICES"] == ""
 
 
-@pytest.mark.parametrize("devices, workers, threads, writer", [
-    ([], 1, 2, False),  # one worker's two threads train on both cores: writing inline is cheaper
-    ([], 2, 2, False),
-    ([], 1, 4, False),
-    ([], 2, 5, True),  # 2 x 2 threads train, a core is left over
-    ([0], 1, 2, True),  # on a GPU the trainer's CPU mostly feeds the device
-    ([0, 1], 2, 2, True),
-])
-def test_trainers_write_from_a_process_when_a_core_is_left_for_it(devices, workers, threads, writer, monkeypatch):
-    monkeypatch.delenv("SWEEPS_TRACKING_WRITER", raising=False)
-    slots = plan_workers(devices, 1, workers, threads)
-    assert {s.writer_process for s in slots} == {writer}
-    monkeypatch.setenv("SWEEPS_TRACKING_WRITER", "inline" if writer else "process")  # the user's choice wins
-    assert {s.writer_process for s in plan_workers(devices, 1, workers, threads)} == {not writer}
-
-
-def test_a_worker_started_by_hand_follows_the_users_choice_else_decides_alone(monkeypatch):
-    monkeypatch.setenv("SWEEPS_TRACKING_WRITER", "process")
-    assert pool_mod.worker_writes_from_a_process()
-    monkeypatch.setenv("SWEEPS_TRACKING_WRITER", "inline")
-    assert not pool_mod.worker_writes_from_a_process()
-    monkeypatch.delenv("SWEEPS_TRACKING_WRITER")  # `sweeps worker` by hand, all threads, no GPU
-    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 0)
-    assert not pool_mod.worker_writes_from_a_process()
-    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 1)
-    assert pool_mod.worker_writes_from_a_process()
-
-
 def test_plan_workers_default_threads_from_machine():
     slots = plan_workers([], 1, "auto")
     assert sum(s.threads for s in slots) <= max(cpu_threads_available(), len(slots))
