@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from benchmarks.common import RESULTS_DIR as RESULTS
-from benchmarks.common import ROOT, Context, bench_main, error_row, make_row, stats
+from benchmarks.common import ROOT, Context, error_row, make_row, stats
 from benchmarks.sweeps_runs import sweeps_env
 
 NAME = "gpu"
@@ -129,10 +129,3 @@ def run(ctx: Context) -> dict:
         "details": {"gpu_check": check, "gpu_bench": bench},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import statistics
 
-from benchmarks.common import ROOT, Context, arm, bench_main, make_row, stats
+from benchmarks.common import ROOT, Context, arm, make_row, stats
 
 NAME = "lr_finder"
 TITLE = "LR range test: cost in epochs, and val accuracy at its suggestion vs the best of an lr grid"
@@ -127,10 +127,3 @@ def run(ctx: Context) -> dict:
         "details": {},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,7 +14,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import Context, arm, bench_main, make_row, paired_ratio
+from benchmarks.common import Context, arm, make_row, paired_ratio
+from core.onnx_export import median_ms
 
 NAME = "onnx_latency"
 TITLE = "ONNX Runtime vs PyTorch eager inference latency (CPU, batch 1 and 64)"
@@ -25,24 +26,15 @@ MODELS = {
 }
 
 
-def _block_ms(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
-
-
 def _torch_block_ms(model, x, calls: int) -> float:
     import torch
 
     with torch.inference_mode():
-        return _block_ms(lambda: model(x), calls)
+        return median_ms(lambda: model(x), calls)
 
 
 def _ort_block_ms(session, arr, calls: int) -> float:
-    return _block_ms(lambda: session.run(["logits"], {"input": arr}), calls)
+    return median_ms(lambda: session.run(["logits"], {"input": arr}), calls)
 
 
 def run(ctx: Context) -> dict:
@@ -126,10 +118,3 @@ def run(ctx: Context) -> dict:
         "details": {"exports": exports},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.common import Context, arm, bench_main, error_row, make_row, paired_ratio, stats
+from benchmarks.common import Context, arm, error_row, make_row, paired_ratio, stats
 from benchmarks.sweeps_runs import mlflow_trials, python_start_s, run_sweeps, tiny_spec, write_spec
 
 NAME = "orchestration"
@@ -145,10 +145,3 @@ def run(ctx: Context) -> dict:
         "details": {"runs": runs, "worker_imports_s": imports_s},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

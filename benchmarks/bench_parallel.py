@@ -19,7 +19,7 @@ import time
 
 import yaml
 
-from benchmarks.common import ROOT, Context, arm, bench_main, error_row, make_row, paired_ratio, stats
+from benchmarks.common import ROOT, Context, arm, error_row, make_row, paired_ratio, stats
 from benchmarks.sweeps_runs import mlflow_trials, run_sweeps, tiny_spec, write_spec
 
 NAME = "parallel"
@@ -126,10 +126,3 @@ def run(ctx: Context) -> dict:
         "details": {"runs": runs},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

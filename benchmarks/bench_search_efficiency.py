@@ -25,7 +25,7 @@ import time
 
 import yaml
 
-from benchmarks.common import ROOT, Context, arm, bench_main, error_row, make_row, stats
+from benchmarks.common import ROOT, Context, arm, error_row, make_row, stats
 from benchmarks.sweeps_runs import optuna_study, start_sweeps, wait_sweeps, write_spec
 
 NAME = "search_efficiency"
@@ -185,10 +185,3 @@ def run(ctx: Context) -> dict:
         "details": {"per_seed": per_seed, "pruners": arms},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

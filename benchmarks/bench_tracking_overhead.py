@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.common import Context, arm, bench_main, make_row, paired_ratio, stats
+from benchmarks.common import Context, arm, make_row, paired_ratio, stats
 from benchmarks.hand_loop import HandStepper, Lockstep
 
 NAME = "tracking_overhead"
@@ -300,10 +300,3 @@ def run(ctx: Context) -> dict:
         "details": {"checks": checks},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Where ``core.train()`` loses time against the hand loop, measured inside the real loop.
 
 A diagnostic for benchmark 1 (not in the default suite; ``python -m benchmarks.run_all --only
-trainer_ladder`` or ``python -m benchmarks.bench_trainer_ladder``). The per-step costs in
+trainer_ladder`` or ``python -m benchmarks trainer_ladder``). The per-step costs in
 ``trainer_overhead`` are timed in isolation; this one takes pieces out of the real
 ``core.train()`` one at a time (by patching them for the run, core's code is not changed) and
 measures each variant in lockstep with the hand loop (``benchmarks/hand_loop.py``):
@@ -21,7 +21,7 @@ import time
 from contextlib import ExitStack
 from unittest import mock
 
-from benchmarks.common import Context, bench_main, make_row, stats
+from benchmarks.common import Context, make_row, stats
 
 NAME = "trainer_ladder"
 TITLE = "Trainer overhead, located: core.train() with its per-step extras removed one at a time"
@@ -113,10 +113,3 @@ def run(ctx: Context) -> dict:
         "details": {},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

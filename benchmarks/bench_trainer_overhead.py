@@ -28,7 +28,7 @@ import contextlib
 import statistics
 import time
 
-from benchmarks.common import Context, alternate, arm, bench_main, make_row, paired_ratio, stats
+from benchmarks.common import Context, alternate, arm, make_row, paired_ratio, stats
 from benchmarks.hand_loop import HandStepper, Lockstep, StepClock, hand_loop
 
 NAME = "trainer_overhead"
@@ -381,10 +381,3 @@ def run(ctx: Context) -> dict:
         "details": {"breakdown": details},
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    return bench_main(NAME, TITLE, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -48,7 +48,7 @@ RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
 SCHEMA_VERSION = 1
 VERSION_PACKAGES = ("torch", "torchvision", "optuna", "mlflow", "ray", "onnxruntime", "onnx", "numpy")
 
-if str(ROOT) not in sys.path:  # `python benchmarks/bench_x.py` works like `python -m benchmarks.bench_x`
+if str(ROOT) not in sys.path:  # the benchmarks import `core` and `sweeps` from this checkout
     sys.path.insert(0, str(ROOT))
 
 
@@ -365,19 +365,30 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def bench_main(name: str, title: str, run: Callable[[Context], dict], argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.bench_<name> [--quick] [--repeats N] [--out PATH]``: always exit 0
+def bench_main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks NAME [--quick] [--repeats N] [--out PATH]``: run the benchmark in
+    ``benchmarks/bench_NAME.py`` (its ``NAME``, ``TITLE`` and ``run(ctx)``) alone; always exit 0
     once a result file is written (a benchmark reports, it never fails)."""
-    p = argparse.ArgumentParser(prog=f"benchmarks.bench_{name}", description=title)
+    import importlib
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description="run one benchmark alone")
+    p.add_argument("name", help="the benchmark: benchmarks/bench_NAME.py (e.g. tracking_overhead)")
+    p.add_argument("--module", default=None, help="import the benchmark from this module instead (tests)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (checks the code path)")
     p.add_argument("--repeats", type=int, default=None, help="override the number of measured repeats")
-    p.add_argument("--out", type=Path, default=None, help=f"result JSON (default benchmarks/results/{name}.json)")
+    p.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/NAME.json)")
     p.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a new temp folder)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="soft time budget in seconds: optional repeats are dropped to stay within it")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=JSON",
                    help="benchmark option, e.g. --opt 'cases=[\"digits_cnn\"]' (repeatable)")
     a = p.parse_args(argv)
+    try:
+        module = importlib.import_module(a.module or f"benchmarks.bench_{a.name}")
+    except ModuleNotFoundError:
+        p.error(f"no benchmark {a.name!r}: benchmarks are " + ", ".join(
+            sorted(f.stem.removeprefix("bench_") for f in Path(__file__).parent.glob("bench_*.py"))))
+    name, title, run = module.NAME, module.TITLE, module.run
     options = {}
     for item in a.opt:
         key, _, value = item.partition("=")

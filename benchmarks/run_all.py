@@ -72,7 +72,7 @@ class Job:
 
     def __init__(self, name: str, out: Path, quick: bool, repeats: int | None, timeout_s: float, extra: list[str],
                  log_path: Path | None, budget_s: float | None = None, module: str | None = None) -> None:
-        cmd = [sys.executable, "-m", module or f"benchmarks.bench_{name}", "--out", str(out)]
+        cmd = [sys.executable, "-m", "benchmarks", name, "--out", str(out)] + (["--module", module] if module else [])
         cmd += ["--quick"] if quick else []
         if repeats is not None:
             cmd += ["--repeats", str(repeats)]

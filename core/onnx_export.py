@@ -259,20 +259,22 @@ def _latency_ms(model: nn.Module, session, batch: torch.Tensor, runs: int) -> tu
     """Median wall time in ms of one forward in PyTorch eager and in onnxruntime (after a warm-up)."""
     runs = max(1, runs)
     arr = batch.numpy()
-
-    def median_ms(fn) -> float:
-        fn()  # warm-up: first calls allocate and pick kernels
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1000.0)
-        return statistics.median(times)
-
     with torch.inference_mode():
-        torch_ms = median_ms(lambda: model(batch))
-    ort_ms = median_ms(lambda: _run_ort(session, arr))
+        model(batch)  # warm-up: first calls allocate and pick kernels
+        torch_ms = median_ms(lambda: model(batch), runs)
+    _run_ort(session, arr)
+    ort_ms = median_ms(lambda: _run_ort(session, arr), runs)
     return torch_ms, ort_ms
+
+
+def median_ms(fn, calls: int) -> float:
+    """Median wall time in ms of ``calls`` calls of ``fn`` (also the latency benchmark's measure)."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
 
 
 def _publish(tmp_dir: Path, path: Path) -> None:

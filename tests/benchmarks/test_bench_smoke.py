@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from benchmarks import bench_onnx_latency, bench_tracking_overhead, bench_trainer_overhead
-from benchmarks.common import ROOT, stats
+from benchmarks.common import ROOT, bench_main, stats
 from benchmarks.run_all import BENCHMARKS, collect, render
 
 pytestmark = pytest.mark.slow
@@ -48,14 +47,14 @@ def check_schema(result: dict, name: str) -> None:
 
 def test_onnx_latency_and_tracking_overhead_quick(tmp_path):
     out = tmp_path / "results"
-    assert bench_onnx_latency.main(["--quick", "--out", str(out / "onnx_latency.json"),
+    assert bench_main(["onnx_latency", "--quick", "--out", str(out / "onnx_latency.json"),
                                     "--opt", 'models=["digits_cnn"]', "--opt", "batches=[1]"]) == 0
     onnx = json.loads((out / "onnx_latency.json").read_text())
     check_schema(onnx, "onnx_latency")
     assert [r["case"] for r in onnx["rows"]] == ["digits_cnn batch 1"]
     assert onnx["details"]["exports"]["digits_cnn"]["parity_passed"] is True
 
-    assert bench_tracking_overhead.main(["--quick", "--out", str(out / "tracking_overhead.json"),
+    assert bench_main(["tracking_overhead", "--quick", "--out", str(out / "tracking_overhead.json"),
                                          "--opt", 'case={"epochs": 1, "max_steps": 3}']) == 0
     tracking = json.loads((out / "tracking_overhead.json").read_text())
     check_schema(tracking, "tracking_overhead")
@@ -79,7 +78,7 @@ def test_onnx_latency_and_tracking_overhead_quick(tmp_path):
 
 def test_trainer_overhead_quick_measures_in_lockstep_and_whole_runs(tmp_path):
     out = tmp_path / "trainer_overhead.json"
-    assert bench_trainer_overhead.main(["--quick", "--out", str(out), "--opt", 'cases=["digits_cnn"]']) == 0
+    assert bench_main(["trainer_overhead", "--quick", "--out", str(out), "--opt", 'cases=["digits_cnn"]']) == 0
     result = json.loads(out.read_text())
     check_schema(result, "trainer_overhead")
     paced, whole = result["rows"]
@@ -148,6 +147,7 @@ def test_gpu_section_reports_the_stored_device_results_as_not_measured_here(tmp_
 
 def test_trainer_overhead_lockstep_with_tracked_runs_only(tmp_path):
     """ResNet-18's lockstep setting (its runs all tracked) on the digits CNN's tiny sizes."""
+    from benchmarks import bench_trainer_overhead
     from benchmarks.common import Context
     from benchmarks.sweeps_runs import TrackingStore
 
@@ -165,7 +165,9 @@ def test_trainer_overhead_lockstep_with_tracked_runs_only(tmp_path):
 
 STALLING_BENCH = '''
 import time
-from benchmarks.common import arm, bench_main, make_row, paired_ratio
+from benchmarks.common import arm, make_row, paired_ratio
+
+NAME, TITLE = "stalling", "A benchmark that stalls"
 
 def run(ctx):
     rows = [make_row("first case", metric="s", baseline=arm("a", [1.0, 1.2]), candidate=arm("b", [2.0, 2.2]),
@@ -173,9 +175,6 @@ def run(ctx):
     ctx.keep(rows)
     while True:  # the second case never ends: the suite stops it at its time limit
         time.sleep(1)
-
-if __name__ == "__main__":
-    raise SystemExit(bench_main("stalling", "A benchmark that stalls", run))
 '''
 
 

@@ -42,8 +42,9 @@ def _admin_connection():
 def pg_admin():
     conn, user_or_reason = _admin_connection()
     if conn is None:
-        pytest.skip(f"needs PostgreSQL on {PG_HOST}:{PG_PORT} with trust authentication for user postgres or "
-                    f"root: {user_or_reason}")
+        pytest.fail(f"needs PostgreSQL on {PG_HOST}:{PG_PORT} with trust authentication for user postgres or "
+                    f"root: {user_or_reason}. Start it (.ci/run does: see its PostgreSQL step), or run "
+                    "`make test-fast`, which leaves the scale-out tests out", pytrace=False)
     yield conn, user_or_reason
     conn.close()
 
