@@ -1,8 +1,11 @@
-"""Task: the model and the data for one set of hyperparameters.
+"""Task: what is specific to one problem -- the model, the data, the loss, the metrics and how
+the trained model is called -- for one set of hyperparameters.
 
-A task knows nothing about loops, devices or sweeps. ``core.train`` calls
-``build_model()`` and ``datasets()`` once per run, after seeding, so a task that
-initialises weights randomly is reproducible from the run's seed.
+A task knows nothing about loops, devices or sweeps. ``core.train`` calls ``build_model()``,
+``datasets()``, ``make_loss()`` and ``metrics()`` once per run, after seeding, so a task that
+initialises weights randomly is reproducible from the run's seed. The defaults are those of
+image classification (cross-entropy, accuracy, argmax), so a classification task only gives its
+model and data; a task of another shape overrides the loss, the metrics and ``postprocess``.
 """
 from __future__ import annotations
 
@@ -13,8 +16,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a model or data is built, not to name or check a task
+    import torch
     from torch import nn
     from torch.utils.data import Dataset
+    from torchmetrics import Metric
+
+    from core.config import TrainConfig
+
+Loss = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]  # (model output, target) -> scalar
 
 
 class TaskError(ValueError):
@@ -22,20 +31,60 @@ class TaskError(ValueError):
 
 
 class Task:
-    """Base class of every task. Subclasses set ``name``, ``models`` and ``num_classes``."""
+    """Base class of every task. Subclasses set ``name``, ``models`` and (classification)
+    ``num_classes``; they give ``build_model`` and ``datasets`` and, for a problem that is not
+    classification, ``make_loss``, ``metrics`` and ``postprocess``."""
 
     name: str = "task"
     models: tuple[str, ...] = ()
-    num_classes: int = 0
-    input_shape: tuple[int, ...] = ()  # one sample's shape (C, H, W); used for ONNX export
+    num_classes: int = 0  # classification: the default loss, metrics and confusion matrix use it
+    input_shape: tuple[int, ...] = ()  # one sample's model-input shape (e.g. C, H, W); used for ONNX export
+    # One sentence for the registered model's description: what a caller passes and gets back.
+    input_contract: str = ""
 
     def build_model(self) -> nn.Module:
         """Return a fresh, randomly initialised (or locally pretrained) model. Called once per run."""
         raise NotImplementedError
 
     def datasets(self) -> tuple[Dataset, Dataset]:
-        """Return ``(train, val)`` datasets yielding ``(input_tensor, int_label)``. Called once per run."""
+        """Return ``(train, val)`` datasets yielding ``(model_input, target)`` pairs (for
+        classification the target is the class index). Called once per run."""
         raise NotImplementedError
+
+    def make_loss(self, cfg: TrainConfig) -> Loss:
+        """The training loss: ``loss(model_output, target)`` returns a scalar tensor, averaged over
+        the batch. Called once per run; also reported as ``train_loss`` and ``val_loss``.
+        Default: cross-entropy with ``cfg.label_smoothing``."""
+        from torch import nn
+
+        return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+    def metrics(self) -> dict[str, Metric]:
+        """Fresh torchmetrics metrics, each reported as ``val_<name>`` after every epoch and usable
+        as the study's ``objective.metric``; each metric's ``higher_is_better`` is its direction.
+        They are updated on every validation batch with ``(postprocess(output), target)``, so they
+        judge the predictions users get. Called once per run. Default: accuracy (``val_acc``)."""
+        from torchmetrics.classification import MulticlassAccuracy
+
+        return {"acc": MulticlassAccuracy(num_classes=self.num_classes, average="micro")}
+
+    def preprocess(self, natural: torch.Tensor) -> torch.Tensor:
+        """From natural input (what a user of the registered model has, e.g. raw pixel values) to
+        a model-input batch. Called by the registered model before the forward pass; ``datasets()``
+        yields what it returns. Default: unchanged (as float32)."""
+        return natural.float()
+
+    def postprocess(self, output: torch.Tensor) -> torch.Tensor:
+        """From a model-output batch to predictions in the target's terms (a class index, a value
+        in the target's units, a mask). Called by the metrics and by the registered model after
+        the forward pass. Default: the argmax class index."""
+        return output.argmax(dim=1)
+
+    def natural_examples(self, n: int) -> torch.Tensor | None:
+        """Up to ``n`` validation inputs in natural units (what ``preprocess`` takes), for the
+        registered model's input example and signature; None when the task has none to give (the
+        registered model then takes model inputs). Called by ``sweeps promote``."""
+        return None
 
     def backbone(self, model: nn.Module) -> nn.Module | None:
         """The pretrained part of ``model`` (own learning rate, optional freeze phase), or None."""
