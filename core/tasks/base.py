@@ -161,7 +161,7 @@ def task_names() -> list[str]:
 
 def _load_builtins() -> None:
     # Imported lazily so `import core` stays cheap and torchvision is loaded only when needed.
-    from core.tasks import cifar10, digits, imagefolder, synthetic  # noqa: F401
+    from core.tasks import cifar10, diabetes, digits, imagefolder, shapes, synthetic  # noqa: F401
 
 
 def _from_entry_point(name: str) -> TaskFactory:

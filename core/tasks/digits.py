@@ -3,24 +3,20 @@
 Nothing is downloaded. The train/val split is stratified and fixed by ``split_seed``
 (not by the run seed), so every trial of a study validates on the same images.
 
-The images and the split are cached in a small ``.npz`` (``SWEEPS_CACHE_DIR``, else
-``$XDG_CACHE_HOME/sweeps``, else ``~/.cache/sweeps``), keyed by scikit-learn's version:
-importing scikit-learn costs every fresh worker process more CPU time than a short trial
-trains (benchmarks/README.md, orchestration). Without a usable cache folder, scikit-learn is
-used every time.
+The images and the split are cached in a small ``.npz`` (``core/tasks/array_cache.py``:
+``SWEEPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/sweeps``, else ``~/.cache/sweeps``), keyed by
+scikit-learn's version: importing scikit-learn costs every fresh worker process more CPU time
+than a short trial trains (benchmarks/README.md, orchestration). Without a usable cache folder,
+scikit-learn is used every time.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
-import os
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from core.io_utils import atomic_write_bytes
+from core.tasks.array_cache import cached_arrays, is_split, sklearn_cache_file
 from core.tasks.base import Task, check_model_name, register
 
 if TYPE_CHECKING:
@@ -71,37 +67,15 @@ class DigitsTask(Task):
 
 def split_cache_file(val_fraction: float, split_seed: int) -> Path | None:
     """Where the split for these arguments is cached; None without scikit-learn's metadata."""
-    try:
-        version = importlib.metadata.version("scikit-learn")  # reads metadata: no import
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    root = os.environ.get("SWEEPS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sweeps")
-    return Path(root) / "digits" / f"split-sklearn{version}-val{val_fraction!r}-seed{split_seed}.npz"
+    return sklearn_cache_file("digits", "split", f"val{val_fraction!r}-seed{split_seed}")
 
 
 def load_split(val_fraction: float, split_seed: int) -> tuple[np.ndarray, ...]:
     """``(images, labels, train indices, val indices)``: images as uint8 in [0, 16], N x 8 x 8,
     exactly what ``load_digits`` and a stratified ``train_test_split`` give, from the cache
     when it holds a sound copy, else computed with scikit-learn and cached."""
-    path = split_cache_file(val_fraction, split_seed)
-    if path is not None:
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays: tuple[np.ndarray, ...] = z["images"], z["labels"], z["train"], z["val"]
-            if _sound(*arrays):
-                return arrays
-        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
-            pass  # absent or damaged: computed again below and the file replaced
-    arrays = _split_with_sklearn(val_fraction, split_seed)
-    if path is not None:
-        # Atomic, so concurrent workers (or DDP ranks) never read half a file. A cache that
-        # cannot be written (a read-only home) is not an error: the next run computes it again.
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, lambda fh: np.savez(fh, images=arrays[0], labels=arrays[1],
-                                                         train=arrays[2], val=arrays[3]))
-    return arrays
+    return cached_arrays(split_cache_file(val_fraction, split_seed), ("images", "labels", "train", "val"),
+                         lambda: _split_with_sklearn(val_fraction, split_seed), _sound)
 
 
 def _split_with_sklearn(val_fraction: float, split_seed: int) -> tuple[np.ndarray, ...]:
@@ -120,9 +94,7 @@ def _sound(images: np.ndarray, labels: np.ndarray, train: np.ndarray, val: np.nd
     index tensors) that split 0..N-1 into train and val."""
     n = len(images)
     return (n > 0 and images.shape == (n, 8, 8) and images.dtype == np.uint8 and labels.shape == (n,)
-            and int(labels.min()) >= 0 and int(labels.max()) < DigitsTask.num_classes
-            and train.dtype.kind == val.dtype.kind == "i"
-            and np.array_equal(np.sort(np.concatenate([train, val])), np.arange(n)))
+            and int(labels.min()) >= 0 and int(labels.max()) < DigitsTask.num_classes and is_split(n, train, val))
 
 
 @register("digits")
