@@ -37,12 +37,13 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
     if result.checkpoint_best is not None:
         reporter.log_artifact(result.checkpoint_best, "checkpoint_best")
 
-    loader = DataLoader(val_ds, batch_size=max(cfg.batch_size, 64), shuffle=False)
-    matrix, per_class = confusion_matrix(model, loader, task.num_classes, device)
-    result.confusion_matrix, result.per_class_acc = matrix, per_class
-    cm_path = out / "confusion_matrix.json"
-    save_json_atomic({"matrix": matrix, "per_class_acc": per_class}, cm_path)
-    reporter.log_artifact(cm_path, "confusion_matrix")
+    if task.num_classes > 0:  # classes to count (classification, segmentation); not for regression
+        loader = DataLoader(val_ds, batch_size=max(cfg.batch_size, 64), shuffle=False)
+        matrix, per_class = confusion_matrix(model, loader, task.num_classes, device, task.postprocess)
+        result.confusion_matrix, result.per_class_acc = matrix, per_class
+        cm_path = out / "confusion_matrix.json"
+        save_json_atomic({"matrix": matrix, "per_class_acc": per_class}, cm_path)
+        reporter.log_artifact(cm_path, "confusion_matrix")
 
     if not cfg.export_onnx:
         return

@@ -41,6 +41,10 @@ class Task:
     input_shape: tuple[int, ...] = ()  # one sample's model-input shape (e.g. C, H, W); used for ONNX export
     # One sentence for the registered model's description: what a caller passes and gets back.
     input_contract: str = ""
+    # The reported names of ``metrics()`` and their directions ({"val_rmse": "minimize"}), readable
+    # without importing torch, so `sweeps validate` can check a study's objective. Optional for a
+    # task that overrides ``metrics()`` (then checked when a run starts); train() refuses a mismatch.
+    metric_directions: dict[str, str] | None = None
 
     def build_model(self) -> nn.Module:
         """Return a fresh, randomly initialised (or locally pretrained) model. Called once per run."""
@@ -63,7 +67,8 @@ class Task:
         """Fresh torchmetrics metrics, each reported as ``val_<name>`` after every epoch and usable
         as the study's ``objective.metric``; each metric's ``higher_is_better`` is its direction.
         They are updated on every validation batch with ``(postprocess(output), target)``, so they
-        judge the predictions users get. Called once per run. Default: accuracy (``val_acc``)."""
+        judge the predictions users get. Called once per run. Default: accuracy (``val_acc``).
+        A task that overrides it also sets ``metric_directions`` so the spec can be checked early."""
         from torchmetrics.classification import MulticlassAccuracy
 
         return {"acc": MulticlassAccuracy(num_classes=self.num_classes, average="micro")}
