@@ -14,12 +14,11 @@ from typing import cast
 import torch
 from torch import nn
 from torch.optim import lr_scheduler
-from torch.utils.data.distributed import DistributedSampler
 
 from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
 from core.curves import epoch_reports
-from core.data import check_not_empty, make_train_loader, make_val_loader
+from core.data import check_datasets, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
 from core.faults import stop_here
 from core.gradients import StepGradients
@@ -84,10 +83,10 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     backbone_params = list(backbone.parameters()) if backbone is not None else []
 
     train_ds, val_ds = task.datasets()
-    check_not_empty(task, train_ds, val_ds)
-    train_loader = make_train_loader(train_ds, cfg, device, ctx)
-    val_loader = make_val_loader(val_ds, cfg, device, ctx)
-    micro_batches = min(len(train_loader), cfg.max_steps_per_epoch or len(train_loader))
+    check_datasets(task, cfg, train_ds, val_ds)
+    train_loader = make_train_loader(train_ds, cfg, device, ctx, task.collate_fn)
+    val_loader = make_val_loader(val_ds, cfg, device, ctx, task.collate_fn)
+    micro_batches = len(train_loader)  # per epoch, at most max_steps_per_epoch (a stream may end sooner)
     accum = cfg.grad_accum_steps
     optimizer = _build_optimizer(model, cfg, backbone, ctx.world_size)
     scheduler, sched_interval = build_scheduler(optimizer, cfg, optimizer_steps_per_epoch(micro_batches, accum))
@@ -114,10 +113,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     # Each step's numbers are read now (lag 0) or one step later (lag 1): core/step_stats.py.
     steps = StepReader(read_lag(device, ctx.enabled), reporter, run.step_log, ctx, device,
                        check_grad=not precision.tolerates_nonfinite_grads)
-    sampler = cast(DistributedSampler, train_loader.sampler)  # make_train_loader's
     for epoch in range(run.start_epoch, cfg.epochs + 1):
         # ---- train one epoch
-        sampler.set_epoch(epoch)  # the shuffle of epoch k depends only on (seed, k)
         for p in backbone_params:  # frozen for the first `freeze_backbone_epochs` epochs
             p.requires_grad_(epoch > cfg.freeze_backbone_epochs)
         grads.attach()
@@ -125,12 +122,10 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         skip, (loss_sum, seen, train_time) = run.take_progress(ctx.is_main)
         steps.start_epoch(epoch, run.step, loss_sum, seen)
         t0 = time.perf_counter()
-        last_i = -1
-        for i, (x, y) in enumerate(train_loader):
-            if i >= micro_batches:
-                break
-            if i < skip:
-                continue  # resuming mid-epoch: these micro-batches were trained before the interrupt
+        last_i = skip - 1  # the last micro-batch trained in this epoch
+        # The order and augmentation of epoch k depend only on (seed, k); resuming mid-epoch, the
+        # micro-batches trained before the interrupt are not fetched (a stream's are replayed).
+        for i, (x, y) in train_loader.epoch(epoch, start=skip):
             last_i = i
             group_start = (i // accum) * accum
             group_size = min(accum, micro_batches - group_start)  # the epoch's remainder group is smaller
