@@ -9,7 +9,8 @@ measures each variant in lockstep with the hand loop (``benchmarks/hand_loop.py`
   core                  core.train() + TrialReporter on an MlflowTracker (as in benchmark 1)
   - reporter            a NullReporter instead of the TrialReporter
   - grad norm           ... and StepGradients.norm (core/gradients.py) replaced by a constant
-  - DistributedSampler  ... and the hand loop's RandomSampler instead
+  - DistributedSampler  ... and core.data's loader (DistributedSampler, per-batch data seeds)
+                        replaced by a plain DataLoader on the hand loop's RandomSampler
 
 Variants alternate run by run (ABCD ABCD ...); each run's ratio is the hand loop's summed step
 time over the variant's, step for step. What remains between the last variant and 1.0 is the
@@ -28,16 +29,21 @@ TITLE = "Trainer overhead, located: core.train() with its per-step extras remove
 VARIANTS = ("core", "- reporter", "- grad norm", "- DistributedSampler")
 
 
-def _plain_train_loader(ds, cfg, device, ctx):
+def _plain_train_loader(ds, cfg, device, ctx, collate_fn=None):
+    import itertools
+
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
-    class Sampler(RandomSampler):
-        def set_epoch(self, epoch: int) -> None:  # core calls it every epoch
-            pass
+    from core.data import TrainBatches
+
+    class Plain(TrainBatches):  # what core.train asks of its train loader, on a plain DataLoader
+        def epoch(self, epoch: int, start: int = 0):
+            return itertools.islice(enumerate(self.loader), start, self.batches)
 
     gen = torch.Generator().manual_seed(cfg.seed)
-    return DataLoader(ds, batch_size=cfg.batch_size, sampler=Sampler(ds, generator=gen), num_workers=0)
+    loader = DataLoader(ds, batch_size=cfg.batch_size, sampler=RandomSampler(ds, generator=gen), num_workers=0)
+    return Plain(loader, min(len(loader), cfg.max_steps_per_epoch or len(loader)))
 
 
 def core_variant(task, cfg, store, level: int) -> float:

@@ -5,6 +5,8 @@ evaluation result can import both from here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -14,9 +16,12 @@ from core.io_utils import save_json_atomic
 __all__ = ["confusion_matrix", "save_json_atomic"]
 
 
-def confusion_matrix(model: nn.Module, loader: DataLoader, num_classes: int,
-                     device: torch.device | str) -> tuple[list[list[int]], list[float]]:
-    """Count predictions of ``model`` over every batch of ``loader``.
+def confusion_matrix(model: nn.Module, loader: DataLoader, num_classes: int, device: torch.device | str,
+                     postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     ) -> tuple[list[list[int]], list[float]]:
+    """Count predictions of ``model`` over every batch of ``loader``: for each target element (a
+    sample's label, or a pixel's class in a dense-prediction task) the class ``postprocess``
+    (default: argmax over dim 1) predicts for it.
 
     Returns ``(matrix, per_class_acc)`` where ``matrix[t][p]`` is the number of samples of
     true class ``t`` predicted as ``p`` (rows sum to the class counts, the whole matrix to
@@ -26,8 +31,8 @@ def confusion_matrix(model: nn.Module, loader: DataLoader, num_classes: int,
 
     The model runs in eval mode under ``torch.inference_mode``; its previous train/eval
     mode is restored afterwards, so this can be called between training epochs.
-    The loader must yield ``(inputs, labels)`` batches and the model must return logits of
-    shape ``(batch, num_classes)``.
+    The loader must yield ``(inputs, labels)`` batches; ``postprocess(model output)`` must have
+    the labels' shape.
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be at least 1, got {num_classes}")
@@ -41,14 +46,15 @@ def confusion_matrix(model: nn.Module, loader: DataLoader, num_classes: int,
         with torch.inference_mode():
             for inputs, labels in loader:
                 inputs = inputs.to(device, non_blocking=True)
-                labels = torch.as_tensor(labels).to(device, non_blocking=True).long().view(-1)
-                logits = model(inputs)
-                if logits.ndim != 2 or logits.shape[1] != num_classes:
+                labels = torch.as_tensor(labels).to(device, non_blocking=True).long()
+                output = model(inputs)
+                preds = postprocess(output) if postprocess is not None else output.argmax(dim=1)
+                if preds.shape != labels.shape:
                     raise ValueError(
-                        f"confusion_matrix: the model returned shape {tuple(logits.shape)}, "
-                        f"expected (batch, {num_classes})"
+                        f"confusion_matrix: the predictions have shape {tuple(preds.shape)} (model output "
+                        f"{tuple(output.shape)}), the labels {tuple(labels.shape)}; expected the same"
                     )
-                preds = logits.argmax(dim=1)
+                preds, labels = preds.long().reshape(-1), labels.reshape(-1)
                 # An out-of-range label would silently land in another cell of the flat
                 # histogram, so check it (one small sync per batch is cheap next to a forward).
                 if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):

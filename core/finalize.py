@@ -5,6 +5,8 @@ Kept apart from the loop so ``train.py`` stays readable; runs on rank 0 only.
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 from pathlib import Path
 
 import torch
@@ -37,17 +39,19 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
     if result.checkpoint_best is not None:
         reporter.log_artifact(result.checkpoint_best, "checkpoint_best")
 
-    loader = DataLoader(val_ds, batch_size=max(cfg.batch_size, 64), shuffle=False)
-    matrix, per_class = confusion_matrix(model, loader, task.num_classes, device)
-    result.confusion_matrix, result.per_class_acc = matrix, per_class
-    cm_path = out / "confusion_matrix.json"
-    save_json_atomic({"matrix": matrix, "per_class_acc": per_class}, cm_path)
-    reporter.log_artifact(cm_path, "confusion_matrix")
+    batch = max(cfg.batch_size, 64)
+    loader = DataLoader(val_ds, batch_size=batch, shuffle=False, collate_fn=task.collate_fn)
+    if task.num_classes > 0:  # classes to count (classification, segmentation); not for regression
+        matrix, per_class = confusion_matrix(model, loader, task.num_classes, device, task.postprocess)
+        result.confusion_matrix, result.per_class_acc = matrix, per_class
+        cm_path = out / "confusion_matrix.json"
+        save_json_atomic({"matrix": matrix, "per_class_acc": per_class}, cm_path)
+        reporter.log_artifact(cm_path, "confusion_matrix")
 
     if not cfg.export_onnx:
         return
-    n = min(ONNX_SAMPLES, len(val_ds))  # type: ignore[arg-type]  # map-style: has a len
-    sample = torch.stack([val_ds[i][0] for i in range(n)])
+    # The first validation inputs, as the loader batches them (a stream has no indexing).
+    sample = torch.cat([x for x, _ in itertools.islice(loader, math.ceil(ONNX_SAMPLES / batch))])[:ONNX_SAMPLES]
     report_path = out / "onnx_parity.json"
     try:
         report = export_and_verify(model, sample, out / "model.onnx", tolerance=cfg.onnx_tolerance)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from core.config import TrainConfig
-from core.data import make_train_loader
+from core.data import TrainBatches, check_datasets, make_train_loader
 from core.distributed import DistContext
 from core.optim import build_optimizer, param_groups
 from core.precision import Precision
@@ -55,7 +55,8 @@ def lr_range_test(task: Task, cfg: TrainConfig, start_lr: float = 1e-7, end_lr: 
     seed_everything(cfg.seed)
     model: nn.Module = task.build_model().to(device)
     train_ds, _ = task.datasets()
-    loader = make_train_loader(train_ds, cfg, device, DistContext())
+    check_datasets(task, cfg, train_ds, None)
+    loader = make_train_loader(train_ds, cfg, device, DistContext(), task.collate_fn)
     steps_per_epoch = max(1, math.ceil(len(loader) / cfg.grad_accum_steps))
     if max_epochs is not None:
         num_steps = min(num_steps, max(2, int(max_epochs * steps_per_epoch)))
@@ -108,11 +109,11 @@ def lr_range_test(task: Task, cfg: TrainConfig, start_lr: float = 1e-7, end_lr: 
                           epochs_cost=len(lrs) / steps_per_epoch)
 
 
-def _cycle(loader):
+def _cycle(loader: TrainBatches):
     epoch = 0
     while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
+        for _, batch in loader.epoch(epoch):
+            yield batch
         epoch += 1
 
 

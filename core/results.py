@@ -5,11 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-# Metrics every classification run reports per epoch; a study objective must be one of these.
-EPOCH_METRICS = (
-    "train_loss", "train_acc", "val_loss", "val_acc", "lr", "grad_norm",
-    "samples_per_s", "epoch_time_s", "peak_mem_mb", "skipped_steps",
-)
+# Every optimizer step's report. The per-epoch metrics depend on the task: core/metrics.py.
 STEP_METRICS = ("train_loss", "lr", "grad_norm")
 
 Status = Literal["completed", "pruned", "diverged", "interrupted"]
@@ -54,7 +50,7 @@ class TrainResult:
     checkpoint_last: Path | None = None
     checkpoint_best: Path | None = None
     onnx: OnnxReport | None = None
-    confusion_matrix: list[list[int]] | None = None
+    confusion_matrix: list[list[int]] | None = None  # classification tasks (num_classes > 0)
     per_class_acc: list[float] | None = None
     global_batch_size: int = 0
     skipped_steps: int = 0

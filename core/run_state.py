@@ -33,23 +33,26 @@ class RunState:
     best_epoch: int | None = None
     history: list[dict] = field(default_factory=list)  # per epoch: {"epoch", "step", **metrics}
     step_log: StepLog = field(default_factory=StepLog)  # every reported step, for a resumed run's reporter
-    # An epoch interrupted mid-way: {"next_batch", "world_size", "sums": (loss, correct, seen, seconds)}.
+    # An epoch interrupted mid-way: {"next_batch", "world_size", "sums": (loss, seen, seconds)}.
     progress: dict | None = None
 
     def last_metrics(self) -> dict[str, float]:
         """The last epoch's metrics ({} before the first epoch)."""
         return epoch_reports(self.history)[-1][2] if self.history else {}
 
-    def take_progress(self, is_main: bool) -> tuple[int, tuple[float, float, float, float]]:
+    def take_progress(self, is_main: bool) -> tuple[int, tuple[float, float, float]]:
         """Where the next epoch starts: the first micro-batch to train and the sums
-        (loss, correct, seen, seconds) of those trained before an interrupt; for a fresh epoch
-        0 and zeros. Taken once: the epochs after it start from their beginning."""
+        (loss, seen, seconds) of those trained before an interrupt; for a fresh epoch 0 and
+        zeros. Taken once: the epochs after it start from their beginning."""
         progress, self.progress = self.progress, None
         skip = progress["next_batch"] if progress else 0
-        loss_sum, correct, seen, seconds = progress["sums"] if progress else (0.0, 0.0, 0.0, 0.0)
+        sums = tuple(progress["sums"]) if progress else (0.0, 0.0, 0.0)
+        if len(sums) == 4:  # a checkpoint written before train accuracy was dropped: (loss, correct, seen, s)
+            sums = (sums[0], sums[2], sums[3])
+        loss_sum, seen, seconds = sums
         if not is_main:  # the checkpoint's partial sums are already summed over ranks
-            loss_sum, correct, seen = 0.0, 0.0, 0.0
-        return skip, (loss_sum, correct, seen, seconds)
+            loss_sum, seen = 0.0, 0.0
+        return skip, (loss_sum, seen, seconds)
 
     def record_epoch(self, epoch: int, metrics: dict[str, float], monitor: str, mode: str) -> bool:
         """Add the epoch to the history; True when its ``monitor`` value is the best so far."""

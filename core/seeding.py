@@ -1,12 +1,21 @@
-"""One seed drives python, numpy, torch (CPU and CUDA) and the data loaders."""
+"""One seed drives python, numpy, torch (CPU and CUDA) and the data loaders.
+
+The training's randomness (initialisation, dropout, mixup) draws from the global generators
+seeded by :func:`seed_everything` and saved in every checkpoint. The data's randomness
+(augmentation) is seeded per batch from the batch's position (:func:`data_seed`, :func:`data_rngs`,
+used by ``core.data``), so it does not depend on loader workers or on where a run was resumed:
+no per-worker ``worker_init_fn`` or per-epoch loader generator is needed."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 from typing import cast
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 
 def seed_everything(seed: int) -> None:
@@ -28,18 +37,40 @@ def configure_determinism(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = not enabled
 
 
-def loader_generator(seed: int, epoch: int) -> torch.Generator:
-    """The generator of one epoch's shuffling. Derived from (seed, epoch) rather than
-    carried across epochs, so a run resumed at epoch k shuffles exactly as a straight run."""
-    return torch.Generator().manual_seed(seed * 100_003 + epoch)
+_MASK64 = 2**64 - 1
 
 
-def worker_init_fn(worker_id: int) -> None:
-    """Seed numpy and python in each loader worker from torch's per-worker seed
-    (which itself comes from the loader's generator), so augmentation repeats exactly."""
-    worker_seed = torch.initial_seed() % 2**32
-    np.random.seed(worker_seed)
-    random.seed(worker_seed)
+def data_seed(*key: int) -> int:
+    """A 64-bit seed from integers (SplitMix64 over the parts): the key of one batch's data
+    randomness, e.g. (run seed, split, epoch, rank, worker, batch), so nearby keys get unrelated seeds."""
+    h = 0
+    for part in key:
+        h = ((h ^ (part & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h
+
+
+@contextlib.contextmanager
+def data_rngs(seed: int) -> Iterator[None]:
+    """Run the block (fetching one batch) with torch's CPU generator, ``random`` and numpy seeded
+    from ``seed``. In the main process (``num_workers=0``) torch's stream, the training's own
+    (initialisation, dropout, mixup: what a checkpoint saves), is put back afterwards, as if no data
+    had been drawn. ``random`` and numpy are left as the batch left them: the loop draws nothing
+    from them, every batch re-seeds them before drawing, so what they hold between batches is a
+    function of the last batch's key, the same after a resume; and copying numpy's state both ways
+    would cost more than the rest of the fetch (benchmarks/README.md, exact resume of the data).
+    ``torch.default_generator`` rather than ``torch.manual_seed``, which seeds every CUDA device too."""
+    saved = torch.default_generator.get_state() if get_worker_info() is None else None
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed >> 32)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            torch.default_generator.set_state(saved)
 
 
 def rng_state() -> dict:

@@ -115,7 +115,7 @@ class StepReader:
     :meth:`before_update` (gradients final, weights not yet touched) and :meth:`after_update`
     (weights and learning rate updated); after the epoch's last step :meth:`finish_epoch`. The last
     three return a :class:`Stop` when the run must end (divergence, or the reporter's interrupt),
-    else None. The epoch's sums (``loss_sum``, ``correct``, ``seen``: this rank's samples) and
+    else None. The epoch's sums (``loss_sum``, ``seen``: this rank's samples) and
     the last read step's ``grad_norm`` are then complete."""
 
     def __init__(self, lag: int, reporter: Reporter, step_log: StepLog, ctx: DistContext,
@@ -124,27 +124,23 @@ class StepReader:
         self.check_loss = not ctx.enabled  # DDP ranks see different losses; the gradient norm is all-reduced
         self.check_grad = check_grad
         self.epoch = 0
-        self.loss_sum = self.correct = self.seen = 0.0
+        self.loss_sum = self.seen = 0.0
         self.grad_norm = math.nan
-        # Each micro-batch's (prediction == label), summed once at the epoch's end: a sum every
-        # step costs two more tensor ops a step, a visible share of a small CPU model's step.
-        self._hits: list[torch.Tensor] = []
         self._current = PendingStep(1, 0)  # the step being accumulated
         self._pending: PendingStep | None = None  # lag 1: an updated step whose numbers are not yet read
         self._decision = Decision.CONTINUE  # the reporter's answer for the last reported step
 
-    def start_epoch(self, epoch: int, step: int, loss_sum: float, correct: float, seen: float) -> None:
+    def start_epoch(self, epoch: int, step: int, loss_sum: float, seen: float) -> None:
         """``epoch`` starts after optimizer step ``step``, with the sums of its micro-batches
         trained before an interrupt (zeros for a fresh epoch)."""
-        self.epoch, self.loss_sum, self.correct, self.seen = epoch, loss_sum, correct, seen
+        self.epoch, self.loss_sum, self.seen = epoch, loss_sum, seen
         self.grad_norm = math.nan
-        self._hits, self._pending = [], None
+        self._pending = None
         self._current = PendingStep(step + 1, epoch)
 
-    def add(self, loss: torch.Tensor, hits: torch.Tensor, size: int) -> None:
-        """One micro-batch's mean loss and (prediction == label), both left on the device."""
+    def add(self, loss: torch.Tensor, size: int) -> None:
+        """One micro-batch's mean loss (left on the device) over ``size`` samples."""
         self._current.add(loss, size)
-        self._hits.append(hits)
         self.seen += size
 
     def before_update(self, grad_norm: torch.Tensor | float) -> Stop | None:
@@ -177,7 +173,7 @@ class StepReader:
 
     def finish_epoch(self) -> Stop | None:
         """After the epoch's last step (or a stop): read and report the step still pending (lag 1),
-        then count the epoch's hits. Its divergence outranks an interrupt already asked for."""
+        Its divergence outranks an interrupt already asked for."""
         stop = None
         if self._pending is not None:
             done, self._pending = self._pending, None
@@ -186,8 +182,6 @@ class StepReader:
                 stop = Stop("diverged", problem)
             elif self._report(done) is Decision.INTERRUPT:
                 stop = self._interrupted(done.step)
-        self.correct += float(torch.cat(self._hits).sum()) if self._hits else 0.0
-        self._hits = []
         return stop
 
     def _read(self, done: PendingStep) -> str | None:

@@ -12,18 +12,17 @@ from pathlib import Path
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim import lr_scheduler
-from torch.utils.data.distributed import DistributedSampler
 
 from core import checkpoint as ckpt
 from core.config import TrainConfig, validate
 from core.curves import epoch_reports
-from core.data import check_not_empty, make_train_loader, make_val_loader
+from core.data import check_datasets, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
 from core.faults import stop_here
 from core.gradients import StepGradients
+from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.precision import Precision
 from core.reporting import Decision, NullReporter, Reporter
@@ -31,7 +30,7 @@ from core.results import Stop, TrainResult
 from core.run_state import RunCheckpoints, RunState
 from core.seeding import configure_determinism, seed_everything
 from core.step_stats import StepReader, read_lag
-from core.tasks.base import Task
+from core.tasks.base import Task, TaskError
 
 
 def resolve_device(setting: str, ctx: DistContext) -> torch.device:
@@ -84,15 +83,19 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     backbone_params = list(backbone.parameters()) if backbone is not None else []
 
     train_ds, val_ds = task.datasets()
-    check_not_empty(task, train_ds, val_ds)
-    train_loader = make_train_loader(train_ds, cfg, device, ctx)
-    val_loader = make_val_loader(val_ds, cfg, device, ctx)
-    micro_batches = min(len(train_loader), cfg.max_steps_per_epoch or len(train_loader))
+    check_datasets(task, cfg, train_ds, val_ds)
+    train_loader = make_train_loader(train_ds, cfg, device, ctx, task.collate_fn)
+    val_loader = make_val_loader(val_ds, cfg, device, ctx, task.collate_fn)
+    micro_batches = len(train_loader)  # per epoch, at most max_steps_per_epoch (a stream may end sooner)
     accum = cfg.grad_accum_steps
     optimizer = _build_optimizer(model, cfg, backbone, ctx.world_size)
     scheduler, sched_interval = build_scheduler(optimizer, cfg, optimizer_steps_per_epoch(micro_batches, accum))
     ddp_model, fwd_model = _wrap(model, cfg, ctx, device)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    criterion = task.make_loss(cfg)
+    meter = ValidationMeter(task, device)  # val_loss and the task's metrics (val_<name>)
+    problem = metric_problem(task, cfg.monitor, cfg.monitor_mode == "max", "train.monitor / train.monitor_mode")
+    if problem:
+        raise TaskError(problem)
     grads = StepGradients(list(model.parameters()), device, distributed=ctx.enabled)
 
     # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, curves, mid-epoch progress
@@ -110,23 +113,19 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     # Each step's numbers are read now (lag 0) or one step later (lag 1): core/step_stats.py.
     steps = StepReader(read_lag(device, ctx.enabled), reporter, run.step_log, ctx, device,
                        check_grad=not precision.tolerates_nonfinite_grads)
-    sampler = cast(DistributedSampler, train_loader.sampler)  # make_train_loader's
     for epoch in range(run.start_epoch, cfg.epochs + 1):
         # ---- train one epoch
-        sampler.set_epoch(epoch)  # the shuffle of epoch k depends only on (seed, k)
         for p in backbone_params:  # frozen for the first `freeze_backbone_epochs` epochs
             p.requires_grad_(epoch > cfg.freeze_backbone_epochs)
         grads.attach()
         model.train()
-        skip, (loss_sum, correct, seen, train_time) = run.take_progress(ctx.is_main)
-        steps.start_epoch(epoch, run.step, loss_sum, correct, seen)
+        skip, (loss_sum, seen, train_time) = run.take_progress(ctx.is_main)
+        steps.start_epoch(epoch, run.step, loss_sum, seen)
         t0 = time.perf_counter()
-        last_i = -1
-        for i, (x, y) in enumerate(train_loader):
-            if i >= micro_batches:
-                break
-            if i < skip:
-                continue  # resuming mid-epoch: these micro-batches were trained before the interrupt
+        last_i = skip - 1  # the last micro-batch trained in this epoch
+        # The order and augmentation of epoch k depend only on (seed, k); resuming mid-epoch, the
+        # micro-batches trained before the interrupt are not fetched (a stream's are replayed).
+        for i, (x, y) in train_loader.epoch(epoch, start=skip):
             last_i = i
             group_start = (i // accum) * accum
             group_size = min(accum, micro_batches - group_start)  # the epoch's remainder group is smaller
@@ -138,11 +137,12 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                     else contextlib.nullcontext())
             with sync:
                 with precision.autocast():
-                    logits, loss = _forward(fwd_model, criterion, x, y, cfg.mixup_alpha)
+                    loss = _forward(fwd_model, criterion, x, y, cfg.mixup_alpha)
                 if i == group_start:
+                    check_loss_value(task, loss)
                     grads.before_backward()
                 precision.backward(loss if group_size == 1 else loss / group_size)
-            steps.add(loss, logits.argmax(1) == y, y.shape[0])  # no .item(): read with the step
+            steps.add(loss, y.shape[0])  # no .item(): read with the step
             if not final_micro:
                 continue
             # ---- one optimizer step (after `group_size` micro-batches)
@@ -162,14 +162,14 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         train_time += time.perf_counter() - t0
         if stop is not None and stop.status == "diverged":
             break  # no checkpoint: the weights in memory may be spoiled
-        sums = ctx.all_reduce_sum([steps.loss_sum, steps.correct, steps.seen], device)
+        sums = ctx.all_reduce_sum([steps.loss_sum, steps.seen], device)
         if stop is not None:  # interrupted mid-epoch: a resumed run continues at the next micro-batch
             checkpoints.save(run, epoch, progress={"next_batch": last_i + 1, "world_size": ctx.world_size,
                                                    "sums": (*sums, train_time)})
             break
 
         # ---- validate
-        val = _evaluate(fwd_model, val_loader, criterion, device, precision, ctx)
+        val = _evaluate(fwd_model, val_loader, criterion, meter, device, precision, ctx)
         metrics = _epoch_metrics(sums, train_time, val, steps.grad_norm, optimizer, precision, device)
         improved = run.record_epoch(epoch, metrics, cfg.monitor, cfg.monitor_mode)
 
@@ -236,16 +236,14 @@ def _wrap(model: nn.Module, cfg: TrainConfig, ctx: DistContext,
     return ddp_model, fwd_model
 
 
-def _epoch_metrics(train_sums: list[float], train_time: float, val: tuple[float, float], grad_norm: float,
+def _epoch_metrics(train_sums: list[float], train_time: float, val: dict[str, float], grad_norm: float,
                    optimizer: torch.optim.Optimizer, precision: Precision,
                    device: torch.device) -> dict[str, float]:
-    """The epoch's report (``EPOCH_METRICS``): ``train_sums`` (loss, correct, seen) are summed over
-    ranks, ``val`` is (loss, accuracy); the peak memory is read after validation, which counts."""
-    loss_sum, correct, seen = train_sums
-    val_loss, val_acc = val
+    """The epoch's report (``core.metrics``): ``train_sums`` (loss, seen) are summed over ranks,
+    ``val`` is val_loss and the task's metrics; the peak memory is read after validation, which counts."""
+    loss_sum, seen = train_sums
     return {
-        "train_loss": loss_sum / max(seen, 1), "train_acc": correct / max(seen, 1),
-        "val_loss": val_loss, "val_acc": val_acc, "lr": current_lr(optimizer), "grad_norm": grad_norm,
+        "train_loss": loss_sum / max(seen, 1), **val, "lr": current_lr(optimizer), "grad_norm": grad_norm,
         "samples_per_s": seen / max(train_time, 1e-9), "epoch_time_s": train_time,
         "peak_mem_mb": _peak_memory_mb(device), "skipped_steps": float(precision.skipped_steps),
     }
@@ -261,32 +259,28 @@ def _result(stop: Stop | None, run: RunState, global_batch_size: int, skipped_st
     )
 
 
-def _forward(model: nn.Module, criterion: nn.Module, x: torch.Tensor, y: torch.Tensor,
-             mixup_alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(model: nn.Module, criterion, x: torch.Tensor, y: torch.Tensor, mixup_alpha: float) -> torch.Tensor:
+    """The batch's training loss (the task's ``make_loss``)."""
     if mixup_alpha <= 0:
-        logits = model(x)
-        return logits, criterion(logits, y)
-    # Mixup: blend each sample with a shuffled partner; the loss blends both labels the same way.
+        return criterion(model(x), y)
+    # Mixup: blend each sample with a shuffled partner; the loss blends both targets the same way.
     lam = float(torch.distributions.Beta(mixup_alpha, mixup_alpha).sample())
     perm = torch.randperm(x.shape[0], device=x.device)
-    logits = model(lam * x + (1 - lam) * x[perm])
-    return logits, lam * criterion(logits, y) + (1 - lam) * criterion(logits, y[perm])
+    output = model(lam * x + (1 - lam) * x[perm])
+    return lam * criterion(output, y) + (1 - lam) * criterion(output, y[perm])
 
 
-def _evaluate(model: nn.Module, loader, criterion: nn.Module, device: torch.device,
-              precision: Precision, ctx: DistContext) -> tuple[float, float]:
+def _evaluate(model: nn.Module, loader, criterion, meter: ValidationMeter, device: torch.device,
+              precision: Precision, ctx: DistContext) -> dict[str, float]:
+    """``val_loss`` (the task's loss, averaged over samples) and the task's metrics on ``loader``."""
     model.eval()
-    loss_sum, correct, seen = 0.0, 0.0, 0.0
+    meter.reset()
     with torch.inference_mode(), precision.autocast():
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = model(x)
-            # Sum, not mean, so batches of different sizes weigh by their sample count.
-            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
-            correct += (logits.argmax(1) == y).sum().item()
-            seen += y.shape[0]
-    loss_sum, correct, seen = ctx.all_reduce_sum([loss_sum, correct, seen], device)
-    return loss_sum / max(seen, 1), correct / max(seen, 1)
+            output = model(x)
+            meter.update(output, y, criterion(output.float(), y))
+    return meter.compute(lambda values: ctx.all_reduce_sum(values, device))
 
 
 def _peak_memory_mb(device: torch.device) -> float:

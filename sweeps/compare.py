@@ -16,7 +16,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from core.results import EPOCH_METRICS
+from core.metrics import LOOP_METRICS
 from sweeps.errors import RunLookupError
 from sweeps.spec import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
@@ -73,7 +73,7 @@ def compared_metric(name: str) -> bool:
 def is_curve(name: str) -> bool:
     """A per-step (``step/...``) or per-epoch metric (see layout.py): what a comparison of curves
     is about. A final number logged once (``objective``) agreeing says little about training."""
-    return name.startswith(layout.STEP_METRIC_PREFIX) or name in EPOCH_METRICS
+    return name.startswith((layout.STEP_METRIC_PREFIX, "val_")) or name in LOOP_METRICS
 
 
 def _same(a: float, b: float) -> bool:

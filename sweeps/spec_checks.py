@@ -22,14 +22,12 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import TypeAdapter, ValidationError
 
 from core.config import ConfigError, TrainConfig, apply_overrides, config_fields
-from core.results import EPOCH_METRICS
+from core.metrics import LOOP_METRICS, declared_metrics
 from sweeps import search_space as ss
 from sweeps.search_space import CategoricalParam, FloatParam, Problem, SearchParam
 from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudySpec
 from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
 from sweeps.spec_task_checks import TaskInfo, instantiate_checks, representatives, task_problems
-
-LOWER_IS_BETTER = ("train_loss", "val_loss", "grad_norm", "epoch_time_s", "peak_mem_mb", "skipped_steps")
 
 
 def collect_problems(data: dict[str, Any], lines: dict[tuple[str, ...], int]) -> tuple[StudySpec | None, list[str]]:
@@ -170,24 +168,55 @@ def _train_problems(s: dict[str, Any], out: list[Problem]) -> TrainConfig | None
     except ConfigError as exc:
         out.append(foreign(str(exc), ("train",)))
         return None
-    if cfg.monitor not in EPOCH_METRICS:
-        out.append((("train", "monitor"), f"{cfg.monitor!r} is not a reported metric"
-                                          f"{did_you_mean(cfg.monitor, list(EPOCH_METRICS))}; "
-                                          f"use one of {', '.join(EPOCH_METRICS)}"))
     return cfg
 
 
-def _objective_problems(s: dict[str, Any], out: list[Problem]) -> None:
-    obj = s["objective"]
+def _reported(info: TaskInfo | None, out: list[Problem]) -> dict[str, bool | None] | None:
+    """The task's per-epoch metrics and directions when the task was built while validating (built-in
+    tasks) and declares them; None otherwise (checked when a trial builds the task, before any step)."""
+    if info is None or info.built is None:
+        return None
+    declared = declared_metrics(info.built)
+    return None if declared is None else {**LOOP_METRICS, **declared}
+
+
+def _metric_problem(metric: str, reported: dict[str, bool | None] | None, label: str) -> str | None:
+    names = list(reported) if reported is not None else list(LOOP_METRICS)
+    if reported is not None and metric not in reported:
+        return f"task {label!r} does not report {metric!r}{did_you_mean(metric, names)}; it reports {', '.join(names)}"
+    if reported is None and metric not in LOOP_METRICS and not metric.startswith("val_"):
+        return (f"{metric!r} is not a reported metric{did_you_mean(metric, names)}; use val_<name> of one of the "
+                f"task's metrics, or one of {', '.join(names)}")
+    return None
+
+
+def _objective_problems(s: dict[str, Any], info: TaskInfo | None, out: list[Problem]) -> None:
+    """objective.metric (and train.monitor) must be reported by the task, and objective.direction
+    must agree with the metric's own direction (a torchmetrics metric's higher_is_better)."""
+    obj, train = s["objective"], s["train"] or {}
+    reported = _reported(info, out)
+    label = info.label if info is not None else "task"
+    if "monitor" in train and isinstance(train["monitor"], str):
+        problem = _metric_problem(train["monitor"], reported, label)
+        if problem:
+            out.append((("train", "monitor"), problem))
     if obj is None:
         return
-    if obj.metric not in EPOCH_METRICS:
-        out.append((("objective", "metric"), f"{obj.metric!r} is not a metric the task reports"
-                                             f"{did_you_mean(obj.metric, list(EPOCH_METRICS))}; "
-                                             f"use one of {', '.join(EPOCH_METRICS)}"))
-    elif obj.metric in LOWER_IS_BETTER and "direction" not in obj.model_fields_set:
+    problem = _metric_problem(obj.metric, reported, label)
+    if problem:
+        out.append((("objective", "metric"), problem))
+        return
+    own = (reported or LOOP_METRICS).get(obj.metric)
+    if own is None:
+        return  # no direction of its own (lr), or a user task's metric: checked when a trial builds the task
+    want = "maximize" if own else "minimize"
+    if "direction" not in obj.model_fields_set and not own:
         out.append((("objective", "direction"), f"not set, so the default maximize would maximize {obj.metric}; "
                                                 "set direction: minimize (or maximize explicitly)"))
+    elif "direction" in obj.model_fields_set and obj.direction != want:
+        out.append((("objective", "direction"), f"{obj.direction} contradicts {obj.metric!r} of task {label!r}, "
+                                                f"which is better when {'higher' if own else 'lower'}; "
+                                                f"use direction: {want}"))
 
 
 def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Problem]) -> None:
@@ -293,7 +322,7 @@ def cross_problems(sections: dict[str, Any]) -> list[Problem]:
     info = task_problems(sections, out)
     cfg = _train_problems(sections, out)
     _search_problems(sections, info, cfg, out)
-    _objective_problems(sections, out)
+    _objective_problems(sections, info, out)
     _backend_problems(sections, cfg, out)
     _resource_problems(sections, cfg, out)
     _lr_finder_problems(sections, out)

@@ -21,6 +21,7 @@ class TaskInfo:
     def __init__(self, label: str, accepted: list[str] | None, hints: dict[str, Any], models: tuple[str, ...],
                  builtin: bool) -> None:
         self.label, self.accepted, self.hints, self.models, self.builtin = label, accepted, hints, models, builtin
+        self.built: Any = None  # the task built with the fixed args (built-in tasks, by instantiate_checks)
 
 
 @contextlib.contextmanager
@@ -123,9 +124,13 @@ def instantiate_checks(s: dict[str, Any], info: TaskInfo, out: list[Problem]) ->
     for loc, args, value in attempts:
         model = args.pop("model", task.model)
         try:
-            make_task(task.name, model=model, args=args)
+            built = make_task(task.name, model=model, args=args)
+            if not loc:
+                info.built = built
         except Exception as exc:  # noqa: BLE001 - TaskError, or ValueError/TypeError from a task's own checks
             if not loc:
                 out.append(foreign(str(exc), ("task",)))
+                with contextlib.suppress(Exception):  # its metrics, to check the objective's all the same
+                    info.built = make_task(task.name)
                 return  # every searched value would fail the same way
             out.append((loc, f"{show(value)} is refused by task {info.label!r}: {exc}"))

@@ -41,6 +41,15 @@ class Task:
     input_shape: tuple[int, ...] = ()  # one sample's model-input shape (e.g. C, H, W); used for ONNX export
     # One sentence for the registered model's description: what a caller passes and gets back.
     input_contract: str = ""
+    # The reported names of ``metrics()`` and their directions ({"val_rmse": "minimize"}), readable
+    # without importing torch, so `sweeps validate` can check a study's objective. Optional for a
+    # task that overrides ``metrics()`` (then checked when a run starts); train() refuses a mismatch.
+    metric_directions: dict[str, str] | None = None
+    # Turns a list of samples into one (input_tensor, target_tensor) batch, in both loaders and
+    # the end-of-run evaluation; None stacks them (torch's default_collate). Set it when samples
+    # do not stack as they are, e.g. sequences of different lengths to pad. Define it as a method
+    # or assign it in __init__ (a plain function set on the class would be bound to the task).
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
     def build_model(self) -> nn.Module:
         """Return a fresh, randomly initialised (or locally pretrained) model. Called once per run."""
@@ -48,7 +57,16 @@ class Task:
 
     def datasets(self) -> tuple[Dataset, Dataset]:
         """Return ``(train, val)`` datasets yielding ``(model_input, target)`` pairs (for
-        classification the target is the class index). Called once per run."""
+        classification the target is the class index). Called once per run.
+
+        Map-style datasets (``__getitem__`` and ``__len__``) are shuffled by the run's seed.
+        A ``torch.utils.data.IterableDataset`` (a stream) is read in its own order and needs
+        ``train.max_steps_per_epoch`` (batches per epoch) unless it has a ``__len__``; an epoch
+        also ends when the stream does, and each epoch iterates it afresh. A stream shards itself:
+        over loader workers (``get_worker_info()``) and, under DDP, over ranks
+        (``torch.distributed.get_rank()``), every rank yielding at least ``max_steps_per_epoch``
+        batches. Random augmentation may use torch, numpy or ``random``: it is seeded per batch.
+        """
         raise NotImplementedError
 
     def make_loss(self, cfg: TrainConfig) -> Loss:
@@ -63,7 +81,8 @@ class Task:
         """Fresh torchmetrics metrics, each reported as ``val_<name>`` after every epoch and usable
         as the study's ``objective.metric``; each metric's ``higher_is_better`` is its direction.
         They are updated on every validation batch with ``(postprocess(output), target)``, so they
-        judge the predictions users get. Called once per run. Default: accuracy (``val_acc``)."""
+        judge the predictions users get. Called once per run. Default: accuracy (``val_acc``).
+        A task that overrides it also sets ``metric_directions`` so the spec can be checked early."""
         from torchmetrics.classification import MulticlassAccuracy
 
         return {"acc": MulticlassAccuracy(num_classes=self.num_classes, average="micro")}

@@ -4,7 +4,7 @@ report) relies on. One place for the names, so writers and readers cannot drift.
 experiment      = the study name (or ``tracking.experiment``)
 parent run      = one per study, reused when the study resumes; tag role=study
 child run       = one per trial, nested under the parent (``mlflow.parentRunId``); tag role=trial
-per-epoch metrics: the names in ``core.results.EPOCH_METRICS`` (``val_acc``...), step = epoch (1-based)
+per-epoch metrics: ``core.metrics.LOOP_METRICS`` and the task's ``val_<name>``, step = epoch (1-based)
 per-step metrics : ``step/<name>`` for ``core.results.STEP_METRICS``, step = optimizer step (1-based)
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from core.config import TrainConfig
+from core.reporting import Decision, RecordingReporter
 
 
 def fast_config(**overrides) -> TrainConfig:
@@ -9,3 +10,19 @@ def fast_config(**overrides) -> TrainConfig:
                 save_checkpoints=False, seed=0)
     base.update(overrides)
     return TrainConfig(**base)
+
+
+class StopAt(RecordingReporter):
+    """Records like RecordingReporter; interrupts at optimizer step ``step`` or after epoch ``epoch``."""
+
+    def __init__(self, step: int | None = None, epoch: int | None = None) -> None:
+        super().__init__()
+        self.stop_step, self.stop_epoch = step, epoch
+
+    def report_step(self, step, metrics):
+        super().report_step(step, metrics)
+        return Decision.INTERRUPT if step == self.stop_step else Decision.CONTINUE
+
+    def report_epoch(self, epoch, step, metrics):
+        super().report_epoch(epoch, step, metrics)
+        return Decision.INTERRUPT if epoch == self.stop_epoch else Decision.CONTINUE

@@ -6,30 +6,14 @@ import pytest
 import torch
 
 from core import checkpoint as ckpt
-from core.reporting import Decision, RecordingReporter
+from core.reporting import RecordingReporter
 from core.results import STEP_METRICS
 from core.tasks.digits import DigitsTask
 from core.tasks.synthetic import SyntheticTask
 from core.train import train
-from tests.core.helpers import fast_config
+from tests.core.helpers import StopAt, fast_config
 
 TIMINGS = ("samples_per_s", "epoch_time_s", "peak_mem_mb")  # measure the machine: differ between runs
-
-
-class _StopAt(RecordingReporter):
-    """Records like RecordingReporter; interrupts at optimizer step ``step`` or after epoch ``epoch``."""
-
-    def __init__(self, step: int | None = None, epoch: int | None = None) -> None:
-        super().__init__()
-        self.stop_step, self.stop_epoch = step, epoch
-
-    def report_step(self, step, metrics):
-        super().report_step(step, metrics)
-        return Decision.INTERRUPT if step == self.stop_step else Decision.CONTINUE
-
-    def report_epoch(self, epoch, step, metrics):
-        super().report_epoch(epoch, step, metrics)
-        return Decision.INTERRUPT if epoch == self.stop_epoch else Decision.CONTINUE
 
 
 def _without_timings(epochs):
@@ -43,9 +27,9 @@ def test_a_resumed_reporter_gets_the_straight_runs_curves_after_a_mid_epoch_and_
     train(task, cfg, straight, tmp_path / "straight")
     assert len(straight.steps) == 30
 
-    first = _StopAt(step=14)  # mid-epoch 2
+    first = StopAt(step=14)  # mid-epoch 2
     assert train(task, cfg, first, tmp_path / "split").status == "interrupted"
-    second = _StopAt(epoch=2)  # at the end of epoch 2
+    second = StopAt(epoch=2)  # at the end of epoch 2
     assert train(task, cfg, second, tmp_path / "split", resume=True).status == "interrupted"
     third = RecordingReporter()
     result = train(task, cfg, third, tmp_path / "split", resume=True)
