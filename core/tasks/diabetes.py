@@ -34,6 +34,7 @@ class DiabetesTask(Task):
     name = "diabetes"
     models = ("mlp", "linear")
     input_shape = (len(FEATURES),)
+    metric_directions = {"val_rmse": "minimize", "val_mae": "minimize"}
     input_contract = ("float32 rows (N, 10) of age, sex, bmi, bp, s1..s6 in the units of scikit-learn's "
                       "load_diabetes(scaled=False); returns (N,) predicted disease progression one year later "
                       "(the target's units, about 25 to 346)")

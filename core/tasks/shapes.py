@@ -31,7 +31,9 @@ CLASSES = ("background", "circle", "square", "triangle")
 class ShapesTask(Task):
     name = "shapes"
     models = ("unet", "fcn")
-    classes = CLASSES  # num_classes stays 0: the run's classification-only evaluation does not apply
+    classes = CLASSES
+    num_classes = len(CLASSES)  # the end-of-run confusion matrix counts pixels of each class
+    metric_directions = {"val_iou": "maximize", "val_pixel_acc": "maximize"}
     input_contract = ("uint8 RGB images (N, H, W, 3), values 0..255, H and W as trained; returns (N, H, W) "
                       "class indices per pixel: 0 background, 1 circle, 2 square, 3 triangle")
 
@@ -110,7 +112,7 @@ def generate_shapes(n: int, size: int, max_shapes: int, rng: np.random.Generator
         image = background + rng.normal(0.0, 10.0, (size, size, 3))
         for _ in range(int(rng.integers(1, max_shapes + 1))):
             cls = int(rng.integers(1, len(CLASSES)))
-            r = rng.uniform(0.12, 0.25) * size  # circumradius-like half-size
+            r = rng.uniform(0.15, 0.3) * size  # circumradius-like half-size
             cx, cy = rng.uniform(r, size - r, 2)
             color = rng.uniform(0, 255, 3)
             while np.abs(color - background).sum() < 150:  # visible against the background

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from core.config import TrainConfig
+from core.metrics import reported_metrics
 from core.tasks import diabetes
 from core.tasks.base import TaskError, builtin_task_names, make_task
 from core.tasks.diabetes import DiabetesTask, load_split, split_cache_file
@@ -92,6 +93,7 @@ def test_metrics_rmse_and_mae_minimise_and_are_in_the_targets_units(cache_dir):
     metrics = task.metrics()
     assert set(metrics) == {"rmse", "mae"}
     assert all(m.higher_is_better is False for m in metrics.values())  # minimize
+    assert {k: reported_metrics(task)[k] for k in ("val_rmse", "val_mae")} == {"val_rmse": False, "val_mae": False}
     target = torch.tensor([100.0, 200.0, 50.0, 150.0])
     for m in metrics.values():
         m.update(target.clone(), target)
@@ -110,3 +112,20 @@ def test_models_map_rows_to_one_output(model):
     net = DiabetesTask(model=model, width=8, depth=3, dropout=0.1).build_model().eval()
     assert net(torch.randn(5, 10)).shape == (5, 1)
     assert DiabetesTask(model=model).describe()["model"] == model
+
+
+@pytest.mark.parametrize(("model", "lr"), [("mlp", 2e-3), ("linear", 3e-2)])
+def test_a_short_training_run_lowers_the_validation_rmse(model, lr, cache_dir, tmp_path):
+    from core.train import train
+
+    task = DiabetesTask(model=model, width=32)
+    cfg = TrainConfig(epochs=6, batch_size=32, lr=lr, optimizer="adamw", scheduler="constant", num_workers=0,
+                      seed=0, monitor="val_rmse", monitor_mode="min", export_onnx=model == "mlp")
+    result = train(task, cfg, out_dir=tmp_path)
+    rmse = [epoch["val_rmse"] for epoch in result.history]
+    loss = [epoch["val_loss"] for epoch in result.history]
+    assert result.status == "completed" and loss[-1] < loss[0] and rmse[-1] < rmse[0], (rmse, loss)
+    assert 40.0 < min(rmse) < 65.0  # the target's units: its standard deviation is 77
+    assert result.best_metric == min(rmse) and result.confusion_matrix is None  # no classes to count
+    if model == "mlp":
+        assert result.onnx is not None and result.onnx.passed

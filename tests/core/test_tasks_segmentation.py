@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.config import TrainConfig
+from core.metrics import reported_metrics
 from core.tasks.base import TaskError, builtin_task_names, make_task
 from core.tasks.shapes import CLASSES, ShapesTask, generate_shapes
 
@@ -19,7 +20,7 @@ def _stack(ds) -> tuple[torch.Tensor, torch.Tensor]:
 def test_registered_with_its_models_and_arguments():
     assert "shapes" in builtin_task_names()
     task = make_task("shapes", model="fcn", args={"size": 24, "n_train": 8, "n_val": 4})
-    assert isinstance(task, ShapesTask) and task.input_shape == (3, 24, 24) and task.num_classes == 0
+    assert isinstance(task, ShapesTask) and task.input_shape == (3, 24, 24) and task.num_classes == len(CLASSES)
     assert "uint8" in task.input_contract and "(N, H, W)" in task.input_contract
     with pytest.raises(TaskError, match="not offered"):
         make_task("shapes", model="resnet18")
@@ -81,6 +82,7 @@ def test_metrics_maximise_and_a_perfect_prediction_scores_one():
     _, y = _stack(task.datasets()[1])
     metrics = task.metrics()
     assert set(metrics) == {"iou", "pixel_acc"} and all(m.higher_is_better for m in metrics.values())
+    assert reported_metrics(task)["val_iou"] is True  # the declared directions agree with the metrics
     for m in metrics.values():
         m.update(y[:10].clone(), y[:10])
         m.update(y[10:].clone(), y[10:])
@@ -100,3 +102,20 @@ def test_models_give_per_pixel_logits_at_any_size(model):
     with torch.no_grad():
         assert net(torch.randn(2, 3, 32, 32)).shape == (2, len(CLASSES), 32, 32)
         assert net(torch.randn(1, 3, 24, 16)).shape == (1, len(CLASSES), 24, 16)
+
+
+def test_a_short_training_run_learns_to_segment(tmp_path):
+    from core.train import train
+
+    task = ShapesTask(width=8, size=24, n_train=256, n_val=48)
+    cfg = TrainConfig(epochs=6, batch_size=16, lr=1e-2, optimizer="adamw", scheduler="constant", num_workers=0,
+                      seed=0, monitor="val_iou", monitor_mode="max", export_onnx=True)
+    result = train(task, cfg, out_dir=tmp_path)
+    iou = [epoch["val_iou"] for epoch in result.history]
+    loss = [epoch["val_loss"] for epoch in result.history]
+    assert result.status == "completed" and loss[-1] < loss[0] and max(iou) > iou[0] + 0.1, (iou, loss)
+    assert 0.0 <= min(iou) and max(iou) <= 1.0 and "val_pixel_acc" in result.history[-1]
+    assert result.best_metric == max(iou)
+    # The end-of-run confusion matrix counts every validation pixel; the ONNX model gives the same logits.
+    assert sum(map(sum, result.confusion_matrix)) == 48 * 24 * 24 and len(result.per_class_acc) == len(CLASSES)
+    assert result.onnx is not None and result.onnx.passed
