@@ -32,7 +32,7 @@ from torch import nn
 from core.io_utils import fsync_dir, save_json_atomic
 from core.results import OnnxReport
 
-__all__ = ["OnnxParityError", "export_and_verify", "write_report_json"]
+__all__ = ["OnnxParityError", "export_and_verify", "read_metadata", "set_metadata", "write_report_json"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,30 @@ def export_and_verify(model: nn.Module, sample_inputs: torch.Tensor, path: str |
 def write_report_json(report: OnnxReport, path: str | os.PathLike) -> Path:
     """Write ``report.to_dict()`` as JSON, atomically."""
     return save_json_atomic(report.to_dict(), path)
+
+
+def set_metadata(path: str | os.PathLike, props: dict[str, str]) -> None:
+    """Write ``props`` into the ONNX file's ``metadata_props`` (a key given replaces the one there),
+    in place, atomically. The graph and weights are untouched: onnxruntime computes the same."""
+    import onnx
+
+    path = Path(path)
+    proto = onnx.load(str(path), load_external_data=False)  # external weights stay where they are
+    kept = [p for p in proto.metadata_props if p.key not in props]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    for key, value in props.items():
+        proto.metadata_props.add(key=key, value=value)
+    tmp = path.with_name(f".{path.name}.meta.tmp")
+    onnx.save_model(proto, str(tmp))
+    os.replace(tmp, path)
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The ONNX file's ``metadata_props`` as a dict."""
+    import onnx
+
+    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
 
 
 # --------------------------------------------------------------------------- helpers

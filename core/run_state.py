@@ -9,6 +9,7 @@ continues bitwise-identically.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,17 +34,17 @@ class RunState:
     best_epoch: int | None = None
     history: list[dict] = field(default_factory=list)  # per epoch: {"epoch", "step", **metrics}
     step_log: StepLog = field(default_factory=StepLog)  # every reported step, for a resumed run's reporter
-    # An epoch interrupted mid-way: {"next_batch", "world_size", "sums": (loss, seen, seconds)}.
+    # An epoch interrupted mid-way: {"next_batch", "world_size", "sums": (loss, seen, seconds), "grad_norm"}.
     progress: dict | None = None
 
     def last_metrics(self) -> dict[str, float]:
         """The last epoch's metrics ({} before the first epoch)."""
         return epoch_reports(self.history)[-1][2] if self.history else {}
 
-    def take_progress(self, is_main: bool) -> tuple[int, tuple[float, float, float]]:
-        """Where the next epoch starts: the first micro-batch to train and the sums
-        (loss, seen, seconds) of those trained before an interrupt; for a fresh epoch 0 and
-        zeros. Taken once: the epochs after it start from their beginning."""
+    def take_progress(self, is_main: bool) -> tuple[int, tuple[float, float, float, float]]:
+        """Where the next epoch starts: the first micro-batch to train, the sums (loss, seen,
+        seconds) of those trained before an interrupt and the last step's gradient norm; for a
+        fresh epoch 0, zeros and NaN. Taken once: the epochs after it start from their beginning."""
         progress, self.progress = self.progress, None
         skip = progress["next_batch"] if progress else 0
         sums = tuple(progress["sums"]) if progress else (0.0, 0.0, 0.0)
@@ -52,7 +53,8 @@ class RunState:
         loss_sum, seen, seconds = sums
         if not is_main:  # the checkpoint's partial sums are already summed over ranks
             loss_sum, seen = 0.0, 0.0
-        return skip, (loss_sum, seen, seconds)
+        grad_norm = float(progress.get("grad_norm", math.nan)) if progress else math.nan
+        return skip, (loss_sum, seen, seconds, grad_norm)
 
     def record_epoch(self, epoch: int, metrics: dict[str, float], monitor: str, mode: str) -> bool:
         """Add the epoch to the history; True when its ``monitor`` value is the best so far."""

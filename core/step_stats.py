@@ -130,11 +130,12 @@ class StepReader:
         self._pending: PendingStep | None = None  # lag 1: an updated step whose numbers are not yet read
         self._decision = Decision.CONTINUE  # the reporter's answer for the last reported step
 
-    def start_epoch(self, epoch: int, step: int, loss_sum: float, seen: float) -> None:
+    def start_epoch(self, epoch: int, step: int, loss_sum: float, seen: float, grad_norm: float = math.nan) -> None:
         """``epoch`` starts after optimizer step ``step``, with the sums of its micro-batches
-        trained before an interrupt (zeros for a fresh epoch)."""
+        trained before an interrupt and the last read step's gradient norm (zeros and NaN for a
+        fresh epoch): an epoch resumed after its last step reports the norm the straight run does."""
         self.epoch, self.loss_sum, self.seen = epoch, loss_sum, seen
-        self.grad_norm = math.nan
+        self.grad_norm = grad_norm
         self._pending = None
         self._current = PendingStep(step + 1, epoch)
 

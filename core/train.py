@@ -119,8 +119,8 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
             p.requires_grad_(epoch > cfg.freeze_backbone_epochs)
         grads.attach()
         model.train()
-        skip, (loss_sum, seen, train_time) = run.take_progress(ctx.is_main)
-        steps.start_epoch(epoch, run.step, loss_sum, seen)
+        skip, (loss_sum, seen, train_time, grad_norm) = run.take_progress(ctx.is_main)
+        steps.start_epoch(epoch, run.step, loss_sum, seen, grad_norm)
         t0 = time.perf_counter()
         last_i = skip - 1  # the last micro-batch trained in this epoch
         # The order and augmentation of epoch k depend only on (seed, k); resuming mid-epoch, the
@@ -165,7 +165,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         sums = ctx.all_reduce_sum([steps.loss_sum, steps.seen], device)
         if stop is not None:  # interrupted mid-epoch: a resumed run continues at the next micro-batch
             checkpoints.save(run, epoch, progress={"next_batch": last_i + 1, "world_size": ctx.world_size,
-                                                   "sums": (*sums, train_time)})
+                                                   "sums": (*sums, train_time), "grad_norm": steps.grad_norm})
             break
 
         # ---- validate

@@ -1,7 +1,9 @@
-"""The model ``sweeps promote`` logs into a trial's run: the trial's best weights as an MLflow
-PyTorch model, with a signature and an input example, and the trial's ONNX model re-verified
-against it (onnxruntime vs torch on validation inputs) as extra files with the parity report.
-A logged model left by a crashed promote is found and reused (``find_logged_model``).
+"""The model ``sweeps promote`` logs into a trial's run: the pyfunc model of ``sweeps.serving``
+(natural input -> the task's preprocess -> the trial's best weights -> postprocess -> predictions),
+with a signature and an input example in natural units, the PyTorch module itself, and the trial's
+ONNX model re-verified against it (onnxruntime vs torch on validation model inputs), stamped with
+what it leaves out, beside the parity report. A logged model left by a crashed promote is found
+and reused (``find_logged_model``).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import math
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
 
 MODEL_ARTIFACT = "model"  # the logged model's name in the trial's run
 TAG_PROMOTED = "sweeps.promoted"  # "true" on logged models written by promote
+TAG_FORMAT = "sweeps.model_format"  # their layout (sweeps.serving.MODEL_FORMAT); another one is not reused
 EXAMPLE_ROWS = 8  # rows of the input example stored with the model
 CHECK_ROWS = 256  # validation inputs the ONNX re-verification runs on
 
@@ -94,7 +98,7 @@ def _pip_requirements() -> list[str]:
     import importlib.metadata
 
     out = []
-    for pkg in ("torch", "numpy", "cloudpickle"):
+    for pkg in ("torch", "torchvision", "numpy", "cloudpickle"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out.append(f"{pkg}=={importlib.metadata.version(pkg).split('+')[0]}")
     return out
@@ -114,48 +118,130 @@ def find_logged_model(registry, cand: Candidate):
     """A complete logged model written by an earlier promote of this run (crash recovery)."""
     found = registry.search_logged_models([cand.run.info.experiment_id], filter_string=(
         f"source_run_id = '{cand.run_id}' AND name = '{MODEL_ARTIFACT}'"))
-    done = [m for m in found if m.tags.get(TAG_PROMOTED) == "true" and str(m.status).endswith("READY")]
+    from sweeps.serving import MODEL_FORMAT
+
+    done = [m for m in found if m.tags.get(TAG_PROMOTED) == "true" and m.tags.get(TAG_FORMAT) == MODEL_FORMAT
+            and str(m.status).endswith("READY")]
     return max(done, key=lambda m: m.creation_timestamp) if done else None
 
 
-def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) -> tuple[str, str, dict]:
-    """Log the candidate's model into its run; returns (model uri, model id, ONNX tags)."""
-    import mlflow
+def task_section(resolved: dict, spec, cand: Candidate) -> dict:
+    """The trial's task section (name or target, model, args): from its resolved config, else the spec."""
+    if resolved.get("task"):
+        return dict(resolved["task"])
+    return {"name": spec.task.name, "target": spec.task.target, "model": spec.task.model,
+            "args": spec.task_args(cand.params)}
+
+
+def natural_examples(task, console) -> Any:
+    """The task's natural examples as a numpy array, or None (it gives none, or fails to)."""
+    try:
+        found = task.natural_examples(EXAMPLE_ROWS)
+    except Exception as exc:  # noqa: BLE001 - a task's data may be missing here: fall back, saying why
+        console.print(f"task {task.name!r} gave no natural examples ({type(exc).__name__}: {exc})",
+                      markup=False, highlight=False)
+        return None
+    if found is None or len(found) == 0:
+        return None
+    return found.numpy() if hasattr(found, "numpy") else found
+
+
+def signature_of(task, example, predictions):
+    """The signature of ``example`` -> ``predictions``, with the task's ``natural_free_dims`` (axes
+    of a natural batch that may have any size, e.g. an image's height and width) marked -1."""
+    from mlflow.models import ModelSignature, infer_signature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    signature = infer_signature(example, predictions)
+    free = getattr(task, "natural_free_dims", ())
+    if not free or signature.inputs is None:
+        return signature
+    spec = signature.inputs.inputs[0]
+    shape = tuple(-1 if i in free else d for i, d in enumerate(spec.shape))
+    return ModelSignature(Schema([TensorSpec(spec.type, shape)]), signature.outputs)
+
+
+def save_pytorch(model, path: Path, inputs, console) -> str:
+    """Save the module as an MLflow PyTorch model at ``path``: a ``torch.export`` program ("pt2":
+    loads without pickle, and without this project's model classes) when it can be captured, else
+    pickled; returns the format used."""
     import mlflow.pytorch
     import torch
     from mlflow.models import infer_signature
 
+    example = inputs[:EXAMPLE_ROWS]
+    with torch.inference_mode():
+        signature = infer_signature(example, model(torch.from_numpy(example)).numpy())
+    try:
+        mlflow.pytorch.save_model(model, str(path), signature=signature, input_example=example,
+                                  serialization_format="pt2", pip_requirements=_pip_requirements())
+        return "pt2"
+    except Exception as exc:  # noqa: BLE001 - torch.export fails in many ways: fall back to pickle, saying why
+        shutil.rmtree(path, ignore_errors=True)
+        console.print(f"torch.export could not capture the model ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                      "its PyTorch module is saved with pickle", markup=False, highlight=False)
+    mlflow.pytorch.save_model(model, str(path), signature=signature, serialization_format="pickle",
+                              pip_requirements=_pip_requirements())
+    return "pickle"
+
+
+def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) -> tuple[str, str, dict]:
+    """Log the candidate's model into its run as the pyfunc model of ``sweeps.serving``; returns
+    (model uri, model id, tags: the ONNX ones and the input contract)."""
+    import mlflow
+    import mlflow.pyfunc
+    from mlflow.models import Model
+
+    from core.onnx_export import set_metadata
+    from sweeps import serving
+
     with tempfile.TemporaryDirectory(prefix="sweeps-promote-") as tmp:
         model, task, resolved = build_model(reader, spec, cand, tmp)
+        section = task_section(resolved, spec, cand)
         inputs = example_inputs(task)
-        example = inputs[:EXAMPLE_ROWS]
-        with torch.inference_mode():
-            signature = infer_signature(example, model(torch.from_numpy(example)).numpy())
-        extra, onnx_tags = [], {"sweeps.onnx": "absent"}
+        example = natural_examples(task, console)
+        natural = example is not None
+        if not natural:
+            example = inputs[:EXAMPLE_ROWS]
+            console.print(f"the registered model takes model inputs: task {task.name!r} gives no natural examples",
+                          markup=False, highlight=False)
+        signature = signature_of(task, example, serving.predict(task, model, example, natural))
+        contract = serving.contract(task, natural)
+        tags = {"sweeps.onnx": "absent", "sweeps.input": "natural" if natural else "model input",
+                "sweeps.input_contract": contract}
+        artifacts = {serving.ART_TASK: str(Path(tmp) / serving.TASK_FILE)}
+        Path(artifacts[serving.ART_TASK]).write_text(json.dumps({"task": section, "natural_input": natural},
+                                                                indent=2, sort_keys=True))
         onnx = _download(reader, cand.run_id, f"{layout.ART_ONNX_DIR}/model.onnx", tmp)
         if onnx is not None:
             report_path = _download(reader, cand.run_id, f"{layout.ART_ONNX_DIR}/onnx_parity.json", tmp)
             original = json.loads(report_path.read_text()) if report_path is not None else None
             tolerance = float((resolved.get("train") or {}).get("onnx_tolerance")
                               or (original or {}).get("tolerance") or 1e-4)
+            set_metadata(onnx, serving.onnx_metadata(task, section))  # says what the file does not do
             report = verify_onnx(onnx, model, inputs, tolerance, original)
             if not report["passed"]:
                 raise PromoteError(f"the ONNX model of trial {cand.number} (run {cand.run_id}) fails re-verification: "
                                    f"max |onnxruntime - torch| = {report['max_abs_diff']:.3g} > tolerance "
                                    f"{tolerance:.3g} over {report['n_inputs_checked']} inputs; not promoted")
-            verified = Path(tmp) / "onnx_parity.json"
+            verified = Path(tmp) / serving.ONNX_REPORT_FILE
             verified.write_text(json.dumps(report, indent=2))
-            extra = [str(onnx), str(verified)]
-            onnx_tags = {"sweeps.onnx": "extra_files/model.onnx", "sweeps.onnx_tolerance": repr(tolerance),
+            artifacts.update({serving.ART_ONNX: str(onnx), serving.ART_ONNX_REPORT: str(verified)})
+            tags.update({"sweeps.onnx": f"artifacts/{serving.ONNX_FILE}", "sweeps.onnx_preprocessing": "not included",
+                         "sweeps.onnx_tolerance": repr(tolerance),
                          "sweeps.onnx_max_abs_diff": repr(report["max_abs_diff"]),
-                         "sweeps.onnx_sha256": report["onnx_sha256"]}
+                         "sweeps.onnx_sha256": report["onnx_sha256"]})
             console.print(f"ONNX re-verified: max |onnxruntime - torch| = {report['max_abs_diff']:.3g} <= "
                           f"{tolerance:.3g} over {report['n_inputs_checked']} inputs", markup=False, highlight=False)
-        with fluent_uri(uri):  # log_model reads the fluent URI; the run is addressed by id
+        artifacts[serving.ART_TORCH] = str(Path(tmp) / serving.ART_TORCH)
+        tags["sweeps.pytorch_format"] = save_pytorch(model, Path(artifacts[serving.ART_TORCH]), inputs, console)
+        with fluent_uri(uri):  # Model.log reads the fluent URI; the run is addressed by id
             logged = reader.registry.create_logged_model(cand.run.info.experiment_id, name=MODEL_ARTIFACT,
                                                          source_run_id=cand.run_id,
-                                                         tags={TAG_PROMOTED: "true", **onnx_tags})
-            info = mlflow.pytorch.log_model(model, name=MODEL_ARTIFACT, model_id=logged.model_id, run_id=cand.run_id,
-                                            signature=signature, input_example=example, extra_files=extra or None,
-                                            pip_requirements=_pip_requirements())
-    return info.model_uri, info.model_id, onnx_tags
+                                                         tags={TAG_PROMOTED: "true", TAG_FORMAT: serving.MODEL_FORMAT,
+                                                               **tags})
+            # Model.log is what mlflow.pyfunc.log_model calls, plus the run id it does not pass on.
+            info = Model.log(artifact_path=None, name=MODEL_ARTIFACT, flavor=mlflow.pyfunc, run_id=cand.run_id,
+                             model_id=logged.model_id, python_model=serving.TaskModel(), artifacts=artifacts,
+                             signature=signature, input_example=example, pip_requirements=_pip_requirements())
+    return info.model_uri, info.model_id, tags

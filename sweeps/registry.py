@@ -2,9 +2,10 @@
 
 The order of the writes is what makes it safe to run again after a crash:
 1. pick the candidate (read only) and compare it with the alias holder (refuse a worse one);
-2. log the PyTorch model into the candidate's own run (artifact name ``model``), with a
-   signature, an input example and, as extra files, the trial's ONNX model re-verified
-   against it plus the parity report (a logged model left by a crash is reused);
+2. log the model into the candidate's own run (artifact name ``model``): a pyfunc model that
+   takes the task's natural input and returns predictions (``sweeps.serving``), with a
+   signature and an input example in those units, the PyTorch module, and the trial's ONNX
+   model re-verified against it plus the parity report (a logged model left by a crash is reused);
 3. create the model version with the lineage tags (a version of the same run is reused);
 4. move the alias, LAST: until then the old holder keeps it.
 
@@ -37,7 +38,9 @@ from sweeps.tracking.reader import TrackingReader
 TAG_RUN_ID = "sweeps.run_id"  # on a model version: the trial run it came from
 TAG_PARAMS = "sweeps.params"
 TAG_METRIC, TAG_METRIC_VALUE, TAG_METRIC_DIRECTION = "sweeps.metric", "sweeps.metric_value", "sweeps.metric_direction"
-ONNX_TAGS = ("sweeps.onnx", "sweeps.onnx_max_abs_diff", "sweeps.onnx_tolerance", "sweeps.onnx_sha256")
+# Tags of the logged model that the model version carries too (and its description is made from).
+MODEL_TAGS = ("sweeps.onnx", "sweeps.onnx_max_abs_diff", "sweeps.onnx_tolerance", "sweeps.onnx_sha256",
+              "sweeps.onnx_preprocessing", "sweeps.input", "sweeps.input_contract", "sweeps.pytorch_format")
 _LOWER_IS_BETTER = re.compile(r"loss|error|err$|time|mem|latency|diff", re.IGNORECASE)
 
 
@@ -161,7 +164,7 @@ def comparison_table(name: str, alias: str, metric: str, direction: str, cand: C
 
 
 # ---- the model ---------------------------------------------------------------------------------
-def lineage_tags(reader, cand: Candidate, result, metric: str, direction: str, onnx_tags: dict) -> dict[str, str]:
+def lineage_tags(reader, cand: Candidate, result, metric: str, direction: str, model_tags: dict) -> dict[str, str]:
     tags = cand.run.data.tags
     commit = tags.get(layout.TAG_GIT_COMMIT)
     if not commit and tags.get(layout.PARENT_TAG):  # trials inherit the commit of the study's parent run
@@ -172,7 +175,7 @@ def lineage_tags(reader, cand: Candidate, result, metric: str, direction: str, o
             TAG_METRIC_VALUE: repr(cand.value), TAG_METRIC_DIRECTION: direction,
             layout.TAG_SEED: tags.get(layout.TAG_SEED, ""), layout.TAG_GIT_COMMIT: commit or "unknown",
             layout.TAG_SPEC_HASH: tags.get(layout.TAG_SPEC_HASH, ""), layout.TAG_BACKEND: result.backend,
-            **{k: str(v) for k, v in onnx_tags.items()}}
+            **{k: str(v) for k, v in model_tags.items()}}
 
 
 def ensure_registered_model(registry, name: str, study: str) -> None:
@@ -237,8 +240,9 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
         console.print(Text(f"--force: promoting although {why}", style="yellow"))
     if dry_run:
         steps = ([f"reuse version {existing.version} of {name} (already made from run {cand.run_id})"] if existing
-                 else [f"re-verify the ONNX model of run {cand.run_id} and log the PyTorch model into it as "
-                       f"{MODEL_ARTIFACT!r}", f"create a new version of registered model {name!r} with lineage tags"])
+                 else [f"re-verify the ONNX model of run {cand.run_id} and log the model (natural input -> "
+                       f"predictions) into it as {MODEL_ARTIFACT!r}",
+                       f"create a new version of registered model {name!r} with lineage tags"])
         steps.append(f"move alias {alias!r} to it" + (f" (from version {holder.version.version})" if holder else ""))
         console.print("dry run, nothing written; would:\n" + "\n".join(f"  - {s}" for s in steps),
                       markup=False, highlight=False)
@@ -250,24 +254,28 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
                       markup=False, highlight=False)
     reader.registry.set_registered_model_alias(name, alias, existing.version)  # LAST: a crash keeps the holder
     console.print(f"{where} -> version {existing.version} (trial {cand.number} of study {result.name}, "
-                  f"{metric}={cand.value:.6g}, run {cand.run_id})\nload it with: "
-                  f"mlflow.pyfunc.load_model('models:/{where}') (MLFLOW_TRACKING_URI={uri})",
+                  f"{metric}={cand.value:.6g}, run {cand.run_id})\nload it with:\n"
+                  f"  import mlflow\n  mlflow.set_tracking_uri({uri!r})\n"
+                  f"  model = mlflow.pyfunc.load_model('models:/{where}')\n  predictions = model.predict(x)\n"
+                  f"The model {existing.tags.get('sweeps.input_contract') or 'takes what its signature says.'}",
                   markup=False, highlight=False)
     return 0
 
 
 def _register(reader, uri: str, spec, result, cand: Candidate, name: str, metric: str, direction: str, console):
+    from sweeps.serving import description
+
     logged = find_logged_model(reader.registry, cand)
     if logged is not None:
         model_uri, model_id = f"models:/{logged.model_id}", logged.model_id
-        onnx_tags = {k: v for k, v in logged.tags.items() if k in ONNX_TAGS}
+        model_tags = {k: v for k, v in logged.tags.items() if k in MODEL_TAGS}
         console.print(f"reusing the model logged into run {cand.run_id} by an earlier promote ({model_id})",
                       markup=False, highlight=False)
     else:
-        model_uri, model_id, onnx_tags = log_model(reader, uri, spec, cand, console)
+        model_uri, model_id, model_tags = log_model(reader, uri, spec, cand, console)
     ensure_registered_model(reader.registry, name, result.name)
     with fluent_uri(uri):
         return reader.registry.create_model_version(
             name, source=model_uri, run_id=cand.run_id, model_id=model_id,
-            tags=lineage_tags(reader, cand, result, metric, direction, onnx_tags),
-            description=f"trial {cand.number} of study {result.name}")
+            tags=lineage_tags(reader, cand, result, metric, direction, model_tags),
+            description=description(model_tags, cand.number, result.name))

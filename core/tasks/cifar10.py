@@ -46,6 +46,9 @@ class CIFAR10Task(Task):
     models = ("resnet18",)
     num_classes = 10
     input_shape = (3, 32, 32)
+    input_contract = ("a uint8 array of RGB images shaped (N, 32, 32, 3) with values 0 to 255 (height, width, "
+                      "channel, as PIL or CIFAR-10's python batches give them); returns each image's class index "
+                      "0 to 9 in CIFAR-10's label order")
 
     def __init__(self, model: str = "resnet18", root: str = "data", augment: bool = True) -> None:
         # No file access here: a spec is validated by instantiating its task, before any data exists.
@@ -89,6 +92,27 @@ class CIFAR10Task(Task):
                 f"({exc}). {missing_data_message(self.root, intro=False)}"
             ) from exc
         return train, val
+
+    def preprocess(self, natural):
+        """uint8 RGB images (N, 32, 32, 3) -> the normalised (N, 3, 32, 32) batch ``datasets()``
+        yields for them: the validation transform, applied to each image as the dataset does."""
+        from core.tasks.natural_images import preprocess_images
+
+        return preprocess_images(natural, self.transforms()[1])
+
+    def natural_examples(self, n: int):
+        """The first ``n`` test-split images, uint8 (n, 32, 32, 3); None without the local data."""
+        import torch
+
+        if n <= 0 or not os.path.isdir(self.data_dir):
+            return None
+        from torchvision.datasets import CIFAR10
+
+        try:
+            val = CIFAR10(self.root, train=False, download=False)
+        except RuntimeError:  # incomplete or corrupted: datasets() says so, with the fix
+            return None
+        return torch.from_numpy(val.data[:n].copy())
 
     def describe(self):
         return {"task": self.name, "model": self.model, "root": self.root, "augment": self.augment}

@@ -28,6 +28,8 @@ class DigitsTask(Task):
     models = ("cnn", "mlp")
     num_classes = 10
     input_shape = (1, 8, 8)
+    input_contract = ("a float array of raw 8x8 digit images shaped (N, 8, 8) with pixel values 0 to 16, as "
+                      "scikit-learn's load_digits().images gives them; returns each image's digit, 0 to 9")
 
     def __init__(self, model: str = "cnn", val_fraction: float = 0.2, width: int | None = None,
                  dropout: float = 0.1, split_seed: int = 0) -> None:
@@ -53,12 +55,28 @@ class DigitsTask(Task):
         from core.tasks.tensor_data import TensorPairDataset
 
         images, labels, idx_train, idx_val = load_split(self.val_fraction, self.split_seed)
-        x = (images.astype(np.float32) / 16.0 - 0.5) / 0.5  # [0, 16] -> [-1, 1]
-        y = labels.astype(np.int64)
-        x_t = torch.from_numpy(x).unsqueeze(1)  # N, 1, 8, 8
-        y_t = torch.from_numpy(y)
+        x_t = self.preprocess(torch.from_numpy(images))  # N, 1, 8, 8
+        y_t = torch.from_numpy(labels.astype(np.int64))
         return (TensorPairDataset(x_t[idx_train], y_t[idx_train]),
                 TensorPairDataset(x_t[idx_val], y_t[idx_val]))
+
+    def preprocess(self, natural):
+        """Raw pixel values 0 to 16, (N, 8, 8) or (N, 64), floats or integers -> float32
+        (N, 1, 8, 8) in [-1, 1]: ``(x / 16 - 0.5) / 0.5``, in float32, each step exact."""
+        import torch
+
+        x = torch.as_tensor(natural)
+        if x.ndim not in (2, 3) or x.shape[1:].numel() != 64:
+            raise ValueError(f"digits input: expected raw 8x8 images shaped (N, 8, 8) or (N, 64), got shape "
+                             f"{tuple(x.shape)}")
+        return (x.reshape(len(x), 1, 8, 8).to(torch.float32) / 16.0 - 0.5) / 0.5
+
+    def natural_examples(self, n: int):
+        """The first ``n`` validation images as scikit-learn gives them: float64 (n, 8, 8), 0 to 16."""
+        import torch
+
+        images, _, _, idx_val = load_split(self.val_fraction, self.split_seed)
+        return torch.from_numpy(images[idx_val[:max(n, 0)]].astype(np.float64))
 
     def describe(self):
         return {"task": self.name, "model": self.model, "width": self.width,

@@ -63,6 +63,9 @@ def head_attr(model: nn.Module) -> str:
 class ImageFolderTask(Task):
     name = "imagefolder"
     models = COMMON_MODELS
+    # Axes of the natural batch (N, H, W, 3) that may have any size: preprocess resizes and crops.
+    # sweeps.model_logging marks them -1 in the registered model's signature.
+    natural_free_dims = (1, 2)
 
     def __init__(self, model: str = "resnet18", root: str = "data", image_size: int = 224,
                  pretrained_weights: str | None = None, augment: bool = True) -> None:
@@ -80,6 +83,11 @@ class ImageFolderTask(Task):
         self.pretrained_weights = None if pretrained_weights is None else str(pretrained_weights)
         self.augment = bool(augment)
         self.input_shape = (3, image_size, image_size)
+        self.input_contract = (
+            "a uint8 array of RGB images shaped (N, H, W, 3) with values 0 to 255, any H and W, as "
+            "numpy.asarray(PIL.Image.open(path).convert('RGB')) gives them (resized so the short side is "
+            f"{round(image_size / 0.875)}, centre-cropped to {image_size}x{image_size} and normalised inside); "
+            "returns each image's class index, the position of its class folder in sorted order")
         self._classes: list[str] | None = None
 
     # ------------------------------------------------------------------ classes
@@ -176,6 +184,32 @@ class ImageFolderTask(Task):
                 f"(under {os.path.abspath(self.root)})"
             )
         return train, val
+
+    def preprocess(self, natural):
+        """uint8 RGB images (N, H, W, 3), or a sequence of (H, W, 3) images of any sizes, -> the
+        (N, 3, image_size, image_size) batch the validation transform makes of them (through PIL,
+        as ``datasets()`` does: resize, centre crop, normalisation)."""
+        from core.tasks.natural_images import preprocess_images
+
+        return preprocess_images(natural, self.transforms()[1])
+
+    def natural_examples(self, n: int):
+        """Up to ``n`` validation images of the first one's size, uint8 (k, H, W, 3) as the dataset's
+        loader reads them; None without the local data."""
+        val_dir = os.path.join(self.root, "val")
+        if n <= 0 or not os.path.isdir(val_dir):
+            return None
+        import numpy as np
+        from torchvision.datasets import ImageFolder
+
+        from core.tasks.natural_images import same_size_batch
+
+        try:
+            val = ImageFolder(val_dir)
+        except FileNotFoundError:  # no image in a class folder: datasets() says so
+            return None
+        images = [np.asarray(val.loader(path)) for path, _ in val.samples[:4 * n]]
+        return same_size_batch(images, n)
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.name, "model": self.model, "root": self.root, "image_size": self.image_size,

@@ -25,6 +25,10 @@ class SyntheticTask(Task):
         self.input_shape = tuple(int(s) for s in shape)
         self.num_classes = num_classes
         self.n_train, self.n_val, self.width, self.data_seed = n_train, n_val, width, data_seed
+        shape_text = ", ".join(str(s) for s in self.input_shape)
+        self.input_contract = (f"a float32 array shaped (N, {shape_text}) of random features with no natural units, "
+                               "so the input is the model input itself (preprocess is the identity); returns each "
+                               f"input's class index, 0 to {num_classes - 1}")
 
     def build_model(self) -> nn.Module:
         from torch import nn
@@ -56,6 +60,11 @@ class SyntheticTask(Task):
         y = (x.flatten(1) @ proj).argmax(dim=1)
         return (TensorPairDataset(x[: self.n_train], y[: self.n_train]),
                 TensorPairDataset(x[self.n_train:], y[self.n_train:]))
+
+    def natural_examples(self, n: int):
+        """The first ``n`` validation inputs: the natural input is the model input (identity)."""
+        _, val = self.datasets()
+        return val.x[:max(n, 0)].clone()
 
     def describe(self):
         return {"task": self.name, "model": self.model, "shape": list(self.input_shape),

@@ -84,6 +84,7 @@ def test_an_augmented_two_worker_run_stopped_mid_epoch_resumes_bitwise_like_the_
 @pytest.mark.parametrize("workers, stop", [
     (0, {"step": 5}), (0, {"step": STEPS_PER_EPOCH + 5}), (0, {"epoch": 1}),
     (2, {"step": STEPS_PER_EPOCH + 5}), (2, {"epoch": 1}),
+    (0, {"step": STEPS_PER_EPOCH}),  # after the epoch's last step, before its validation
 ])
 def test_an_augmented_run_resumes_bitwise_like_the_straight_run(straight, tmp_path, workers, stop):
     _assert_resumes_exactly(straight, tmp_path, stream=False, workers=workers, stop=stop)

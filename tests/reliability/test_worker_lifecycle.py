@@ -106,11 +106,11 @@ def test_a_signal_stops_a_trial_hanging_in_its_set_up_and_the_next_run_resumes(t
 def test_budget_timeout_stops_a_trial_hanging_in_its_set_up(tmp_path):
     # The timeout leaves a worker time to start and reach the hang (seconds here) even on a
     # much slower machine; without the fix the run would hang until the test's own timeout.
-    spec = _spec(tmp_path, budget={"n_trials": 1, "max_failures": 3, "timeout": "40s"})
+    spec = _spec(tmp_path, budget={"n_trials": 1, "max_failures": 3, "timeout": "120s"})
     proc = run_cli(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, "hang"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "died.marker").exists(), "the trial never reached its set-up within budget.timeout"
-    assert "budget.timeout (40s) reached" in proc.stdout + proc.stderr
+    assert "budget.timeout (120s) reached" in proc.stdout + proc.stderr
     assert [t.state.name for t in _trials(tmp_path)] == ["FAIL", "WAITING"]
     _assert_nothing_running(tmp_path)
 

@@ -91,7 +91,7 @@ def sweeps_env(**extra) -> dict:
     return env
 
 
-def run_cli(cwd: Path, *args: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+def run_cli(cwd: Path, *args: str, timeout: float = 900, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sweeps.cli", *args], cwd=cwd, env=sweeps_env(**env),
                           capture_output=True, text=True, timeout=timeout)
 

@@ -1,5 +1,6 @@
 """`sweeps promote` on a real finished study: registry versions, aliases, lineage, the
-PyTorch model loaded back through pyfunc in another process, the ONNX model in onnxruntime."""
+registered model loaded back through pyfunc in another process (natural input in, class indices
+out), its raw PyTorch module and the ONNX model in onnxruntime (model input in, logits out)."""
 from __future__ import annotations
 
 import hashlib
@@ -34,11 +35,14 @@ def _best_trial(study) -> tuple[int, object]:
     return number, runs[number]
 
 
-def _validation_set():
+def _validation_set() -> tuple[np.ndarray, np.ndarray]:
+    """The validation images in natural units (raw pixels, 0 to 16) and as model inputs."""
     from core.tasks.digits import DigitsTask
 
-    _, val = DigitsTask(model="mlp", width=32).datasets()
-    return torch.stack([val[i][0] for i in range(len(val))]).numpy()
+    task = DigitsTask(model="mlp", width=32)
+    _, val = task.datasets()
+    natural = task.natural_examples(len(val)).numpy()
+    return natural, torch.stack([val[i][0] for i in range(len(val))]).numpy()
 
 
 def _trained_predictions(study, number: int, x: np.ndarray) -> list[int]:
@@ -54,17 +58,20 @@ def _trained_predictions(study, number: int, x: np.ndarray) -> list[int]:
 
 _LOAD_IN_ANOTHER_PROCESS = """
 import json, os, sys
-import mlflow, numpy as np, onnxruntime as ort
+import mlflow, mlflow.pytorch, numpy as np, onnxruntime as ort, torch
 uri = "models:/" + sys.argv[1]
-x = np.load(sys.argv[2])
+natural, x = np.load(sys.argv[2]), np.load(sys.argv[3])
 model = mlflow.pyfunc.load_model(uri)
-logits = np.asarray(model.predict(x))
+predictions = np.asarray(model.predict(natural))
 folder = mlflow.artifacts.download_artifacts(uri)
-session = ort.InferenceSession(os.path.join(folder, "extra_files", "model.onnx"), providers=["CPUExecutionProvider"])
+session = ort.InferenceSession(os.path.join(folder, "artifacts", "model.onnx"), providers=["CPUExecutionProvider"])
 onnx_logits = session.run(None, {session.get_inputs()[0].name: x})[0]
-report = json.load(open(os.path.join(folder, "extra_files", "onnx_parity.json")))
-print(json.dumps({"pyfunc": logits.argmax(1).tolist(), "onnx": onnx_logits.argmax(1).tolist(),
-                  "shape": list(logits.shape), "report": report}))
+report = json.load(open(os.path.join(folder, "artifacts", "onnx_parity.json")))
+module = mlflow.pytorch.load_model(os.path.join(folder, "artifacts", "pytorch_model"))
+with torch.inference_mode():
+    module_logits = module(torch.from_numpy(x)).numpy()
+print(json.dumps({"pyfunc": predictions.tolist(), "onnx": onnx_logits.argmax(1).tolist(),
+                  "module": module_logits.argmax(1).tolist(), "shape": list(predictions.shape), "report": report}))
 """
 
 
@@ -91,19 +98,21 @@ def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(i
     logged = client.get_logged_model(mv.source[len("models:/"):])
     assert logged.source_run_id == run.info.run_id and logged.name == "model"
 
-    x = _validation_set()
+    natural, x = _validation_set()
+    np.save(tmp_path / "natural.npy", natural)
     np.save(tmp_path / "x.npy", x)
     env = {**os.environ, "MLFLOW_TRACKING_URI": study.uri, "PYTHONPATH": str(ROOT),
            "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
     proc = subprocess.run([sys.executable, "-c", _LOAD_IN_ANOTHER_PROCESS, f"{study.name}@champion",
-                           str(tmp_path / "x.npy")], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
+                           str(tmp_path / "natural.npy"), str(tmp_path / "x.npy")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     expected = _trained_predictions(study, number, x)
-    assert got["shape"] == [len(x), 10]
+    assert got["shape"] == [len(x)]  # class indices, from the raw pixels
     assert got["pyfunc"] == expected
-    assert got["onnx"] == expected
+    assert got["onnx"] == expected  # the ONNX file and the raw module take model inputs
+    assert got["module"] == expected
     assert got["report"]["passed"] is True and got["report"]["n_inputs_checked"] == min(256, len(x))
 
     # promoting again changes nothing: one version, one logged model in the run

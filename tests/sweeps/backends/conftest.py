@@ -29,7 +29,7 @@ def write_spec(folder: Path, name: str = "tiny", backend: str = "optuna", **over
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-def run_cli(cwd: Path, *args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+def run_cli(cwd: Path, *args: str, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
     return study_helpers.run_cli(cwd, *args, timeout=timeout, **{**ONE_THREAD, **env})
 
 

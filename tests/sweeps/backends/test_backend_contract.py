@@ -35,7 +35,7 @@ def finished_study(request, tmp_path, monkeypatch):
     if backend == "ray":
         request.getfixturevalue("ray_tmp")
     spec_path = _spec(tmp_path, backend)
-    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet", timeout=300)
+    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet", timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     monkeypatch.chdir(tmp_path)  # the spec's paths (runs/...) are relative to the working directory
     return backend, spec_path, proc
