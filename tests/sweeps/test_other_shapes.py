@@ -94,27 +94,19 @@ def _sweep(tmp_path: Path, name: str, changes: dict, capsys) -> tuple[Path, obje
     return spec, client, runs
 
 
-def _load_champion(uri: str, name: str, network_output_ndim: int):
-    """The registered model, loaded through pyfunc. The task contract has it take natural input
-    and return ``postprocess``'s predictions; a registered model whose output has the network's
-    own rank (logits) does not run the task around the network yet: that is sweeps/model_logging.py's
-    part of issue 24, and the checks after this one wait for it (an xfail that names it)."""
+def _load_champion(uri: str, name: str):
+    """The registered model, loaded through pyfunc: natural input in, the task's predictions out."""
     import mlflow
 
     before = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = uri
     try:
-        model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+        return mlflow.pyfunc.load_model(f"models:/{name}@champion")
     finally:
         if before is None:
             os.environ.pop("MLFLOW_TRACKING_URI")
         else:
             os.environ["MLFLOW_TRACKING_URI"] = before
-    [output] = model.metadata.get_output_schema().inputs
-    if len(output.shape) == network_output_ndim:
-        pytest.xfail(f"the registered model returns the network's output {output.shape}, not the task's predictions: "
-                     "sweeps/model_logging.py does not yet wrap preprocess and postprocess around the network")
-    return model
 
 
 def _champion_checkpoint(tmp_path: Path, name: str, client, runs) -> tuple[int, Path]:
@@ -149,8 +141,8 @@ def test_diabetes_regression_study_end_to_end_with_pruning_that_minimises(tmp_pa
     natural = task.natural_examples(16)
     with torch.inference_mode():
         expected = task.postprocess(model.eval()(task.preprocess(natural))).numpy()
-    predicted = np.asarray(_load_champion(client.tracking_uri, "diabetes_e2e", 2).predict(natural.numpy()))
-    assert np.allclose(predicted.reshape(-1), expected, atol=1e-3), (predicted, expected)
+    predicted = np.asarray(_load_champion(client.tracking_uri, "diabetes_e2e").predict(natural.numpy()))
+    assert predicted.shape == (16,) and np.allclose(predicted, expected, atol=1e-3), (predicted, expected)
 
 
 def test_shapes_segmentation_study_end_to_end(tmp_path, capsys):
@@ -168,5 +160,5 @@ def test_shapes_segmentation_study_end_to_end(tmp_path, capsys):
     natural = task.natural_examples(4)
     with torch.inference_mode():
         expected = task.postprocess(model.eval()(task.preprocess(natural))).numpy()
-    predicted = np.asarray(_load_champion(client.tracking_uri, "shapes_e2e", 4).predict(natural.numpy()))
+    predicted = np.asarray(_load_champion(client.tracking_uri, "shapes_e2e").predict(natural.numpy()))
     assert predicted.shape == (4, 24, 24) and np.array_equal(predicted, expected)
