@@ -11,8 +11,9 @@ The order of the writes is what makes it safe to run again after a crash:
 
 Selection rule: the study objective by default, or ``--metric M`` read from the trial runs'
 metric history: the best per-epoch value of M, maximised or minimised (``--direction``; by
-default the study direction when M is the objective, minimise for names with loss, error,
-time, mem, latency or diff, else maximise). The weights are always the trial's best checkpoint
+default the study direction when M is the objective, else the direction the task declares for
+M (``Task.metric_directions``, the loop's own metrics), else minimise for names with loss, error,
+time, mem, latency or diff and maximise the rest). The weights are always the trial's best checkpoint
 (``checkpoints/best.pt``, best epoch of the study objective). Trials whose ONNX parity check
 failed (tag ``sweeps.onnx_parity_passed=false``) are skipped. On a tie the current holder
 stays; otherwise the lower trial number wins.
@@ -66,6 +67,12 @@ def metric_direction(metric: str, spec, explicit: str | None = None) -> str:
         return explicit
     if metric == spec.objective.metric:
         return spec.objective.direction
+    from core.metrics import LOOP_METRICS, declared_metrics
+
+    with contextlib.suppress(Exception):  # a task that cannot be built here: judge by the name below
+        known = {**LOOP_METRICS, **(declared_metrics(spec.make_task()) or {})}.get(metric)
+        if known is not None:  # the task's own direction (val_mae: minimize), not a guess from the name
+            return "maximize" if known else "minimize"
     return "minimize" if _LOWER_IS_BETTER.search(metric) else "maximize"
 
 

@@ -35,7 +35,7 @@ class DiabetesTask(Task):
     models = ("mlp", "linear")
     input_shape = (len(FEATURES),)
     metric_directions = {"val_rmse": "minimize", "val_mae": "minimize"}
-    input_contract = ("float32 rows (N, 10) of age, sex, bmi, bp, s1..s6 in the units of scikit-learn's "
+    input_contract = ("float rows (N, 10) of age, sex, bmi, bp, s1..s6 in the units of scikit-learn's "
                       "load_diabetes(scaled=False); returns (N,) predicted disease progression one year later "
                       "(the target's units, about 25 to 346)")
 
@@ -81,7 +81,7 @@ class DiabetesTask(Task):
         import torch
 
         x, _, _, val = self._split()
-        return torch.from_numpy(x[val[:n]].astype(np.float32))
+        return torch.from_numpy(x[val[:n]])  # float64, as load_diabetes gives them (the signature's dtype)
 
     def preprocess(self, natural: torch.Tensor) -> torch.Tensor:
         import torch

@@ -68,10 +68,10 @@ def test_preprocess_of_the_natural_examples_is_the_validation_input(cache_dir):
     task = DiabetesTask()
     x_val, _ = _stack(task.datasets()[1])
     natural = task.natural_examples(1000)
-    assert natural.shape == (88, 10) and natural.dtype == torch.float32
+    assert natural.shape == (88, 10) and natural.dtype == torch.float64  # as load_diabetes gives them
     assert 19 <= float(natural[:, 0].min()) and float(natural[:, 0].max()) <= 79  # age in years: natural units
     assert torch.equal(task.preprocess(natural), x_val)
-    assert torch.equal(task.preprocess(natural.double()), x_val)  # float64 rows work the same
+    assert torch.equal(task.preprocess(natural.float()), x_val)  # float32 rows work the same
     assert torch.equal(task.natural_examples(5), natural[:5])
 
 

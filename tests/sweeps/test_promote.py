@@ -198,6 +198,10 @@ def test_metric_option_and_refused_names(in_study, capsys):
     assert metric_direction("val_acc", spec) == "maximize"
     assert metric_direction("val_loss", spec) == "minimize"
     assert metric_direction("val_acc", spec, "minimize") == "minimize"
+    # not the objective: the task's declared direction, not a guess from the name
+    diabetes = spec.model_copy(update={"task": spec.task.model_copy(update={"name": "diabetes", "model": "mlp",
+                                                                               "args": {}})})
+    assert metric_direction("val_mae", diabetes) == "minimize" and metric_direction("samples_per_s", spec) == "maximize"
 
     runs = in_study.trial_runs()
     lowest_loss = min(runs, key=lambda n: min(m.value for m in in_study.client().get_metric_history(
