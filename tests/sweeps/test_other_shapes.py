@@ -109,10 +109,18 @@ def _load_champion(uri: str, name: str):
             os.environ["MLFLOW_TRACKING_URI"] = before
 
 
-def _champion_checkpoint(tmp_path: Path, name: str, client, runs) -> tuple[int, Path]:
+def _champion_and_checkpoint(tmp_path: Path, name: str, client, task, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The champion's predictions from ``n`` natural examples, and what the champion trial's own
+    best checkpoint predicts from them through the task's preprocess and postprocess."""
     mv = client.get_model_version_by_alias(name, "champion")
     number = int(mv.tags["sweeps.trial_number"])
-    return number, tmp_path / "runs" / name / f"trial-{number:04d}" / "best.pt"
+    model = task.build_model()
+    best = tmp_path / "runs" / name / f"trial-{number:04d}" / "best.pt"
+    model.load_state_dict(torch.load(best, weights_only=True)["model"])
+    natural = task.natural_examples(n)
+    with torch.inference_mode():
+        expected = task.postprocess(model.eval()(task.preprocess(natural))).numpy()
+    return np.asarray(_load_champion(client.tracking_uri, name).predict(natural.numpy())), expected
 
 
 def test_diabetes_regression_study_end_to_end_with_pruning_that_minimises(tmp_path, capsys):
@@ -135,13 +143,7 @@ def test_diabetes_regression_study_end_to_end_with_pruning_that_minimises(tmp_pa
     from core.tasks.diabetes import DiabetesTask
 
     task = DiabetesTask(model="mlp", width=16)
-    _, checkpoint = _champion_checkpoint(tmp_path, "diabetes_e2e", client, runs)
-    model = task.build_model()
-    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
-    natural = task.natural_examples(16)
-    with torch.inference_mode():
-        expected = task.postprocess(model.eval()(task.preprocess(natural))).numpy()
-    predicted = np.asarray(_load_champion(client.tracking_uri, "diabetes_e2e").predict(natural.numpy()))
+    predicted, expected = _champion_and_checkpoint(tmp_path, "diabetes_e2e", client, task, 16)
     assert predicted.shape == (16,) and np.allclose(predicted, expected, atol=1e-3), (predicted, expected)
 
 
@@ -154,11 +156,5 @@ def test_shapes_segmentation_study_end_to_end(tmp_path, capsys):
     from core.tasks.shapes import ShapesTask
 
     task = ShapesTask(model="unet", width=8, size=24, n_train=128, n_val=16)
-    _, checkpoint = _champion_checkpoint(tmp_path, "shapes_e2e", client, runs)
-    model = task.build_model()
-    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
-    natural = task.natural_examples(4)
-    with torch.inference_mode():
-        expected = task.postprocess(model.eval()(task.preprocess(natural))).numpy()
-    predicted = np.asarray(_load_champion(client.tracking_uri, "shapes_e2e").predict(natural.numpy()))
+    predicted, expected = _champion_and_checkpoint(tmp_path, "shapes_e2e", client, task, 4)
     assert predicted.shape == (4, 24, 24) and np.array_equal(predicted, expected)
