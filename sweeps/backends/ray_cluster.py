@@ -36,6 +36,10 @@ def init_ray(spec: StudySpec) -> bool:
             return True
         devices = spec.resources.devices
         num_gpus = 0 if devices == "cpu" else (len(devices) if isinstance(devices, list) else None)
+        # Ray starts its workers at nice 15: beside any process at normal priority on the same
+        # cores (an editor, a data job, other tests) the trials, the study's only work, got 3% of
+        # a core under `taskset -c 0` with a busy loop. The raylet we start reads this at launch.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         with _visible_devices(devices):
             ray.init(num_cpus=cpu_threads_available(), num_gpus=num_gpus, include_dashboard=False,
                      object_store_memory=256 * 2**20, **kwargs)
