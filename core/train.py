@@ -74,7 +74,11 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
 
 def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, resume: bool,
            owner: str | None, ctx: DistContext) -> TrainResult:
-    # ---- set-up: seed first, so model init and data order depend only on cfg.seed
+    # ---- set-up: the monitored metric must be the task's (checked before the model or data is built)
+    problem = metric_problem(task, cfg.monitor, cfg.monitor_mode == "max", "train.monitor / train.monitor_mode")
+    if problem:
+        raise TaskError(problem)
+    # Seed first, so model init and data order depend only on cfg.seed
     device = resolve_device(cfg.device, ctx)
     seed_everything(cfg.seed)
     configure_determinism(cfg.deterministic)
@@ -93,9 +97,6 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
     ddp_model, fwd_model = _wrap(model, cfg, ctx, device)
     criterion = task.make_loss(cfg)
     meter = ValidationMeter(task, device)  # val_loss and the task's metrics (val_<name>)
-    problem = metric_problem(task, cfg.monitor, cfg.monitor_mode == "max", "train.monitor / train.monitor_mode")
-    if problem:
-        raise TaskError(problem)
     grads = StepGradients(list(model.parameters()), device, distributed=ctx.enabled)
 
     # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, curves, mid-epoch progress
