@@ -49,7 +49,8 @@ def _params_text(row: pd.Series, names: list[str]) -> str:
 
 
 def optimization_history(t: StudyTables) -> go.Figure:
-    """Each finished trial's value (pruned ones faded crosses) and the best-so-far line."""
+    """Each finished trial's value (its objective at its best epoch; pruned ones faded crosses) and
+    the best-so-far line."""
     title = f"Optimization history ({t.metric}, {t.direction})"
     df = t.best_so_far
     if df["value"].notna().sum() == 0:
@@ -131,8 +132,12 @@ def param_importances(t: StudyTables) -> go.Figure:
     fig = go.Figure(go.Bar(x=df["importance"], y=df["param"], orientation="h", marker_color=STATE_COLORS["COMPLETE"],
                            text=[f"{v:.2f}" for v in df["importance"]], textposition="auto",
                            hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
+    # Which trials and which value the importances come from: pruned trials may be among them.
+    basis = "<br>".join(textwrap.wrap(t.importance_note, EMPTY_WRAP + 40))
+    fig.add_annotation(text=basis, showarrow=False, x=0, y=-0.25, xref="paper", yref="paper", xanchor="left",
+                       yanchor="top", align="left", font=dict(size=12, color="#555"))
     return _layout(fig, title, xaxis_title="importance (sums to 1)", xaxis_range=[0, 1],
-                   height=max(220, 80 + 40 * len(df)))
+                   height=max(260, 130 + 40 * len(df)), margin=dict(l=70, r=30, t=60, b=110))
 
 
 def _axis(kind: str, series: pd.Series) -> dict:

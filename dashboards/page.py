@@ -18,19 +18,23 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from dashboards.figures import all_figures
-from dashboards.tables import StudyTables, ranked_trials
+from dashboards.tables import IMPORTANCE_ENOUGH_COMPLETE, StudyTables, ranked_trials
 
 QUESTION_RE = re.compile(r"^\s*#\s*Question:\s*(.*?)\s*$", re.IGNORECASE)
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 
 SECTIONS = {  # div id -> (heading, what the figure shows)
-    "fig-history": ("Optimization history", "Each finished trial's objective value by trial number; crosses are "
-                    "pruned or failed trials (their value is the best they reached before stopping). The line is "
-                    "the best completed value so far."),
+    "fig-history": ("Optimization history", "Each finished trial's value by trial number: the objective at its "
+                    "best epoch (the checkpoint promote registers), for completed and pruned trials alike; "
+                    "crosses are pruned trials, stopped before their last epoch. The line is the best completed "
+                    "value so far."),
     "fig-parallel": ("Parameters against the objective", "One line per completed trial through its parameter "
                      "values and its objective, coloured by the objective. Drag along an axis to filter."),
     "fig-importances": ("Parameter importances", "fANOVA importances of the searched parameters for the "
-                        "objective, from the completed trials (they sum to 1; few trials make them rough)."),
+                        "objective (they sum to 1; few trials make them rough). From the completed trials at "
+                        f"their value when at least {IMPORTANCE_ENOUGH_COMPLETE} completed; with fewer, from "
+                        "the completed and pruned trials at the objective after an epoch they all reached. The "
+                        "note under the bars says which."),
     "fig-pair": ("Objective by the two main parameters", "Each finished trial at its two parameter values "
                  "(learning rate x batch size when both were searched, else the two most important), coloured "
                  "by the objective."),

@@ -6,8 +6,8 @@ only the :class:`~sweeps.backends.base.StudyResult` live in this module; the two
 MLflow (learning curves, LR-finder curve) live in :mod:`dashboards.mlflow_tables`.
 
 Conventions: one row per trial (or per trial and epoch), sorted by trial number; a trial's
-``value`` is the study's value (for a pruned trial, the best value it reached before it
-was stopped); "best" means the best COMPLETE trial, as in ``StudyResult.best``.
+``value`` is the objective at the trial's best epoch (the checkpoint promote registers), for
+completed and pruned trials alike; "best" means the best COMPLETE trial, as in ``StudyResult.best``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ STATE_ORDER = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
 FINISHED_STATES = ("COMPLETE", "PRUNED", "FAIL")
 TRIAL_COLUMNS = ("number", "state", "value")  # then one column per parameter, then TRIAL_TAIL
 TRIAL_TAIL = ("duration_s", "run_id", "is_best", "reason")
-IMPORTANCE_MIN_TRIALS = 2  # fANOVA needs at least two completed trials with a finite value
+IMPORTANCE_MIN_TRIALS = 2  # fANOVA needs at least two trials with a finite value
+# Fewer completed trials than this, and the importances also use pruned trials, compared at an
+# epoch they all reached: two or three points say little about two parameters.
+IMPORTANCE_ENOUGH_COMPLETE = 4
 
 
 @dataclass
@@ -44,7 +47,7 @@ class StudyTables:
     curves: pd.DataFrame
     lr_finder: pd.DataFrame
     lr_finder_info: dict[str, Any] = field(default_factory=dict)  # rule, suggestion, narrowed; {} if none
-    importance_note: str = ""  # why the importances table is empty, when it is
+    importance_note: str = ""  # the trials and value the importances come from, or why there are none
 
     def best_row(self) -> pd.Series | None:
         best = self.trials[self.trials["is_best"]]
@@ -138,59 +141,100 @@ def state_counts_table(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -> tuple[pd.DataFrame, str]:
-    """(param, importance) by fANOVA, most important first, summing to 1; and a note saying why
-    the table is empty when it is.
+    """(param, importance) by fANOVA, most important first, summing to 1; and a note: which trials
+    and which value the importances were computed from, or why the table is empty.
 
-    The importances are computed on an in-memory Optuna study rebuilt from the COMPLETE trials
-    (with the spec's distributions), so they are the same whichever backend ran the study."""
-    import optuna
-    from optuna.importance import FanovaImportanceEvaluator, get_param_importances
-
-    from sweeps.search_space import optuna_distributions
-
+    From the COMPLETE trials, each at its value (the objective at its best epoch) when there are
+    at least :data:`IMPORTANCE_ENOUGH_COMPLETE` of them. With fewer (a pruner that stops most
+    trials early leaves one or two), from every finished trial that reached a common epoch, each
+    at its objective after that epoch: the deepest epoch at least that many trials reached, so
+    completed and pruned trials are compared after the same training. The trials are rebuilt into
+    an in-memory Optuna study (with the spec's distributions), so the importances are the same
+    whichever backend ran the study."""
     empty = pd.DataFrame({"param": pd.Series(dtype="str"), "importance": pd.Series(dtype="float64")})
     if not search:
         return empty, "the study searched no parameters"
+    from sweeps.search_space import optuna_distributions
+
     dists = optuna_distributions(search)
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created in memory" line
-    try:
-        rebuilt = optuna.create_study(direction=result.direction, sampler=optuna.samplers.RandomSampler(seed=seed))
-    finally:
-        optuna.logging.set_verbosity(verbosity)
-    used, values = [], []  # the trials rebuilt, and their values
-    for t in result.trials:
-        if t.state != "COMPLETE" or t.value is None or not math.isfinite(t.value) or set(t.params) != set(dists):
-            continue
-        try:
-            frozen = optuna.trial.create_trial(params=t.params, distributions=dists, value=float(t.value))
-        except ValueError:  # a value outside the spec's current range (the spec changed): not comparable
-            continue
-        rebuilt.add_trial(frozen)
-        used.append(t)
-        values.append(float(t.value))
+    comparable = [t for t in result.trials if t.state in ("COMPLETE", "PRUNED") and set(t.params) == set(dists)
+                  and _comparable(t.params, dists)]
+    complete = [(t, float(t.value)) for t in comparable
+                if t.state == "COMPLETE" and t.value is not None and math.isfinite(t.value)]
+    used, basis, who = complete, f"its {result.metric} at its best epoch", f"{len(complete)} completed trials"
+    if len(complete) < IMPORTANCE_ENOUGH_COMPLETE:
+        step, at_step = _common_step(comparable, min(IMPORTANCE_ENOUGH_COMPLETE, len(comparable)))
+        if step is not None and len(at_step) > len(complete):
+            n_done = sum(t.state == "COMPLETE" for t, _ in at_step)
+            used, basis = at_step, f"its {result.metric} after epoch {step}"
+            who = (f"{len(at_step)} trials ({n_done} completed, {len(at_step) - n_done} pruned; only "
+                   f"{len(complete)} completed, so epoch {step} is the deepest epoch that at least "
+                   f"{min(IMPORTANCE_ENOUGH_COMPLETE, len(comparable))} trials reached)")
     if len(used) < IMPORTANCE_MIN_TRIALS:
-        return empty, (f"parameter importances need at least {IMPORTANCE_MIN_TRIALS} completed trials; "
-                       f"this study has {len(used)}")
+        return empty, (f"parameter importances need at least {IMPORTANCE_MIN_TRIALS} completed trials, or "
+                       f"{IMPORTANCE_MIN_TRIALS} trials that reached a common epoch; this study has "
+                       f"{len(complete)} completed")
     # fANOVA explains differences in the value by differences in the parameters: with either
     # all alike there is nothing to explain (it would raise "zero total variance").
     n, metric = len(used), result.metric
-    if len({tuple(sorted(t.params.items())) for t in used}) == 1:
-        return empty, (f"parameter importances are unavailable: all {n} completed trials have the same "
-                       f"parameters ({_params_text(used[0].params)}), so none of them can explain a "
+    kind = "completed trials" if used is complete else "trials"
+    values = [v for _, v in used]
+    if len({tuple(sorted(t.params.items())) for t, _ in used}) == 1:
+        return empty, (f"parameter importances are unavailable: all {n} {kind} have the same "
+                       f"parameters ({_params_text(used[0][0].params)}), so none of them can explain a "
                        f"difference in {metric}")
     if len(set(values)) == 1:
-        return empty, (f"parameter importances are unavailable: all {n} completed trials reached the same "
+        return empty, (f"parameter importances are unavailable: all {n} {kind} reached the same "
                        f"{metric} ({values[0]:g}), so there is no difference to explain")
     try:
-        scores = get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=seed))
+        scores = _fanova(result.direction, dists, used, seed)
     except RuntimeError as exc:  # fANOVA's forest found no split that changes the value
         if "zero total variance" not in str(exc):
             raise
         return empty, (f"parameter importances are unavailable: fANOVA found no variance in {metric} "
-                       f"that the parameters explain over the {n} completed trials")
+                       f"that the parameters explain over the {n} {kind}")
     df = pd.DataFrame({"param": list(scores), "importance": [float(v) for v in scores.values()]})
-    return df.sort_values(["importance", "param"], ascending=[False, True]).reset_index(drop=True), ""
+    note = f"from {who}, each at {basis}"
+    return df.sort_values(["importance", "param"], ascending=[False, True]).reset_index(drop=True), note
+
+
+def _comparable(params: dict, dists: dict) -> bool:
+    """Whether a trial's parameters fit the spec's distributions (a changed spec's old trials do
+    not, and are not comparable): Optuna's own check, which raises ValueError."""
+    import optuna
+
+    try:
+        optuna.trial.create_trial(params=params, distributions=dists, value=0.0)
+    except ValueError:
+        return False
+    return True
+
+
+def _common_step(trials: list, enough: int) -> tuple[int | None, list]:
+    """The deepest epoch that at least ``enough`` (>= 1) of ``trials`` reported a finite value at,
+    and those trials with that value; (None, []) when no epoch has that many."""
+    steps = sorted({s for t in trials for s in t.intermediate}, reverse=True)
+    for step in steps:
+        at = [(t, float(t.intermediate[step])) for t in trials
+              if step in t.intermediate and math.isfinite(t.intermediate[step])]
+        if len(at) >= max(enough, 1):
+            return step, at
+    return None, []
+
+
+def _fanova(direction: str, dists: dict, used: list, seed: int) -> dict[str, float]:
+    import optuna
+    from optuna.importance import FanovaImportanceEvaluator, get_param_importances
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created in memory" line
+    try:
+        rebuilt = optuna.create_study(direction=direction, sampler=optuna.samplers.RandomSampler(seed=seed))
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    for t, value in used:
+        rebuilt.add_trial(optuna.trial.create_trial(params=t.params, distributions=dists, value=value))
+    return get_param_importances(rebuilt, evaluator=FanovaImportanceEvaluator(seed=seed))
 
 
 def _params_text(params: dict) -> str:

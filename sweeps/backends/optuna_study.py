@@ -271,23 +271,41 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
 
 
 # ---- records -------------------------------------------------------------------------------
-def record_of(t: FrozenTrial) -> TrialRecord:
+ATTR_BEST_VALUE = "best_value"  # set by the worker: the objective at the trial's best epoch
+
+
+def record_of(t: FrozenTrial, direction: str = "maximize") -> TrialRecord:
     duration = None
     if t.datetime_start and t.datetime_complete:
         duration = (t.datetime_complete - t.datetime_start).total_seconds()
+    intermediate = {int(k): float(v) for k, v in t.intermediate_values.items()}
     return TrialRecord(
         number=t.number, state=t.state.name, params=dict(t.params),
-        value=_pruned_value(t),
+        value=trial_value(t, intermediate, direction),
         duration_s=duration, run_id=t.user_attrs.get(ATTR_RUN_ID),
-        intermediate={int(k): float(v) for k, v in t.intermediate_values.items()},
+        intermediate=intermediate,
         reason=str(t.user_attrs.get(ATTR_REASON, "")),
         started=t.datetime_start.timestamp() if t.datetime_start else None,
         retry_of=t.system_attrs.get("failed_trial"),
     )
 
 
-def _pruned_value(t: FrozenTrial) -> float | None:
-    return t.value if t.value is not None else t.user_attrs.get("best_value")
+def trial_value(t: FrozenTrial, intermediate: dict[int, float], direction: str) -> float | None:
+    """A trial's value in every view (status, report, MLflow ``objective``, promote): the objective
+    at its best epoch, whose checkpoint promote registers, for completed and pruned trials alike.
+
+    Optuna's own value of a PRUNED trial is its LAST intermediate value, which is not what the
+    trial's checkpoint scores when a later epoch got worse; the worker records the best one as a
+    user attribute. A trial without it (stored by another tool) falls back to the best of its
+    intermediate values, and a completed one to Optuna's value."""
+    best = t.user_attrs.get(ATTR_BEST_VALUE)
+    if best is not None:
+        return float(best)
+    if t.state == TrialState.PRUNED and intermediate:
+        finite = [v for v in intermediate.values() if v == v]  # NaN compares unequal to itself
+        if finite:
+            return max(finite) if direction == "maximize" else min(finite)
+    return t.value
 
 
 def fail_stale_trials(study: optuna.Study) -> list[int]:
@@ -347,7 +365,7 @@ def enqueue_smaller_batch(spec: StudySpec, study: optuna.Study, failed: FrozenTr
 
 
 def study_result(spec: StudySpec, study: optuna.Study) -> StudyResult:
-    trials = [record_of(t) for t in study.get_trials(deepcopy=False)]
+    trials = [record_of(t, spec.objective.direction) for t in study.get_trials(deepcopy=False)]
     return StudyResult(name=study.study_name, backend="optuna", direction=spec.objective.direction,
                        metric=spec.objective.metric, trials=trials,
                        parent_run_id=study.user_attrs.get(ATTR_PARENT_RUN))

@@ -76,15 +76,50 @@ def test_state_counts_match_the_study():
     assert df.loc[df["state"] == "COMPLETE", "total_duration_s"].iloc[0] == pytest.approx(16.5)
 
 
-def test_importances_sum_to_one_and_need_two_completed_trials():
-    df, note = importances_table(_result(), SEARCH)
-    assert note == "" and set(df["param"]) == {"lr", "batch_size"}
-    assert df["importance"].sum() == pytest.approx(1.0)
+def test_importances_from_enough_completed_trials_use_their_values():
+    result = _result()
+    result.trials.append(TrialRecord(6, "COMPLETE", {"lr": 0.002, "batch_size": 16}, 0.70, 4.0, "r6",
+                                     {1: 0.3, 2: 0.5, 3: 0.7}))
+    df, note = importances_table(result, SEARCH)
+    assert set(df["param"]) == {"lr", "batch_size"} and df["importance"].sum() == pytest.approx(1.0)
     assert (df["importance"] >= 0).all() and df["importance"].is_monotonic_decreasing
+    assert note == "from 4 completed trials, each at its val_acc at its best epoch"
+
+
+def test_importances_with_few_completed_trials_add_pruned_ones_at_a_common_epoch():
+    # 3 completed trials (fewer than 4): the pruned trial 2 reached epoch 2, so all 4 count there.
+    df, note = importances_table(_result(), SEARCH)
+    assert set(df["param"]) == {"lr", "batch_size"} and df["importance"].sum() == pytest.approx(1.0)
+    assert note == ("from 4 trials (3 completed, 1 pruned; only 3 completed, so epoch 2 is the deepest epoch "
+                    "that at least 4 trials reached), each at its val_acc after epoch 2")
+    fig = all_figures(build_tables(_result(), SEARCH, reader=None))["fig-importances"]
+    assert fig.layout.annotations[0].text.replace("<br>", " ") == note
+
+
+def test_importances_of_pruned_trials_explain_their_common_epoch_not_their_last():
+    # One completed trial; six pruned after epoch 1 or 2. After epoch 1 the value follows lr alone,
+    # after epoch 2 batch size alone: the importances must come from epoch 1, which all 7 reached,
+    # not from each trial's last or best value.
+    t = TrialRecord
+    trials = [t(0, "COMPLETE", {"lr": 0.1, "batch_size": 32}, 0.95, 5.0, "r0", {1: 0.46, 2: 0.93, 3: 0.95})]
+    for i, (lr, bs) in enumerate([(1e-4, 16), (3e-4, 32), (1e-3, 64), (3e-3, 16), (1e-2, 32), (0.3, 64)], 1):
+        curve = {1: 0.1 + 0.12 * (4 + math.log10(lr))}
+        if i in (1, 3):  # with trial 0, three trials reached epoch 2: too few
+            curve[2] = {16: 0.2, 32: 0.5, 64: 0.8}[bs]
+        trials.append(t(i, "PRUNED", {"lr": lr, "batch_size": bs}, max(curve.values()), 1.0, f"r{i}", curve))
+    df, note = importances_table(StudyResult("p", "optuna", "maximize", "val_acc", trials), SEARCH)
+    assert note == ("from 7 trials (1 completed, 6 pruned; only 1 completed, so epoch 1 is the deepest epoch "
+                    "that at least 4 trials reached), each at its val_acc after epoch 1")
+    # fANOVA's forest over 7 points (seed 0) gives lr 0.78: batch size explains little at epoch 1.
+    assert df.iloc[0]["param"] == "lr" and df.iloc[0]["importance"] > 0.7
+
+
+def test_importances_need_two_trials_at_a_common_epoch():
     one = _result()
-    one.trials = [t for t in one.trials if t.number != 1 and t.number != 4]
+    one.trials = [t for t in one.trials if t.number in (0, 3, 5)]  # one completed, one failed, one running
     df, note = importances_table(one, SEARCH)
-    assert df.empty and "at least 2 completed trials" in note
+    assert df.empty and note == ("parameter importances need at least 2 completed trials, or 2 trials that "
+                                 "reached a common epoch; this study has 1 completed")
 
 
 def test_importances_say_why_when_the_trials_leave_nothing_to_explain():
