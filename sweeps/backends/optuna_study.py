@@ -293,11 +293,8 @@ def record_of(t: FrozenTrial, direction: str = "maximize") -> TrialRecord:
 def trial_value(t: FrozenTrial, intermediate: dict[int, float], direction: str) -> float | None:
     """A trial's value in every view (status, report, MLflow ``objective``, promote): the objective
     at its best epoch, whose checkpoint promote registers, for completed and pruned trials alike.
-
-    Optuna's own value of a PRUNED trial is its LAST intermediate value, which is not what the
-    trial's checkpoint scores when a later epoch got worse; the worker records the best one as a
-    user attribute. A trial without it (stored by another tool) falls back to the best of its
-    intermediate values, and a completed one to Optuna's value."""
+    Optuna's value of a PRUNED trial is its LAST intermediate value, so the worker's user attribute
+    comes first; without it (another tool stored the trial), the best intermediate value."""
     best = t.user_attrs.get(ATTR_BEST_VALUE)
     if best is not None:
         return float(best)
