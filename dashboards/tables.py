@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -222,7 +222,7 @@ def _common_step(trials: list, enough: int) -> tuple[int | None, list]:
     return None, []
 
 
-def _fanova(direction: str, dists: dict, used: list, seed: int) -> dict[str, float]:
+def _fanova(direction: Literal["maximize", "minimize"], dists: dict, used: list, seed: int) -> dict[str, float]:
     import optuna
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
