@@ -66,6 +66,9 @@ class MlflowTracker:
         self.tracking_uri = str(tracking_uri)
         if is_http_uri(self.tracking_uri):
             apply_fast_fail_http_defaults()
+            # MLflow prints "View run/experiment at <url>" whenever a run on a server ends: two lines
+            # per trial, from every worker. Set the variable to false to have them back.
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.flush_every_s = float(flush_every_s)
         self.flush_every_points = int(flush_every_points)
         self.retry_interval_s = float(retry_interval_s)
@@ -256,6 +259,20 @@ class MlflowTracker:
         # Staged in the spool folder, so it can still be sent later if the store is down.
         staged = self.spool.stage_file(run.run_id, rel, text)
         self._submit(run.run_id, [["a", str(staged), posixpath.dirname(rel) or None, True]])
+
+    def log_inputs(self, run: RunHandle, datasets: list[dict[str, Any]]) -> None:
+        """The run's dataset inputs (``sweeps.tracking.send.dataset_inputs`` says what each dict
+        holds): sent now, or spooled like every write while the store is down."""
+        self._submit(run.run_id, [["in", list(datasets)]])
+
+    @property
+    def store_down(self) -> str:
+        """Why the store is down now, or "": a logged model (it needs the store's id) is skipped then."""
+        return self._down_reason if time.monotonic() < self._down_until else ""
+
+    @property
+    def client(self) -> Any:  # for the calls the spool cannot hold (logged models)
+        return self._client
 
     # -- end -----------------------------------------------------------------------------
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
