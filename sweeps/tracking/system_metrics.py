@@ -103,6 +103,8 @@ class SystemMetrics:
 
     def _sample(self) -> bool:
         with self._lock:
+            if not self._monitors:
+                return False
             try:
                 self._collect()
                 values: dict[str, float] = {}
@@ -114,6 +116,7 @@ class SystemMetrics:
                 return True
             except Exception as exc:  # noqa: BLE001 - a sampling error must not reach the trial
                 self._failed(exc)
+                self._monitors = []  # said once; stop() samples nothing more
                 return False
 
     def _failed(self, exc: BaseException) -> None:
