@@ -69,7 +69,9 @@ def log_trial_model(tracker: MlflowTracker, run: RunHandle, number: int, params:
     client = tracker.client
     best_epoch = int(result.best_epoch or 0)
     epoch = next((h for h in result.history if h.get("epoch") == best_epoch), {})
-    keys = [k for k, v in epoch.items() if k not in ("epoch", "step") and isinstance(v, (int, float))]
+    # The metrics measured on a dataset (what ranks models); lr, throughput and the like stay the run's.
+    keys = [k for k, v in epoch.items() if _dataset_of(k, {"val": {}, "train": {}}) is not None
+            and isinstance(v, (int, float))]
     points = _epoch_timestamps(client, run.run_id, keys, best_epoch)
     model = client.create_logged_model(
         run.experiment_id, name=model_name(number), source_run_id=run.run_id, model_type=MODEL_TYPE,

@@ -146,20 +146,27 @@ def test_a_store_that_is_down_costs_the_trial_its_logged_model_not_its_life(make
     best = tmp_path / "best.pt"
     best.write_bytes(b"weights")
     extras = TrialExtras(tracker, run)
-    extras._log_datasets(_DigitsLike(), ([0] * 5, [0] * 2))  # described and spooled, not sent
+    task = _PlainTask()
+    extras.watch_datasets(task)
+    assert task.datasets() == ([0] * 5, [0] * 2)  # training's call: described and spooled, not sent
+    assert task.datasets.__func__ is _PlainTask.datasets  # once: a second call is the task's own
     result = TrainResult("completed", "", 1, 1, {"val_acc": 0.5}, 0.5, 1, [{"epoch": 1, "step": 1, "val_acc": 0.5}],
                          checkpoint_best=best)
     extras.finish(0, {"lr": 0.1}, result)  # raises nothing
     records = [rec for _, rec in tracker.spool.read_pending(run.run_id)[0]]
     errors = {rec[1]: rec[2] for rec in records if rec[0] == "t"}
     assert "unreachable" in errors["sweeps.model_error"]
+    assert "no digest for the val dataset (list)" in errors["sweeps.dataset_error.val"]
     inputs = [rec[1] for rec in records if rec[0] == "in"]
     assert [[d["context"] for d in i] for i in inputs] == [["training", "validation"]]
     assert any(rec[0] == "m" and rec[1] == "system/cpu_utilization_percentage" for rec in records)
 
 
-class _DigitsLike:
+class _PlainTask:
     """A task whose datasets have no content to hash: logged with digest "unknown" and a tag saying why."""
+
+    def datasets(self):
+        return [0] * 5, [0] * 2
 
     def describe_dataset(self, dataset, split):
         return {"name": f"plain-{split}", "source": "task:plain", "digest": None, "profile": {"num_rows": len(dataset)}}
