@@ -116,7 +116,9 @@ class TrialExtras:
         from sweeps.tracking.trial_model import TAG_MODEL_ERROR, TAG_MODEL_ID, log_trial_model
 
         try:
-            model_id = log_trial_model(self.mlflow, self.run, number, params, result, self.datasets)
+            # Ray's ContinuingTracker holds ``_existing`` when the trial continues its earlier run.
+            again = getattr(self.tracker, "_existing", None) is not None
+            model_id = log_trial_model(self.mlflow, self.run, number, params, result, self.datasets, replace=again)
             self.tracker.log(self.run, tags={TAG_MODEL_ID: model_id})
         except Exception as exc:  # noqa: BLE001 - the checkpoint is in the run's artifacts either way
             self._warn(TAG_MODEL_ERROR, "no logged model", exc)

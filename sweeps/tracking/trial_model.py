@@ -56,9 +56,11 @@ def _dataset_of(key: str, datasets: dict[str, dict]) -> dict | None:
 
 
 def log_trial_model(tracker: MlflowTracker, run: RunHandle, number: int, params: dict, result: TrainResult,
-                    datasets: dict[str, dict]) -> str:
+                    datasets: dict[str, dict], replace: bool = False) -> str:
     """Create, fill and finalize the trial's logged model; returns its id. ``datasets``: the
-    trial's described datasets by split ("train", "val"), as logged as the run's inputs."""
+    trial's described datasets by split ("train", "val"), as logged as the run's inputs.
+    ``replace``: the run continues (a Ray trial started again), and the model an earlier start
+    logged is deleted: a trial has one model, its latest best checkpoint."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
 
     tracker.flush(run)  # the best epoch's points are in the store: their timestamps are reused
@@ -67,6 +69,10 @@ def log_trial_model(tracker: MlflowTracker, run: RunHandle, number: int, params:
         raise RuntimeError(f"the tracking store is unreachable ({down or 'writes still spooled'}); "
                            "no logged model for this trial")
     client = tracker.client
+    if replace:
+        for old in client.search_logged_models([run.experiment_id], filter_string=f"source_run_id = '{run.run_id}'"):
+            if old.model_type == MODEL_TYPE:
+                client.delete_logged_model(old.model_id)
     best_epoch = int(result.best_epoch or 0)
     epoch = next((h for h in result.history if h.get("epoch") == best_epoch), {})
     # The metrics measured on a dataset (what ranks models); lr, throughput and the like stay the run's.

@@ -170,3 +170,35 @@ class _PlainTask:
 
     def describe_dataset(self, dataset, split):
         return {"name": f"plain-{split}", "source": "task:plain", "digest": None, "profile": {"num_rows": len(dataset)}}
+
+
+def test_a_continued_run_keeps_one_logged_model_its_latest(make_tracker, store, tmp_path):
+    """A Ray trial started again logs its model again: the earlier one is deleted, not left beside it."""
+    import mlflow
+
+    from core.results import TrainResult
+    from sweeps.backends.ray_trainable import ContinuingTracker
+    from sweeps.tracking.trial_extras import TrialExtras
+
+    inner = make_tracker()
+    experiment = store.experiment_name()
+    run = inner.start_run("trial-0", experiment=experiment)
+    best = tmp_path / "best.pt"
+    best.write_bytes(b"weights")
+    ids = []
+    for start, value in enumerate((0.5, 0.75)):
+        tracker = inner if start == 0 else ContinuingTracker(inner, existing=run)
+        if start:
+            tracker.start_run(run)
+        tracker.log_metrics(run, {"val_acc": value, "lr": 0.1}, start + 1)
+        history = [{"epoch": start + 1, "step": start + 1, "val_acc": value, "lr": 0.1}]
+        result = TrainResult("completed", "", start + 1, start + 1, history[-1], value, start + 1, history,
+                             checkpoint_best=best)
+        TrialExtras(tracker, run).finish(0, {"lr": 0.1}, result)
+        inner.flush(run)
+        ids.append(store.client.get_run(run.run_id).data.tags["sweeps.model_id"])
+    mlflow.set_tracking_uri(store.uri)
+    models = mlflow.search_logged_models(experiment_ids=[run.experiment_id], output_format="list")
+    assert [m.model_id for m in models] == [ids[1]] and ids[0] != ids[1]
+    assert [(m.key, m.value, m.step) for m in models[0].metrics] == [("val_acc", 0.75, 2)]  # lr is not the model's
+    assert [p.step for p in store.client.get_metric_history(run.run_id, "val_acc")] == [1, 2]
