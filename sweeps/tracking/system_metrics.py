@@ -60,13 +60,13 @@ class SystemMetrics:
     ``start()`` until ``stop()``, which logs a last sample so a trial shorter than the interval
     still gets one point. Never raises: a monitor that fails is reported once as a tag."""
 
-    def __init__(self, tracker: Tracker, run: RunHandle, interval: float | None = None) -> None:
+    def __init__(self, tracker: Tracker, run: RunHandle, interval: float | None = None, first_step: int = 0) -> None:
         self.tracker, self.run = tracker, run
         self.interval = interval_s() if interval is None else interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitors: list[Any] = []
-        self._step = 0
+        self._step = first_step  # a continued run goes on after its earlier samples
         self._lock = threading.Lock()  # the thread's samples and stop()'s last one take turns
 
     def start(self) -> SystemMetrics:

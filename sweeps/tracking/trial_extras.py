@@ -44,7 +44,18 @@ class TrialExtras:
         self.tracker, self.run = tracker, run
         self.mlflow = mlflow_tracker_of(tracker)
         self.datasets: dict[str, dict] = {}  # split -> described dataset, as logged
-        self.system = SystemMetrics(tracker, run).start()
+        # Ray's ContinuingTracker holds ``_existing`` when the trial continues its earlier run.
+        self.continued = getattr(tracker, "_existing", None) is not None
+        self.system = SystemMetrics(tracker, run, first_step=self._next_system_step()).start()
+
+    def _next_system_step(self) -> int:
+        if not self.continued or self.mlflow is None:
+            return 0
+        try:
+            points = self.mlflow.client.get_metric_history(self.run.run_id, "system/cpu_utilization_percentage")
+            return max((p.step for p in points), default=-1) + 1
+        except Exception:  # noqa: BLE001 - the store is down: steps start again at 0, the samples still count
+            return 0
 
     def _warn(self, tag: str, what: str, exc: BaseException) -> None:
         reason = f"{what}: {type(exc).__name__}: {exc}"[:1000]
@@ -116,9 +127,8 @@ class TrialExtras:
         from sweeps.tracking.trial_model import TAG_MODEL_ERROR, TAG_MODEL_ID, log_trial_model
 
         try:
-            # Ray's ContinuingTracker holds ``_existing`` when the trial continues its earlier run.
-            again = getattr(self.tracker, "_existing", None) is not None
-            model_id = log_trial_model(self.mlflow, self.run, number, params, result, self.datasets, replace=again)
+            model_id = log_trial_model(self.mlflow, self.run, number, params, result, self.datasets,
+                                       replace=self.continued)
             self.tracker.log(self.run, tags={TAG_MODEL_ID: model_id})
         except Exception as exc:  # noqa: BLE001 - the checkpoint is in the run's artifacts either way
             self._warn(TAG_MODEL_ERROR, "no logged model", exc)

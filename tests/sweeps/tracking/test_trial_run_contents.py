@@ -202,3 +202,6 @@ def test_a_continued_run_keeps_one_logged_model_its_latest(make_tracker, store, 
     assert [m.model_id for m in models] == [ids[1]] and ids[0] != ids[1]
     assert [(m.key, m.value, m.step) for m in models[0].metrics] == [("val_acc", 0.75, 2)]  # lr is not the model's
     assert [p.step for p in store.client.get_metric_history(run.run_id, "val_acc")] == [1, 2]
+    # Its system metrics go on from the first start's steps, not again from 0.
+    steps = [p.step for p in store.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage")]
+    assert steps == [0, 1]
