@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sweeps.errors import PromoteError, SweepsError
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
+from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
 
 if TYPE_CHECKING:
     from sweeps.registry import Candidate
@@ -209,6 +210,8 @@ def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) 
         contract = serving.contract(task, natural)
         tags = {"sweeps.onnx": "absent", "sweeps.input": "natural" if natural else "model input",
                 "sweeps.input_contract": contract}
+        if cand.run.data.tags.get(TAG_MODEL_ID):  # the trial's checkpoint model, which this one serves
+            tags[TAG_CHECKPOINT_MODEL] = cand.run.data.tags[TAG_MODEL_ID]
         artifacts = {serving.ART_TASK: str(Path(tmp) / serving.TASK_FILE)}
         Path(artifacts[serving.ART_TASK]).write_text(json.dumps({"task": section, "natural_input": natural},
                                                                 indent=2, sort_keys=True))

@@ -28,8 +28,10 @@ from core.results import TrainResult
 from core.train import train
 from sweeps.pool import ddp_processes, visible_gpu_count
 from sweeps.spec import StudySpec
+from sweeps.study_run import process_git_commit
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
+from sweeps.tracking.trial_extras import TrialExtras
 
 TrialState = Literal["COMPLETE", "PRUNED", "FAIL", "INTERRUPTED"]
 PruneFn = Callable[[int, float], bool]
@@ -105,8 +107,9 @@ class TrialReporter:
 
     def __init__(self, tracker: Tracker, run: RunHandle, objective: str, should_prune: PruneFn,
                  interrupt: threading.Event, heartbeat: Callable[[], None] | None = None,
-                 log_resumed_curves: bool = True) -> None:
+                 log_resumed_curves: bool = True, extras: TrialExtras | None = None) -> None:
         self.tracker, self.run, self.objective = tracker, run, objective
+        self.extras = extras  # the confusion matrix is also drawn, when the run records extras
         self.log_resumed_curves = log_resumed_curves
         self.should_prune, self.interrupt, self.heartbeat = should_prune, interrupt, heartbeat
         self.intermediate: dict[int, float] = {}
@@ -158,6 +161,8 @@ class TrialReporter:
     def log_artifact(self, path: Path, kind: str) -> None:
         if kind in _ARTIFACT_DIRS:
             self.tracker.log_artifact(self.run, path, _ARTIFACT_DIRS[kind])
+        if kind == "confusion_matrix" and self.extras is not None:
+            self.extras.confusion_image(path, _ARTIFACT_DIRS[kind])
 
 
 def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: TrialSpec,
@@ -168,7 +173,7 @@ def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial:
         layout.TAG_ROLE: layout.ROLE_TRIAL, layout.TAG_STUDY: spec.name, layout.TAG_BACKEND: backend,
         layout.TAG_TRIAL_NUMBER: trial.number, layout.TAG_STATE: "RUNNING", layout.TAG_SEED: cfg.seed,
         layout.TAG_DEVICE: _device_description(), layout.TAG_WORKER: worker_name(),
-        layout.TAG_SPEC_HASH: spec.spec_hash(), **trial.tags,
+        layout.TAG_SPEC_HASH: spec.spec_hash(), layout.TAG_GIT_COMMIT: process_git_commit(), **trial.tags,
     }
     run = tracker.start_run(f"trial-{trial.number}", parent=parent, tags=tags)
     flat = {f"train.{k}": v for k, v in cfg.to_dict().items() if k != "distributed"}
@@ -213,8 +218,9 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
     run = start_trial_run(spec, tracker, parent, trial, backend)
     if on_start is not None:
         on_start(run)
+    extras = TrialExtras(tracker, run)  # system metrics from now until the trial ends
     reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat,
-                             log_resumed_curves=trial.log_resumed_curves)
+                             log_resumed_curves=trial.log_resumed_curves, extras=extras)
     try:
         with _claimed(trial) as moved:
             if moved is not None:
@@ -222,6 +228,9 @@ def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: Trial
             outcome = _train_trial(spec, trial, reporter, interrupt, run)
     except Exception as exc:  # noqa: BLE001 - the folder cannot be had: the trial fails, saying why
         outcome = TrialOutcome("FAIL", None, f"{type(exc).__name__}: {_first_line(exc)}", run)
+    finally:
+        extras.system.stop()  # also when a BaseException leaves: no sampler outlives its trial
+    extras.finish(trial.number, trial.params, outcome.result)
     outcome.seconds = time.monotonic() - started
     finish_trial_run(tracker, run, outcome)
     return outcome
@@ -248,6 +257,10 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, int
             raise TrialInterrupted(0)
         task = spec.make_task(trial.params)  # also checks the task section before any rank starts
         cfg = trial_config(spec, trial.params, trial.overrides)
+        if reporter.extras is not None and cfg.distributed.nproc > 1:
+            reporter.extras.not_watched("under DDP every rank builds its own copy, in its own process")
+        elif reporter.extras is not None:
+            reporter.extras.watch_datasets(task)
         if cfg.distributed.nproc > 1:  # N rank processes; this process keeps the reporter
             result = train_distributed(task_spec(spec, trial.params), cfg, reporter=reporter,
                                        out_dir=trial.out_dir, resume=resume, owner=trial.owner)

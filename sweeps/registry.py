@@ -35,6 +35,7 @@ from sweeps.model_logging import MODEL_ARTIFACT, find_logged_model, fluent_uri, 
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
+from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
 
 TAG_RUN_ID = "sweeps.run_id"  # on a model version: the trial run it came from
 TAG_PARAMS = "sweeps.params"
@@ -182,6 +183,8 @@ def lineage_tags(reader, cand: Candidate, result, metric: str, direction: str, m
             TAG_METRIC_VALUE: repr(cand.value), TAG_METRIC_DIRECTION: direction,
             layout.TAG_SEED: tags.get(layout.TAG_SEED, ""), layout.TAG_GIT_COMMIT: commit or "unknown",
             layout.TAG_SPEC_HASH: tags.get(layout.TAG_SPEC_HASH, ""), layout.TAG_BACKEND: result.backend,
+            # The trial's own logged model (its best checkpoint, in the experiment's Models view).
+            **({TAG_CHECKPOINT_MODEL: tags[TAG_MODEL_ID]} if tags.get(TAG_MODEL_ID) else {}),
             **{k: str(v) for k, v in model_tags.items()}}
 
 

@@ -5,6 +5,7 @@ so far (kept current as trials finish) and the end-of-run summary. Both backends
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import subprocess
 from pathlib import Path
@@ -19,7 +20,10 @@ from sweeps.tracking.reader import TrackingReader
 if TYPE_CHECKING:
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
-TRIAL_STATES_COUNTED = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")  # logged on the parent as trials_<state>
+TRIAL_STATES_COUNTED = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")  # on the parent as study/trials_<state>
+# The parent's own counters live under "study/": the MLflow UI charts a parent's metrics beside
+# its children's, and names a trial never logs keep them out of the trials' comparisons.
+STUDY_METRIC_PREFIX = "study/"
 PACKAGES = ("torch", "torchvision", "optuna", "mlflow", "ray", "onnxruntime", "numpy", "sweeps")
 
 
@@ -33,6 +37,13 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+@functools.cache
+def process_git_commit() -> str:
+    """``git_commit()`` once per process: every trial a worker runs carries it, without a git
+    call per trial (the code a worker imported does not change under it)."""
+    return git_commit()
 
 
 def package_versions(names=PACKAGES) -> dict[str, str]:
@@ -100,10 +111,10 @@ def update_parent_best(tracker: MlflowTracker, parent: RunHandle, result: StudyR
     best = result.best()
     # Every state every time: a count that drops to zero (the last RUNNING trial ends) must say so.
     counts = {**dict.fromkeys(TRIAL_STATES_COUNTED, 0), **result.counts()}
-    metrics = {f"trials_{state.lower()}": float(n) for state, n in counts.items()}
+    metrics = {f"{STUDY_METRIC_PREFIX}trials_{state.lower()}": float(n) for state, n in counts.items()}
     tags = {}
     if best is not None and best.value is not None:  # best() only picks trials with a value
-        metrics["best_value"] = float(best.value)
+        metrics[f"{STUDY_METRIC_PREFIX}best_value"] = float(best.value)
         tags = {layout.TAG_BEST_TRIAL: best.number, layout.TAG_BEST_RUN_ID: best.run_id or ""}
     step = len(result.finished())
     tracker.log_metrics(parent, metrics, step)

@@ -113,6 +113,43 @@ class Task:
         """Task parameters worth logging with the run."""
         return {"task": self.name}
 
+    def describe_dataset(self, dataset: Any, split: str) -> dict[str, Any]:
+        """What the run records about the ``split`` ("train" or "val") dataset ``datasets()``
+        returned: ``name``, ``source`` (where it comes from), ``digest`` (None when it cannot be
+        told cheaply) and ``profile`` (its size and one sample's shape). Called once per run on the
+        datasets already built: a digest must not load the data a second time. The default hashes
+        in-memory tensors/arrays (``x``/``y`` or ``data``/``targets``, as the built-in tasks and
+        torchvision keep them) or an image folder's file list; a task whose data is elsewhere
+        overrides it."""
+        import hashlib
+
+        import numpy as np
+
+        digest = hashlib.sha256()
+        profile: dict[str, Any] = {"num_rows": len(dataset) if hasattr(dataset, "__len__") else None}
+        source, hashed = f"task:{self.name}", False
+        arrays = [getattr(dataset, a, None) for a in ("x", "y")] if hasattr(dataset, "x") else \
+            [getattr(dataset, a, None) for a in ("data", "targets")]
+        for array in arrays:
+            if array is None:
+                continue
+            data = np.ascontiguousarray(array.numpy() if hasattr(array, "numpy") else np.asarray(array))
+            # Past 64 MB, every k-th row: a digest that changes with the data, at a bounded cost.
+            stride = max(1, data.nbytes // (64 << 20)) if data.ndim else 1
+            digest.update(repr((data.shape, str(data.dtype), stride)).encode())
+            digest.update(np.ascontiguousarray(data[::stride] if data.ndim else data).tobytes())
+            profile.setdefault("shape", list(data.shape[1:]))
+            hashed = True
+        samples = getattr(dataset, "samples", None)  # torchvision ImageFolder / DatasetFolder
+        if not hashed and isinstance(samples, list):
+            digest.update(repr(samples).encode())
+            source, hashed = str(getattr(dataset, "root", source)), True
+        root = getattr(dataset, "root", None)
+        if isinstance(root, str) and hashed:
+            source = root
+        return {"name": f"{self.name}-{split}", "source": source, "profile": profile,
+                "digest": digest.hexdigest()[:32] if hashed else None}
+
 
 TaskFactory = Callable[..., Task]
 _REGISTRY: dict[str, TaskFactory] = {}

@@ -26,7 +26,13 @@ from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.send import drain, is_transient, send_records
 from sweeps.tracking.spool import Spool
 from sweeps.tracking.store_errors import disk_full_error, disk_full_raised, short_reason, store_folder
-from sweeps.tracking.sync import apply_fast_fail_http_defaults, check_store, is_http_uri, sync_command
+from sweeps.tracking.sync import (
+    apply_fast_fail_http_defaults,
+    artifact_root_uri,
+    check_store,
+    is_http_uri,
+    sync_command,
+)
 from sweeps.tracking.values import clean_key, param_values, tag_values
 
 log = logging.getLogger(__name__)
@@ -66,12 +72,14 @@ class MlflowTracker:
         self.tracking_uri = str(tracking_uri)
         if is_http_uri(self.tracking_uri):
             apply_fast_fail_http_defaults()
+            # Else MLflow prints "View run/experiment at <url>" for every run that ends (2 lines a trial).
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.flush_every_s = float(flush_every_s)
         self.flush_every_points = int(flush_every_points)
         self.retry_interval_s = float(retry_interval_s)
         self.spool = Spool(spool_dir)
         self._store_dir = store_folder(self.tracking_uri, spool_dir)  # where a full disk would be
-        self.artifact_root = _artifact_root(artifact_root)
+        self.artifact_root = artifact_root_uri(artifact_root)
         # Built on first use: MLflow opens (and for SQL stores migrates or retries for
         # minutes) at construction, which check_connection must be able to run first.
         self._made_client = client
@@ -257,6 +265,19 @@ class MlflowTracker:
         staged = self.spool.stage_file(run.run_id, rel, text)
         self._submit(run.run_id, [["a", str(staged), posixpath.dirname(rel) or None, True]])
 
+    def log_inputs(self, run: RunHandle, datasets: list[dict[str, Any]]) -> None:
+        """Dataset inputs (dicts, see ``send.dataset_inputs``): sent now, or spooled like every write."""
+        self._submit(run.run_id, [["in", list(datasets)]])
+
+    @property
+    def store_down(self) -> str:
+        """Why the store is down now, or "": a logged model (it needs the store's id) is skipped then."""
+        return self._down_reason if time.monotonic() < self._down_until else ""
+
+    @property
+    def client(self) -> Any:  # for the calls the spool cannot hold (logged models)
+        return self._client
+
     # -- end -----------------------------------------------------------------------------
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
         """Once per run: flush, then set the terminal status. Never raises for the store:
@@ -377,12 +398,3 @@ class MlflowTracker:
         )
         return (disk_full_error(exc, f"MLflow {what} for {subject!r} at {self.tracking_uri}", self._store_dir)
                 or TrackingError(f"MLflow {what} failed for {subject!r} at {self.tracking_uri}: {exc}. {hint}"))
-
-
-def _artifact_root(root: str | Path | None) -> str | None:
-    if root is None:
-        return None
-    text = str(root)
-    if "://" in text or text.startswith(("mlflow-artifacts:", "file:")):
-        return text.rstrip("/")
-    return str(Path(text).resolve())  # a relative root would depend on the worker's cwd

@@ -7,7 +7,7 @@ Used by ``MlflowTracker`` for every write, and by ``drain`` for what waited in t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-_ONE_CALL = ("a", "dt", "open", "end")  # records that are one store call each, never batched
+_ONE_CALL = ("a", "dt", "open", "end", "in")  # records that are one store call each, never batched
 
 
 @dataclass
@@ -134,6 +134,9 @@ def send_records(
                     counts["artifacts"] += 1
                     if staged and on_staged_sent is not None:
                         on_staged_sent(local)
+            elif op.kind == "in":
+                client.log_inputs(run_id, datasets=dataset_inputs(chunk[0][1]))
+                counts["inputs"] = counts.get("inputs", 0) + 1
             elif op.kind == "dt":
                 _delete_tag(client, run_id, chunk[0][1])
                 counts["tags"] += 1
@@ -149,10 +152,23 @@ def send_records(
                 raise
             if op.kind == "a" and chunk[0][3] and on_staged_sent is not None:
                 on_staged_sent(chunk[0][1])  # refused for good: the staged copy is garbage
-            what = {"a": "artifact", "dt": "tag removal"}.get(op.kind, "status")
+            what = {"a": "artifact", "dt": "tag removal", "in": "dataset inputs"}.get(op.kind, "status")
             refusals.append(f"run {run_id}: the store refused the {what} {list(chunk[0][1:])}: {exc}")
         on_done(op.end)
     return counts, refusals
+
+
+def dataset_inputs(described: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """MLflow DatasetInputs of ``["in", described]`` records: one dict per dataset with its
+    ``name``, ``digest``, ``source``, ``profile`` (a dict) and ``context`` (training, validation)."""
+    import json
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    return [DatasetInput(Dataset(name=d["name"], digest=d["digest"], source_type=d.get("source_type", "code"),
+                                 source=json.dumps({"uri": d["source"]}), profile=json.dumps(d.get("profile") or {})),
+                         tags=[InputTag(MLFLOW_DATASET_CONTEXT, d["context"])]) for d in described]
 
 
 def _delete_tag(client: Any, run_id: str, key: str) -> None:

@@ -12,6 +12,7 @@ list (compact, order-preserving)::
     ["a", local_path, artifact_dir, staged]      artifact (staged: a copy the spool owns)
     ["open"]                                     run RUNNING again (it continues)
     ["end", status, end_time_ms]                 terminal status
+    ["in", [{name, digest, source, profile, context}]]  dataset inputs (training, validation)
 
 Progress is a byte offset in ``<run_id>.offset``, replaced atomically (tmp + fsync +
 ``os.replace``) after every batch the store accepted; a record is dropped (the file

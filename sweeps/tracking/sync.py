@@ -260,3 +260,13 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
         for line in refusals:
             log.error("%s", line)
     return result
+
+
+def artifact_root_uri(root: str | Path | None) -> str | None:
+    """Where experiments a tracker creates keep artifacts: a URI as given, a local folder absolute."""
+    if root is None:
+        return None
+    text = str(root)
+    if "://" in text or text.startswith(("mlflow-artifacts:", "file:")):
+        return text.rstrip("/")
+    return str(Path(text).resolve())  # a relative root would depend on the worker's cwd

@@ -115,13 +115,16 @@ def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(i
     assert got["module"] == expected
     assert got["report"]["passed"] is True and got["report"]["n_inputs_checked"] == min(256, len(x))
 
-    # promoting again changes nothing: one version, one logged model in the run
+    # promoting again changes nothing: one version, one promoted model in the run beside the
+    # trial's own checkpoint model (logged when the trial ended), which the version names
     assert _promote(study) == 0
     assert "already holds" in capsys.readouterr().out
     assert len(_versions(client, study.name)) == 1
     models = client.search_logged_models([run.info.experiment_id],
                                          filter_string=f"source_run_id = '{run.info.run_id}'")
-    assert len(models) == 1
+    assert sorted(m.name for m in models) == sorted(["model", f"trial-{number}"])
+    assert tags["sweeps.checkpoint_model_id"] == run.data.tags["sweeps.model_id"] == next(
+        m.model_id for m in models if m.name == f"trial-{number}")
 
 
 def test_a_worse_candidate_is_refused_unless_forced(in_study, weak_study, capsys):

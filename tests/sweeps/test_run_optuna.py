@@ -54,8 +54,9 @@ def test_four_trials_make_one_parent_and_four_nested_children(tmp_path):
     assert "spec/tiny.yaml" in parent["artifacts"] and "summary/summary.json" in parent["artifacts"]
     assert parent["tags"]["sweeps.best_trial"] in {c["tags"]["sweeps.trial_number"] for c in children}
     # The counts sweeps run kept current while trials ran end with none running.
-    assert {k: v for k, v in parent["metric_values"].items() if k.startswith("trials_")} == {
-        "trials_complete": 4.0, "trials_pruned": 0.0, "trials_fail": 0.0, "trials_running": 0.0, "trials_waiting": 0.0}
+    assert {k: v for k, v in parent["metric_values"].items() if k.startswith("study/trials_")} == {
+        "study/trials_complete": 4.0, "study/trials_pruned": 0.0, "study/trials_fail": 0.0,
+        "study/trials_running": 0.0, "study/trials_waiting": 0.0}
     for child in children:
         assert child["tags"]["mlflow.parentRunId"] == parent["id"]
         assert child["status"] == "FINISHED" and child["tags"]["sweeps.state"] == "COMPLETE"

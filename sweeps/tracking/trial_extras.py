@@ -1,0 +1,134 @@
+"""What a trial's MLflow run holds besides its params, curves and files, as MLflow users look for
+it: system metrics (``system/...``), the training and validation data as dataset inputs, the
+confusion matrix as an image, and the best checkpoint as a logged model.
+
+None of these may fail a trial: whatever cannot be recorded is named in a ``sweeps.*_error`` tag
+on the run (and logged as a warning), and the trial goes on.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.system_metrics import SystemMetrics
+
+if TYPE_CHECKING:
+    from core.results import TrainResult
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+log = logging.getLogger(__name__)
+
+TAG_DATASET_ERROR = "sweeps.dataset_error"
+CONTEXTS = {"train": "training", "val": "validation"}  # MLflow's usual mlflow.data.context values
+
+
+def mlflow_tracker_of(tracker: Any) -> MlflowTracker | None:
+    """The MlflowTracker under ``tracker`` (Ray's ContinuingTracker wraps one as ``_inner``), or
+    None for another Tracker: dataset inputs and logged models are MLflow calls beyond the five."""
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+    for _ in range(4):
+        if isinstance(tracker, MlflowTracker):
+            return tracker
+        tracker = getattr(tracker, "_inner", None)
+    return None
+
+
+class TrialExtras:
+    """Started with the trial's run (system metrics from then on); ``watch_datasets`` before
+    training; ``confusion_image`` when the matrix is written; ``finish`` before the run ends."""
+
+    def __init__(self, tracker: Tracker, run: RunHandle) -> None:
+        self.tracker, self.run = tracker, run
+        self.mlflow = mlflow_tracker_of(tracker)
+        self.datasets: dict[str, dict] = {}  # split -> described dataset, as logged
+        # Ray's ContinuingTracker holds ``_existing`` when the trial continues its earlier run.
+        self.continued = getattr(tracker, "_existing", None) is not None
+        self.system = SystemMetrics(tracker, run, first_step=self._next_system_step()).start()
+
+    def _next_system_step(self) -> int:
+        if not self.continued or self.mlflow is None:
+            return 0
+        try:
+            points = self.mlflow.client.get_metric_history(self.run.run_id, "system/cpu_utilization_percentage")
+            return max((p.step for p in points), default=-1) + 1
+        except Exception:  # noqa: BLE001 - the store is down: steps start again at 0, the samples still count
+            return 0
+
+    def _warn(self, tag: str, what: str, exc: BaseException) -> None:
+        reason = f"{what}: {type(exc).__name__}: {exc}"[:1000]
+        log.warning("run %s: %s", self.run.run_id, reason)
+        try:
+            self.tracker.log(self.run, tags={tag: reason})
+        except Exception:  # noqa: BLE001 - the store refused even the tag: the warning above stays
+            pass
+
+    # -- dataset inputs ----------------------------------------------------------------------
+    def watch_datasets(self, task: Any) -> None:
+        """Log the datasets ``task.datasets()`` returns, when training asks for them: described
+        from the objects already built (``Task.describe_dataset``), so nothing is loaded twice."""
+        original = task.datasets
+
+        def datasets() -> Any:
+            built = original()
+            task.datasets = original  # once: the run's own data, not an LR finder's second look
+            self._log_datasets(task, built)
+            return built
+
+        try:
+            task.datasets = datasets  # an instance attribute: only this task object, this run
+        except (AttributeError, TypeError) as exc:  # a task with __slots__ or a frozen dataclass
+            self._warn(TAG_DATASET_ERROR, "datasets not logged (the task object takes no attributes)", exc)
+
+    def not_watched(self, why: str) -> None:
+        """The datasets are built elsewhere (DDP ranks): said on the run instead of logged."""
+        self.tracker.log(self.run, tags={TAG_DATASET_ERROR: f"datasets not logged: {why}"})
+
+    def _log_datasets(self, task: Any, built: Any) -> None:
+        try:
+            described = []
+            for split, dataset in zip(("train", "val"), built, strict=True):
+                d = dict(task.describe_dataset(dataset, split))
+                if not d.get("digest"):
+                    self.tracker.log(self.run, tags={f"{TAG_DATASET_ERROR}.{split}": (
+                        f"no digest for the {split} dataset ({type(dataset).__name__}): the task's "
+                        "describe_dataset cannot tell its content cheaply; logged without one")})
+                    d["digest"] = "unknown"
+                d["context"] = CONTEXTS[split]
+                self.datasets[split] = d
+                described.append(d)
+            if self.mlflow is None:
+                self.tracker.log(self.run, tags={f"sweeps.dataset.{d['context']}": f"{d['name']} {d['digest']}"
+                                                 for d in described})
+            else:
+                self.mlflow.log_inputs(self.run, described)
+        except Exception as exc:  # noqa: BLE001 - describing data is optional; training is not
+            self._warn(TAG_DATASET_ERROR, "datasets not logged", exc)
+
+    # -- confusion matrix image --------------------------------------------------------------
+    def confusion_image(self, matrix_json: Path, artifact_dir: str) -> None:
+        from sweeps.tracking.confusion_image import IMAGE_FILE, render
+
+        try:
+            # The PNG lives next to the JSON in the trial's folder, like every artifact core writes.
+            out = render(matrix_json, matrix_json.with_name(IMAGE_FILE))
+            self.tracker.log_artifact(self.run, out, artifact_dir)
+        except Exception as exc:  # noqa: BLE001 - the JSON is logged; the picture is a convenience
+            self._warn("sweeps.confusion_image_error", "confusion matrix image not logged", exc)
+
+    # -- end of the trial --------------------------------------------------------------------
+    def finish(self, number: int, params: dict, result: TrainResult | None) -> None:
+        """Stop the system metrics; log the best checkpoint as a logged model when there is one."""
+        self.system.stop()
+        if result is None or result.checkpoint_best is None or self.mlflow is None:
+            return
+        from sweeps.tracking.trial_model import TAG_MODEL_ERROR, TAG_MODEL_ID, log_trial_model
+
+        try:
+            model_id = log_trial_model(self.mlflow, self.run, number, params, result, self.datasets,
+                                       replace=self.continued)
+            self.tracker.log(self.run, tags={TAG_MODEL_ID: model_id})
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is in the run's artifacts either way
+            self._warn(TAG_MODEL_ERROR, "no logged model", exc)
