@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sweeps.commands.base import Command, console, load_spec_file, spec_argument
+from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import UsageError
 
 # The per-file progress bars of MLflow downloads drown the tables these commands print.
@@ -46,6 +46,10 @@ def cmd_promote(a: argparse.Namespace) -> int:
     from sweeps.spec import load_spec
 
     spec = load_spec(a.spec)
+    if not a.dry_run:  # a dry run writes nothing, and reads no artifact
+        from sweeps.moved_store import follow_moved_store
+
+        follow_moved_store(spec.tracking_store_uri(), err_console)
     return promote(spec, alias=a.alias, model_name=a.model_name, metric=a.metric, direction=a.direction,
                    dry_run=a.dry_run, force=a.force, console=console)
 
@@ -90,6 +94,9 @@ def cmd_rerun(a: argparse.Namespace) -> int:
                          "(or address the run directly: sweeps rerun --run-id ID)")
     uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
     open_client(uri)  # refuses a missing local store before anything is created
+    from sweeps.moved_store import follow_moved_store
+
+    follow_moved_store(uri, err_console)  # runs/ moved: read and write artifacts where they are now
     tracker = MlflowTracker(uri)
     run_id = a.run_id or find_trial_run(open_client(uri), spec, a.trial)
     if a.seeds:
