@@ -10,7 +10,8 @@ original's). ``sweeps`` keeps artifacts beside the database (``runs/mlartifacts`
 its own sibling ``mlartifacts/<experiment>`` exists has moved: :func:`follow_moved_store`
 points those locations at the sibling folder, in one transaction, and says so. It is called
 by the commands that read or write a store's artifacts (``report``, ``rerun``, ``promote``),
-never by a dry run. When neither folder exists the artifacts are gone: a clear error.
+never by a dry run. When the recorded folder is missing and the store has no ``mlartifacts``
+folder beside it, the artifacts are gone (the database was moved alone): a clear error naming both.
 """
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def moved_roots(db: Path) -> tuple[dict[str, str], list[str]]:
 def follow_moved_store(uri: str, console=None) -> int:
     """Repoint the artifact locations of the local SQLite store at ``uri`` that still name the
     folder it was moved from (see the module's docstring); returns how many rows changed.
-    PathError (exit 2) when an experiment's artifacts are neither where recorded nor beside
-    the store. A store that is not a local SQLite file is left alone."""
+    PathError (exit 2) when an experiment's recorded folder is missing and the store has no
+    ``mlartifacts`` folder beside it. A store that is not a local SQLite file is left alone."""
     if not uri.startswith("sqlite:///"):
         return 0
     db = Path(uri[len("sqlite:///"):])
