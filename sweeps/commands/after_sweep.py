@@ -111,7 +111,8 @@ def cmd_rerun(a: argparse.Namespace) -> int:
 def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("refs", nargs="+", metavar="[SPEC] A B",
                    help="two runs: with the study spec first, trial numbers (sweeps compare SPEC 3 7); run ids or "
-                        "unique run-id prefixes of 4+ characters (as `sweeps status` shows them) with or without it")
+                        "unique run-id prefixes (as `sweeps status` shows them, a cut-off '…' included) with or "
+                        "without it")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else "
                                                         "$MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
 

@@ -31,10 +31,10 @@ def test_a_moved_project_reads_and_writes_its_artifacts_where_they_are_now(tmp_p
 
     report = run_cli(moved, "report", "mv_study.yaml")
     assert report.returncode == 0, report.stderr
-    assert "was moved: its artifact locations named" in report.stderr  # it says what it changed
+    assert not first.exists()  # nothing written into the old absolute path
     assert (moved / "runs" / "mv_study" / "report.html").is_file()
     assert list((moved / "runs" / "mlartifacts" / "mv_study").glob("*/artifacts/report/report.html"))
-    assert not first.exists()  # nothing written into the old absolute path
+    assert "was moved: its artifact locations named" in report.stderr  # it says what it changed
     assert all(str(moved) in loc for loc in _locations(moved))
 
     dry = run_cli(moved, "promote", "mv_study.yaml", "--dry-run")
