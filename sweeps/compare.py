@@ -3,11 +3,14 @@
 
 Everything here only reads. Addressing is by run id through a ``TrackingReader``,
 so it works on any two runs: two trials of one study, two studies, a trial and its rerun.
+``sweeps compare`` also takes trial numbers (with the spec) and unique run-id prefixes, so
+that whatever ``sweeps status`` prints, even an id its table cut short, can be pasted in.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,9 +279,77 @@ def compare_table(run_a, run_b) -> tuple[Table, int]:
                         [("run", info), ("params", params), ("metrics (final value)", metrics)])
 
 
-def compare_runs(reader: TrackingReader, run_a: str, run_b: str, console) -> int:
-    """``sweeps compare``: print the table and a one-line count of the differences."""
-    a, b = reader.get_run(run_a), reader.get_run(run_b)
+# ---- addressing runs -------------------------------------------------------------------------
+RUN_ID_RE = re.compile(r"[0-9a-f]{32}")
+# A short all-digit ref is far likelier a trial number given without its spec than a run-id prefix.
+MIN_DIGIT_PREFIX = 4
+# What a table that cut a long cell leaves at its end (rich: "…"): pasted along with the id.
+_CUT_MARKS = ("\u2026", "...")
+
+
+def find_trial_run(reader: TrackingReader, spec, trial_number: int) -> str:
+    """Run id of trial ``trial_number`` of the spec's current study version, from MLflow alone
+    (so it is the same for either backend). The newest finished run wins over retries."""
+    experiment_id = reader.experiment_id(spec.experiment_name())
+    if experiment_id is None:
+        raise RunLookupError(f"MLflow experiment {spec.experiment_name()!r} not found at {reader.tracking_uri}; "
+                             f"has `sweeps run {spec.path or spec.name}` run here?")
+    versions = re.compile(re.escape(spec.name) + r"(-v\d+)?")
+    parents = [p for p in reader.find_runs(experiment_id, {layout.TAG_ROLE: layout.ROLE_STUDY}, max_results=200)
+               if versions.fullmatch(p.data.tags.get(layout.TAG_STUDY, ""))]
+    if not parents:
+        raise RunLookupError(f"no study run of {spec.name!r} in experiment {spec.experiment_name()!r} at "
+                             f"{reader.tracking_uri}")
+    parent = parents[0]
+    children = reader.children(parent.info.run_id, {layout.TAG_ROLE: layout.ROLE_TRIAL})
+    match = [r for r in children if r.data.tags.get(layout.TAG_TRIAL_NUMBER) == str(trial_number)]
+    if not match:
+        have = sorted({int(r.data.tags[layout.TAG_TRIAL_NUMBER]) for r in children
+                       if r.data.tags.get(layout.TAG_TRIAL_NUMBER, "").isdigit()})
+        raise RunLookupError(f"study {parent.data.tags.get(layout.TAG_STUDY)!r} has no MLflow run for trial "
+                             f"{trial_number}; trials with runs: {have or 'none'}")
+    match.sort(key=lambda r: (r.info.status == "FINISHED", r.info.start_time or 0), reverse=True)
+    return match[0].info.run_id
+
+
+def resolve_run(reader: TrackingReader, ref: str, spec=None) -> str:
+    """The full run id that ``ref`` names: a trial number of ``spec``'s study (all digits, only
+    with a spec), a full run id, or a unique prefix of one (a trailing "…" that a table left is
+    dropped). RunLookupError (exit 2) lists the candidates of
+    an ambiguous prefix and says what to give for an unknown one."""
+    text = ref.strip()
+    for mark in _CUT_MARKS:
+        text = text.removesuffix(mark)
+    text = text.lower()
+    if spec is not None and text.isdigit():
+        return find_trial_run(reader, spec, int(text))
+    if RUN_ID_RE.fullmatch(text):
+        return text
+    if not re.fullmatch(r"[0-9a-f]+", text):
+        raise RunLookupError(f"{ref!r} is not a run id: give a trial number with the spec (sweeps compare SPEC 3 "
+                             "7), a run id, or the start of one (its first 8 characters, as `sweeps status` shows)")
+    if text.isdigit() and len(text) < MIN_DIGIT_PREFIX:
+        raise RunLookupError(f"{ref!r}: trial numbers need the study spec first (sweeps compare SPEC {text} N); a "
+                             f"run-id prefix of digits only needs at least {MIN_DIGIT_PREFIX} of them")
+    experiments = [reader.experiment_id(spec.experiment_name())] if spec is not None else None
+    found = reader.runs_with_id_prefix(text, [e for e in experiments if e] if experiments else None)
+    if len(found) == 1:
+        return found[0].info.run_id
+    where = f"experiment {spec.experiment_name()!r} at " if spec is not None else ""
+    if not found:
+        raise RunLookupError(f"no MLflow run id starts with {text!r} in {where}{reader.tracking_uri}; check the id "
+                             "(`sweeps status SPEC` lists the trials' runs) or the tracking URI")
+    lines = [f"  {r.info.run_id}  {r.info.run_name or '-'}  study {r.data.tags.get(layout.TAG_STUDY, '-')}  trial "
+             f"{r.data.tags.get(layout.TAG_TRIAL_NUMBER, '-')}" for r in found[:10]]
+    more = f"\n  ... and {len(found) - 10} more" if len(found) > 10 else ""
+    raise RunLookupError(f"run id prefix {text!r} is ambiguous: {len(found)} runs in {where}{reader.tracking_uri} "
+                         "start with it; give more characters:\n" + "\n".join(lines) + more)
+
+
+def compare_runs(reader: TrackingReader, run_a: str, run_b: str, console, spec=None) -> int:
+    """``sweeps compare``: print the table and a one-line count of the differences. ``run_a`` and
+    ``run_b``: anything :func:`resolve_run` takes (trial numbers only with ``spec``)."""
+    a, b = (reader.get_run(resolve_run(reader, ref, spec)) for ref in (run_a, run_b))
     table, n_diff = compare_table(a, b)
     console.print(table)
     pa, pb = a.data.params, b.data.params

@@ -5,8 +5,16 @@ The trial is rebuilt from its ``config/resolved_config.json`` artifact (the full
 config, the task section and the sampled params), never from the spec as it is now, so a
 rerun works for either backend and after the spec changed. The rerun is a new MLflow run in
 the same experiment (role ``rerun``, tag ``rerun_of``), nested under the study's parent run,
-trained by the same ``core.train`` with the same reporter a trial uses. On CPU, a rerun with
-the original seed on the same code reproduces the original curves bit for bit.
+trained by the same ``core.train`` with the same reporter a trial uses; it prints a line per
+epoch (metrics, elapsed time) while it trains.
+
+On CPU a rerun uses this process's thread count (``torch.get_num_threads()``, the machine's
+unless ``OMP_NUM_THREADS`` or ``--threads`` says otherwise), not the original's: a trial of a
+study shares the machine and may have had one thread. CPU kernels split their sums by thread,
+so another count changes the last bits (the digits CNN's step curves part at the second
+step between 1 and 2 threads); a rerun with the original seed, the same code and
+``--threads`` set to the original's count (recorded in its ``sweeps.device`` tag) reproduces
+the original curves bit for bit, and the rerun says which count it used and warns otherwise.
 """
 from __future__ import annotations
 
@@ -24,17 +32,20 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
-from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, metric_curve, open_client
-from sweeps.errors import RerunError, RunLookupError
+from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, compared_metric, metric_curve, open_client
+from sweeps.errors import RerunError
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.reader import TrackingReader
 
 if TYPE_CHECKING:
+    from core.reporting import Decision
+    from sweeps.objective import TrialReporter
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 _CPU_THREADS = re.compile(r"^cpu \((\d+) threads?\)")
+_QUIET_METRICS = frozenset({"grad_norm", "skipped_steps"})  # kept in the run, left out of the progress line
 
 
 # ---- rebuild a trial from its run --------------------------------------------------------------
@@ -68,31 +79,6 @@ def config_from_resolved(resolved: dict, run_id: str, seed: int | None = None):
         return apply_overrides(cfg, {"seed": seed}) if seed is not None else cfg
     except (ConfigError, KeyError, TypeError) as exc:
         raise RerunError(f"the resolved config of run {run_id} does not fit this code version: {exc}") from exc
-
-
-def find_trial_run(reader: TrackingReader, spec, trial_number: int) -> str:
-    """Run id of trial ``trial_number`` of the spec's current study version, from MLflow alone
-    (so it is the same for either backend). The newest finished run wins over retries."""
-    experiment_id = reader.experiment_id(spec.experiment_name())
-    if experiment_id is None:
-        raise RunLookupError(f"MLflow experiment {spec.experiment_name()!r} not found at {reader.tracking_uri}; "
-                             f"has `sweeps run {spec.path or spec.name}` run here?")
-    versions = re.compile(re.escape(spec.name) + r"(-v\d+)?")
-    parents = [p for p in reader.find_runs(experiment_id, {layout.TAG_ROLE: layout.ROLE_STUDY}, max_results=200)
-               if versions.fullmatch(p.data.tags.get(layout.TAG_STUDY, ""))]
-    if not parents:
-        raise RunLookupError(f"no study run of {spec.name!r} in experiment {spec.experiment_name()!r} at "
-                             f"{reader.tracking_uri}")
-    parent = parents[0]
-    children = reader.children(parent.info.run_id, {layout.TAG_ROLE: layout.ROLE_TRIAL})
-    match = [r for r in children if r.data.tags.get(layout.TAG_TRIAL_NUMBER) == str(trial_number)]
-    if not match:
-        have = sorted({int(r.data.tags[layout.TAG_TRIAL_NUMBER]) for r in children
-                       if r.data.tags.get(layout.TAG_TRIAL_NUMBER, "").isdigit()})
-        raise RunLookupError(f"study {parent.data.tags.get(layout.TAG_STUDY)!r} has no MLflow run for trial "
-                             f"{trial_number}; trials with runs: {have or 'none'}")
-    match.sort(key=lambda r: (r.info.status == "FINISHED", r.info.start_time or 0), reverse=True)
-    return match[0].info.run_id
 
 
 def parent_handle(reader: TrackingReader, run) -> RunHandle | None:
@@ -140,25 +126,64 @@ class RerunOutcome:
     objective: float | None  # best value of the study objective over the rerun's epochs
     comparison: CurveComparison
     code_diffs: list[str]
+    thread_note: str = ""  # why the curves may differ: another CPU thread count than the original's
+
+
+def original_threads(device_tag: str) -> int | None:
+    """The CPU thread count a trial ran on, from its ``sweeps.device`` tag ("cpu (4 threads)")."""
+    found = _CPU_THREADS.match(device_tag or "")
+    return int(found.group(1)) if found else None
 
 
 @contextlib.contextmanager
-def _same_cpu_threads(device_tag: str, cfg):
-    """Run on as many CPU threads as the original did: CPU kernels may split (and so sum)
-    differently with another thread count, which is enough to break bitwise equality."""
+def _cpu_threads(n: int | None):
+    """Train on ``n`` CPU threads (None: leave the count as it is), restored afterwards."""
     import torch
 
-    found = _CPU_THREADS.match(device_tag or "")
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if not found or not on_cpu:
+    if n is None:
         yield
         return
     before = torch.get_num_threads()
-    torch.set_num_threads(int(found.group(1)))
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _on_cpu(cfg) -> bool:
+    import torch
+
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
+class ProgressReporter:
+    """The trial's reporter, passed through, that also prints one line per epoch (the
+    objective, the losses and curves, the time since training began): a rerun of a long trial
+    would otherwise say nothing for minutes."""
+
+    def __init__(self, inner: TrialReporter, console: Any, epochs: int) -> None:
+        self.inner, self.console, self.epochs = inner, console, epochs
+        self.started = time.monotonic()
+
+    def report_step(self, step: int, metrics: dict[str, float]) -> Decision:
+        return self.inner.report_step(step, metrics)
+
+    def report_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> Decision:
+        decision = self.inner.report_epoch(epoch, step, metrics)
+        objective = self.inner.objective
+        shown = [objective] + sorted(k for k in metrics
+                                     if k != objective and compared_metric(k) and k not in _QUIET_METRICS)
+        values = "  ".join(f"{k}={metrics[k]:.4g}" for k in shown if k in metrics)
+        self.console.print(f"epoch {epoch}/{self.epochs}  {values}  elapsed {time.monotonic() - self.started:.1f}s",
+                           markup=False, highlight=False)
+        return decision
+
+    def resumed(self, epochs: list, steps: list) -> None:
+        self.inner.resumed(epochs, steps)
+
+    def log_artifact(self, path: Path, kind: str) -> None:
+        self.inner.log_artifact(path, kind)
 
 
 def _pin_device(cfg, device_tag: str, console):
@@ -178,10 +203,14 @@ def _pin_device(cfg, device_tag: str, console):
 
 
 def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None, parent: RunHandle | None = None,
-               console=None, out_root: str | Path = "runs", reader: TrackingReader | None = None) -> RerunOutcome:
+               console=None, out_root: str | Path = "runs", reader: TrackingReader | None = None,
+               threads: int | None = None) -> RerunOutcome:
     """Train the trial of run ``original_id`` again (``seed`` replaced when given), logged as a
     new run; then compare its curves with the original's and tag the verdict on the new run.
-    ``reader``: what reads the original (default: one on the tracker's store)."""
+    ``reader``: what reads the original (default: one on the tracker's store). ``threads``: CPU
+    threads to train on (default: this process's count; see the module's docstring)."""
+    import torch
+
     from core.train import train
     from sweeps.objective import TrialOutcome, TrialReporter, finish_trial_run
     from sweeps.study_run import git_commit
@@ -192,6 +221,10 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     tags = orig.data.tags
     device_tag = tags.get(layout.TAG_DEVICE, "")
     cfg = _pin_device(config_from_resolved(resolved, original_id, seed), device_tag, console)
+    then_threads = original_threads(device_tag)
+    cpu = _on_cpu(cfg)
+    threads = (threads or torch.get_num_threads()) if cpu else None
+    thread_note = _thread_note(threads, then_threads)
     code_diffs = code_differences(reader, orig)
     if code_diffs and console is not None:
         console.print(Text("warning: the code differs from the original's (the rerun goes on; differences in the "
@@ -206,7 +239,10 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
                                 layout.TAG_ROLE: layout.ROLE_RERUN, layout.TAG_RERUN_OF: original_id,
                                 layout.TAG_STUDY: study, layout.TAG_TRIAL_NUMBER: tags.get(layout.TAG_TRIAL_NUMBER, ""),
                                 layout.TAG_SEED: cfg.seed, layout.TAG_SPEC_HASH: resolved.get("spec_hash", ""),
-                                layout.TAG_GIT_COMMIT: git_commit(), layout.TAG_DEVICE: device_tag,
+                                layout.TAG_GIT_COMMIT: git_commit(),
+                                layout.TAG_DEVICE: f"cpu ({threads} threads)" if threads else device_tag,
+                                "sweeps.rerun.threads": threads or "",
+                                "sweeps.rerun.original_threads": then_threads or "",
                                 "sweeps.code_differs": str(bool(code_diffs)).lower(),
                                 "sweeps.code_diff": "; ".join(code_diffs)})
     tracker.log(run, params={**orig.data.params, "train.seed": cfg.seed, "train.device": cfg.device})
@@ -216,18 +252,24 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     stop_after = (len([s for s in metric_curve(reader, original_id, metric) if s >= 1])
                   if tags.get(layout.TAG_PRUNED) == "true" else None)
     limit = stop_after or 0
-    reporter = TrialReporter(tracker, run, metric, lambda epoch, value: limit > 0 and epoch >= limit,
-                             threading.Event())
+    reporter: Any = TrialReporter(tracker, run, metric, lambda epoch, value: limit > 0 and epoch >= limit,
+                                  threading.Event())
+    if console is not None:
+        reporter = ProgressReporter(reporter, console, stop_after or cfg.epochs)
     out_dir = Path(out_root) / safe_component(study, "study name") / "reruns" / run.run_id
     if console is not None:
         console.print(f"rerun of {original_id} (trial {tags.get(layout.TAG_TRIAL_NUMBER, '?')}, seed {cfg.seed}) "
-                      f"as run {run.run_id} ...", markup=False, highlight=False)
+                      f"as run {run.run_id}, {cfg.epochs} epochs on {cfg.device}"
+                      + (f", {threads} CPU thread{'s' if threads != 1 else ''}" if threads else "") + " ...",
+                      markup=False, highlight=False)
+        if thread_note:
+            console.print(Text("warning: " + thread_note, style="yellow"))
         if stop_after:
             console.print(f"the original was pruned after epoch {stop_after}; the rerun stops there too",
                           markup=False, highlight=False)
     started = time.monotonic()
     try:
-        with _same_cpu_threads(device_tag, cfg):
+        with _cpu_threads(threads):
             if cfg.distributed.nproc > 1:  # DDP inside the trial, like sweeps.objective runs it
                 from core.ddp_launch import TaskSpec, train_distributed
 
@@ -248,7 +290,16 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     finish_trial_run(tracker, run, outcome)  # same final metrics and tags as a trial; flushes and ends
     comparison = compare_curves(reader, original_id, run.run_id)
     tracker.log(run, tags=comparison.tags())
-    return RerunOutcome(run.run_id, cfg.seed, result.best_metric, comparison, code_diffs)
+    return RerunOutcome(run.run_id, cfg.seed, result.best_metric, comparison, code_diffs, thread_note)
+
+
+def _thread_note(threads: int | None, then: int | None) -> str:
+    """Why a CPU rerun may part from its original in the last bits, or "" when it should not."""
+    if threads is None or then is None or threads == then:
+        return ""
+    return (f"this rerun trains on {threads} CPU threads, the original on {then}: CPU kernels split their sums by "
+            f"thread, so the curves may differ in the last bits; rerun with --threads {then} for a bitwise "
+            "reproduction")
 
 
 def print_outcome(outcome: RerunOutcome, console) -> None:
@@ -256,6 +307,8 @@ def print_outcome(outcome: RerunOutcome, console) -> None:
     style = "green" if outcome.comparison.identical else "red" if outcome.comparison.nothing_to_compare else "yellow"
     console.print(Text(f"verdict (seed {outcome.seed}, run {outcome.run_id}): {outcome.comparison.verdict()}",
                        style=style))
+    if outcome.thread_note and not outcome.comparison.identical:
+        console.print(Text("note: " + outcome.thread_note, style="yellow"))
 
 
 # ---- several seeds -----------------------------------------------------------------------------
@@ -268,7 +321,8 @@ def seed_statistics(values: list[float]) -> tuple[float, float]:
 
 
 def rerun_seeds(tracker: MlflowTracker, original_id: str, seeds: list[int], console=None,
-                out_root: str | Path = "runs", reader: TrackingReader | None = None) -> dict[str, Any]:
+                out_root: str | Path = "runs", reader: TrackingReader | None = None,
+                threads: int | None = None) -> dict[str, Any]:
     """Rerun the trial once per seed, nested under a run of its own (role ``seeds``) that holds
     the objective per seed (step = seed) and its mean and standard deviation."""
     reader = reader or open_client(tracker.tracking_uri)
@@ -290,7 +344,7 @@ def rerun_seeds(tracker: MlflowTracker, original_id: str, seeds: list[int], cons
     try:
         for seed in seeds:
             outcome = rerun_once(tracker, original_id, seed=seed, parent=run, console=console, out_root=out_root,
-                                 reader=reader)
+                                 reader=reader, threads=threads)
             outcomes.append(outcome)
             if console is not None:
                 print_outcome(outcome, console)

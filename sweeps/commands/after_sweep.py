@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sweeps.commands.base import Command, console, spec_argument
+from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import UsageError
 
 # The per-file progress bars of MLflow downloads drown the tables these commands print.
@@ -46,6 +46,10 @@ def cmd_promote(a: argparse.Namespace) -> int:
     from sweeps.spec import load_spec
 
     spec = load_spec(a.spec)
+    if not a.dry_run:  # a dry run writes nothing, and reads no artifact
+        from sweeps.moved_store import follow_moved_store
+
+        follow_moved_store(spec.tracking_store_uri(), err_console)
     return promote(spec, alias=a.alias, model_name=a.model_name, metric=a.metric, direction=a.direction,
                    dry_run=a.dry_run, force=a.force, console=console)
 
@@ -60,13 +64,27 @@ def _rerun_args(p: argparse.ArgumentParser) -> None:
     seeds.add_argument("--seed", type=int, default=None, help="train with this seed (default: the original's)")
     seeds.add_argument("--seeds", type=_seed_list, default=None,
                        help="rerun once per seed (e.g. 0,1,2) and report the objective's mean and std")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads to train on (default: this process's, i.e. the machine's unless "
+                        "OMP_NUM_THREADS says otherwise). CPU results depend on it: give the original's count "
+                        "(its sweeps.device tag; the rerun warns when they differ) for a bitwise reproduction")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else "
                                                         "$MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of threads, e.g. 4")
+    return value
+
+
 def cmd_rerun(a: argparse.Namespace) -> int:
-    from sweeps.compare import open_client, resolve_tracking_uri
-    from sweeps.rerun import find_trial_run, print_outcome, print_seed_summary, rerun_once, rerun_seeds
+    from sweeps.compare import find_trial_run, open_client, resolve_tracking_uri
+    from sweeps.rerun import print_outcome, print_seed_summary, rerun_once, rerun_seeds
     from sweeps.spec import load_spec
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
@@ -76,28 +94,38 @@ def cmd_rerun(a: argparse.Namespace) -> int:
                          "(or address the run directly: sweeps rerun --run-id ID)")
     uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
     open_client(uri)  # refuses a missing local store before anything is created
+    from sweeps.moved_store import follow_moved_store
+
+    follow_moved_store(uri, err_console)  # runs/ moved: read and write artifacts where they are now
     tracker = MlflowTracker(uri)
     run_id = a.run_id or find_trial_run(open_client(uri), spec, a.trial)
     if a.seeds:
-        print_seed_summary(rerun_seeds(tracker, run_id, a.seeds, console=console), console)
+        print_seed_summary(rerun_seeds(tracker, run_id, a.seeds, console=console, threads=a.threads), console)
         return 0
-    outcome = rerun_once(tracker, run_id, seed=a.seed, console=console)
+    outcome = rerun_once(tracker, run_id, seed=a.seed, console=console, threads=a.threads)
     print_outcome(outcome, console)
     return 1 if outcome.comparison.nothing_to_compare else 0  # not a check that passed
 
 
 # ---- compare ---------------------------------------------------------------------------------
 def _compare_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_a", help="MLflow run id")
-    p.add_argument("run_b", help="MLflow run id")
-    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
-                                                        "else sqlite:///runs/mlflow.db)")
+    p.add_argument("refs", nargs="+", metavar="[SPEC] A B",
+                   help="two runs: with the study spec first, trial numbers (sweeps compare SPEC 3 7); run ids or "
+                        "unique run-id prefixes (as `sweeps status` shows them, a cut-off '…' included) with or "
+                        "without it")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else "
+                                                        "$MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
     from sweeps.compare import compare_runs, open_client, resolve_tracking_uri
 
-    return compare_runs(open_client(resolve_tracking_uri(a.tracking_uri)), a.run_a, a.run_b, console)
+    if len(a.refs) not in (2, 3):
+        raise UsageError(f"compare takes two runs, with the study spec first for trial numbers: sweeps compare SPEC 3 "
+                         f"7, or sweeps compare RUN_A RUN_B; got {len(a.refs)} arguments ({' '.join(a.refs)})")
+    spec = load_spec_file(a.refs[0]) if len(a.refs) == 3 else None
+    uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
+    return compare_runs(open_client(uri), a.refs[-2], a.refs[-1], console, spec=spec)
 
 
 COMMANDS = (
@@ -105,6 +133,7 @@ COMMANDS = (
             _promote_args, cmd_promote),
     Command("rerun", "train a trial again from its MLflow run and compare every curve with the original",
             _rerun_args, cmd_rerun),
-    Command("compare", "two runs' params and final metrics side by side, the differences marked",
+    Command("compare", "two runs' params and final metrics side by side, the differences marked (runs by trial "
+                       "number with the spec, by run id or a unique prefix of one)",
             _compare_args, cmd_compare),
 )

@@ -2,7 +2,8 @@
 
 ``report`` writes one self-contained HTML page of the study (plotly.js inline: it opens from
 disk, offline), by default at ``runs/<study>/report.html``, and logs it as an artifact of the
-study's parent MLflow run (``report/``). The tables behind the page come from
+study's parent MLflow run, always as ``report/report.html`` whatever ``-o`` names: a second
+call replaces the page there instead of adding a copy beside it. The tables behind the page come from
 :mod:`dashboards.tables`, as do those of ``status --format csv|json``.
 
 Imported by ``sweeps.cli`` on every invocation: the heavy imports (pandas, plotly, the
@@ -27,10 +28,13 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_report(a: argparse.Namespace) -> int:
     from dashboards.report import load_study, write_report
+    from sweeps.moved_store import follow_moved_store
 
     spec = load_spec_file(a.spec)
     if a.output:
         _check_output(Path(a.output))  # before the study is read: a wrong -o fails at once
+    # runs/ moved or copied: the page is logged beside the store, never into the folder it came from
+    follow_moved_store(spec.tracking_store_uri(), err_console)
     loaded = load_study(spec)
     path = write_report(spec, loaded, a.output)
     console.print(f"report: {path}", markup=False, highlight=False, soft_wrap=True)
@@ -42,13 +46,21 @@ def cmd_report(a: argparse.Namespace) -> int:
                           f"{spec.tracking_uri()}; the report was not logged", markup=False, highlight=False,
                           soft_wrap=True)
         return 0
+    import shutil
+    import tempfile
+
+    from dashboards.report import REPORT_FILE
     from sweeps.tracking.base import RunHandle
 
-    loaded.tracker.log_artifact(RunHandle(parent_id, loaded.experiment_id, loaded.result.name), path,
-                                layout.ART_REPORT_DIR)
-    loaded.tracker.flush()
-    console.print(f"logged to MLflow run {parent_id} as {layout.ART_REPORT_DIR}/{path.name}",
-                  markup=False, highlight=False, soft_wrap=True)
+    with tempfile.TemporaryDirectory(prefix="sweeps-report-") as tmp:
+        logged = path
+        if path.name != REPORT_FILE:  # one name in the run, so that every call replaces the last page
+            logged = Path(shutil.copyfile(path, Path(tmp) / REPORT_FILE))
+        loaded.tracker.log_artifact(RunHandle(parent_id, loaded.experiment_id, loaded.result.name), logged,
+                                    layout.ART_REPORT_DIR)
+        loaded.tracker.flush()  # sent before the copy goes
+    console.print(f"logged to MLflow run {parent_id} as {layout.ART_REPORT_DIR}/{REPORT_FILE} (replacing any "
+                  "earlier page)", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

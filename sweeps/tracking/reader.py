@@ -102,6 +102,16 @@ class TrackingReader:
         info = runs[0].info
         return RunHandle(info.run_id, info.experiment_id, info.run_name or "")
 
+    def runs_with_id_prefix(self, prefix: str, experiment_ids: list[str] | None = None) -> list[Any]:
+        """Runs (not deleted) whose id starts with ``prefix`` (lower-case hex), in the given
+        experiments or, when None, in every active one; at most 100 (enough to say "ambiguous")."""
+        if experiment_ids is None:
+            experiment_ids = [e.experiment_id for e in self._client.search_experiments()]
+        if not experiment_ids:
+            return []
+        return list(self._client.search_runs(experiment_ids, filter_string=f"attributes.run_id LIKE '{prefix}%'",
+                                             max_results=100))
+
     def children(self, parent_run_id: str, tags: Mapping[str, Any] | None = None, **kwargs: Any) -> list[Any]:
         """Runs nested under ``parent_run_id`` (in its experiment), as :meth:`find_runs` selects them."""
         experiment_id = self._client.get_run(parent_run_id).info.experiment_id

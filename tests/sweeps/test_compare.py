@@ -112,3 +112,75 @@ def test_a_comparison_without_a_curve_in_both_runs_says_there_is_nothing_to_comp
     assert result.nothing_to_compare and not result.identical
     assert result.verdict() == f"nothing to compare: run {a} has none of the original's curves (val_acc)"
     assert compare_curves(reader, c, c).identical
+
+
+# ---- addressing runs: trial numbers, prefixes, what `sweeps status` shows -----------------------
+@pytest.mark.slow
+def test_compare_takes_trial_numbers_with_the_spec(in_study, capsys):
+    runs = in_study.trial_runs()
+
+    assert cli.main(["compare", str(in_study.spec), "0", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"compare {runs[0].info.run_id} vs {runs[2].info.run_id}" in out
+    assert "params differ: search.lr, train.lr" in out
+
+    assert cli.main(["compare", str(in_study.spec), "0", "9"]) == 2
+    assert "no MLflow run for trial 9; trials with runs: [0, 1, 2]" in capsys.readouterr().err
+    assert cli.main(["compare", "0", "2"]) == 2  # a trial number needs the spec: it says so
+    assert "trial numbers need the study spec first (sweeps compare SPEC 0 N)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_takes_run_id_prefixes_as_status_shows_them(in_study, capsys):
+    runs = in_study.trial_runs()
+    a, b = runs[1].info.run_id, runs[2].info.run_id
+    # `sweeps status` at 80 columns cuts the id to 19 characters and an ellipsis: pasted as it is
+    assert cli.main(["status", str(in_study.spec)]) == 0
+    status = capsys.readouterr().out
+
+    spec = str(in_study.spec)
+    for args in ([a[:8], b[:12]], [a[:19] + "\u2026", b], [spec, a.upper()[:10], "2"]):  # prefix and trial mixed
+        assert cli.main(["compare", *args]) == 0, args
+        assert f"compare {a} vs {b}" in capsys.readouterr().out
+    shown = next(line for line in status.splitlines() if a[:8] in line)  # what the table really holds
+    cell = next(word for word in shown.replace("\u2502", " ").split() if word.startswith(a[:8]))
+    assert cli.main(["compare", cell, b]) == 0 and f"compare {a} vs {b}" in capsys.readouterr().out
+
+
+def _store_with_colliding_prefix(tmp_path):
+    """A real SQLite store with runs until two ids share their first character, a letter."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.sweeps.study_helpers import empty_mlflow_db
+
+    shutil.copyfile(empty_mlflow_db(), tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("prefixes", artifact_location=str(tmp_path / "mlartifacts" / "prefixes"))
+    by_first: dict[str, list[str]] = {}
+    while not any(len(ids) > 1 for ch, ids in by_first.items() if ch.isalpha()):
+        run_id = client.create_run(exp).info.run_id
+        by_first.setdefault(run_id[0], []).append(run_id)
+    first = next(ch for ch, ids in by_first.items() if ch.isalpha() and len(ids) > 1)
+    return uri, first, by_first
+
+
+def test_an_ambiguous_run_id_prefix_lists_the_candidates(tmp_path, capsys):
+    uri, first, by_first = _store_with_colliding_prefix(tmp_path)
+    other = next(ids[0] for ch, ids in by_first.items() if ch != first)
+
+    assert cli.main(["compare", first, other, "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert f"run id prefix {first!r} is ambiguous: {len(by_first[first])} runs" in err
+    assert all(run_id in err for run_id in by_first[first]) and "give more characters" in err
+
+    taken = {run_id[:2] for ids in by_first.values() for run_id in ids}
+    unknown = next(p for p in (a + b for a in "abcdef" for b in "abcdef") if p not in taken)
+    assert cli.main(["compare", unknown, other, "--tracking-uri", uri]) == 2
+    assert f"no MLflow run id starts with {unknown!r}" in capsys.readouterr().err
+    assert cli.main(["compare", "not-an-id", other, "--tracking-uri", uri]) == 2
+    assert "'not-an-id' is not a run id" in capsys.readouterr().err
+    assert cli.main(["compare", other, "--tracking-uri", uri]) == 2
+    assert "compare takes two runs" in capsys.readouterr().err

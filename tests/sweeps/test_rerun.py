@@ -2,6 +2,7 @@
 again, every curve compared with the original's."""
 from __future__ import annotations
 
+import re
 import statistics
 
 import pytest
@@ -10,6 +11,11 @@ from sweeps import cli
 from tests.sweeps.study_fixtures import finished_study, in_study  # noqa: F401
 
 pytestmark = pytest.mark.slow
+
+
+def _threads(run) -> str:
+    """The CPU thread count the trial ran on, from its device tag ("cpu (4 threads)")."""
+    return re.match(r"cpu \((\d+) threads?\)", run.data.tags["sweeps.device"]).group(1)
 
 
 def _reruns_of(client, experiment_id: str, run_id: str, role: str = "rerun") -> list:
@@ -21,9 +27,11 @@ def test_rerun_with_the_original_seed_is_bitwise_identical(in_study, capsys):
     client = in_study.client()
     original = in_study.trial_runs()[0]
 
-    assert cli.main(["rerun", str(in_study.spec), "--trial", "0"]) == 0
+    # bit for bit needs the original's CPU thread count (a rerun uses this process's unless told)
+    assert cli.main(["rerun", str(in_study.spec), "--trial", "0", "--threads", _threads(original)]) == 0
     out = capsys.readouterr().out
     assert "verdict (seed 0" in out and "identical" in out and "bitwise equal" in out
+    assert "warning: this rerun trains on" not in out
 
     [rerun] = _reruns_of(client, original.info.experiment_id, original.info.run_id)
     tags = rerun.data.tags
@@ -62,7 +70,8 @@ def test_rerun_over_seeds_logs_mean_and_std(in_study, capsys):
     client = in_study.client()
     original = in_study.trial_runs()[2]
 
-    assert cli.main(["rerun", str(in_study.spec), "--trial", "2", "--seeds", "0,1"]) == 0
+    assert cli.main(["rerun", str(in_study.spec), "--trial", "2", "--seeds", "0,1", "--threads",
+                     _threads(original)]) == 0
     out = capsys.readouterr().out
     assert "val_acc: mean" in out and "std" in out
 
@@ -111,3 +120,33 @@ def test_rerun_of_a_run_without_curves_says_nothing_to_compare_and_fails(in_stud
     assert "identical" not in out
     [rerun] = _reruns_of(client, exp, bare)
     assert rerun.data.tags["sweeps.rerun.verdict"] == "nothing to compare"
+
+
+def test_rerun_prints_each_epoch_and_trains_on_the_threads_asked(in_study, capsys):
+    client = in_study.client()
+    original = in_study.trial_runs()[1]
+    then = int(_threads(original))
+    threads = then + 1  # another count than the original's: the rerun must say what that means
+
+    assert cli.main(["rerun", str(in_study.spec), "--trial", "1", "--threads", str(threads)]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]  # one line per epoch, as it trains
+    for line in lines:
+        assert re.search(r"val_acc=[0-9.]+ .*train_loss=[0-9.]+ .*val_loss=[0-9.]+ .*elapsed [0-9.]+s$", line), line
+    assert f"{threads} CPU threads" in out
+    assert (f"warning: this rerun trains on {threads} CPU threads, the original on {then}" in out
+            and f"rerun with --threads {then} for a bitwise reproduction" in out)
+    assert out.index("warning: this rerun trains on") < out.index("epoch 1/3")  # said before training
+
+    rerun = _reruns_of(client, original.info.experiment_id, original.info.run_id)[0]  # the newest
+    tags = rerun.data.tags
+    assert tags["sweeps.rerun.threads"] == str(threads) and tags["sweeps.rerun.original_threads"] == str(then)
+    assert tags["sweeps.device"] == f"cpu ({threads} threads)"
+
+
+def test_rerun_refuses_a_thread_count_below_one(in_study, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["rerun", str(in_study.spec), "--trial", "1", "--threads", "0"])
+    assert exc.value.code == 2
+    assert "'0' is not a positive whole number of threads" in capsys.readouterr().err
