@@ -1,0 +1,66 @@
+"""What a reader does in MLflow 3.17's web UI, as steps for :class:`scripts.browser.Chromium`: open an
+experiment's runs table, expand a parent run, open a run's page, the run-comparison page.
+
+The UI's routes (hash routes of its React app, from mlflow/server/js in the installed package):
+``#/experiments/<id>/runs``, ``#/experiments/<id>/runs/<run_id>``,
+``#/compare-runs?runs=[...]&experiments=[...]``. Selectors are the UI's own stable hooks
+(``data-component-id``, ``aria-label``, links to runs), not its generated CSS class names.
+"""
+from __future__ import annotations
+
+import json
+from urllib.parse import quote
+
+from scripts.browser import Chromium, click
+
+# The expander in a parent run's "Run Name" cell (runs/cells/RunNameCellRenderer.tsx in MLflow).
+EXPANDER = "button[data-component-id*='runnamecellrenderer']"
+
+
+def runs_page(base_url: str, experiment_id: str) -> str:
+    return f"{base_url}/#/experiments/{experiment_id}/runs"
+
+
+def run_page(base_url: str, experiment_id: str, run_id: str) -> str:
+    return f"{base_url}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def compare_page(base_url: str, experiment_id: str, run_ids: list[str]) -> str:
+    query = f"runs={quote(json.dumps(run_ids))}&experiments={quote(json.dumps([experiment_id]))}"
+    return f"{base_url}/#/compare-runs?{query}"
+
+
+def tidy(browser: Chromium) -> None:
+    """Close the "MLflow Assistant" side panel and the "Got it" tip, which cover part of every page
+    on a fresh profile (the UI remembers the choice in the browser's local storage)."""
+    click(browser, "button[aria-label='Close']")
+    click(browser, "button", "Got it")
+
+
+def open_runs_table(browser: Chromium, base_url: str, experiment_id: str, parent_name: str) -> None:
+    """Open the experiment's runs table and wait until its top-level rows are there."""
+    browser.open(runs_page(base_url, experiment_id))
+    browser.wait_for_text(parent_name, "matching runs")
+    tidy(browser)
+
+
+def expand(browser: Chromium, parent_name: str, child_names: list[str]) -> None:
+    """Click the expander of the row whose run is ``parent_name``; wait until ``child_names`` show."""
+    found = browser.evaluate(
+        f"(() => {{ const a = [...document.querySelectorAll('[role=gridcell] a')]"
+        f".find(a => a.innerText.trim() === {json.dumps(parent_name)});"
+        f" const b = a && a.closest('[role=gridcell]').querySelector({json.dumps(EXPANDER)});"
+        " if (b) b.click(); return !!b; })()")
+    if not found:
+        raise AssertionError(f"no expander in the row of {parent_name!r}: {browser.text()[:2000]}")
+    browser.wait_for_text(*child_names)
+
+
+def run_links(browser: Chromium) -> list[dict]:
+    """The run links in the runs table, top to bottom: name, href, and where the name starts
+    (``left``, in CSS pixels: a nested run is indented under its parent)."""
+    rows = browser.evaluate(
+        "[...document.querySelectorAll('[role=gridcell] a[href*=\"/runs/\"]')].map(a => {"
+        " const r = a.getBoundingClientRect();"
+        " return {name: a.innerText.trim(), href: a.getAttribute('href'), left: r.left, top: r.top}; })")
+    return sorted(rows or [], key=lambda r: r["top"])
