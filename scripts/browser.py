@@ -291,6 +291,26 @@ class Chromium:
                 return
             time.sleep(0.2)
 
+    def mouse_click(self, element_js: str, what: str) -> None:
+        """Click, with real mouse events at its centre, the element a JavaScript expression finds
+        (some widgets, e.g. the UI's drop-down selects, react to the mouse, not to ``el.click()``)."""
+        box = self.evaluate(f"(() => {{ const el = {element_js}; if (!el) return null; el.scrollIntoView({{block: "
+                            "'center'}); const r = el.getBoundingClientRect(); return [r.x + r.width / 2, "
+                            "r.y + r.height / 2]; })()")
+        if not box:
+            raise BrowserError(f"nothing to click: {what}; the page shows:\n{self.text()[:2000]}")
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
+
+    def type_text(self, text: str) -> None:
+        """Type ``text`` into whatever has the keyboard focus."""
+        self.call("Input.insertText", text=text)
+
+    def press(self, key: str, code: int) -> None:
+        """Press and release one key (``key`` as in KeyboardEvent.key, ``code`` its Windows key code)."""
+        for kind in ("rawKeyDown", "keyUp"):
+            self.call("Input.dispatchKeyEvent", type=kind, key=key, code=key, windowsVirtualKeyCode=code)
+
     def screenshot(self, path: Path, full_page: bool = False) -> Path:
         """Save the page as a PNG at ``path`` (the viewport, or the whole page's height)."""
         params: dict[str, Any] = {"format": "png"}

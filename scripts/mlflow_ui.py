@@ -64,3 +64,38 @@ def run_links(browser: Chromium) -> list[dict]:
         " const r = a.getBoundingClientRect();"
         " return {name: a.innerText.trim(), href: a.getAttribute('href'), left: r.left, top: r.top}; })")
     return sorted(rows or [], key=lambda r: r["top"])
+
+
+def collapse_sidebar(browser: Chromium) -> None:
+    """Fold the navigation side bar away: more width for tables and charts in a screenshot."""
+    click(browser, "button[aria-label='Toggle sidebar']")
+
+
+def _pick(browser: Chromium, select_index: int, label: str) -> None:
+    """In the ``select_index``-th drop-down select of the visible tab, type ``label`` (the option list
+    only renders the options in view, so filter first) and click the option named exactly that."""
+    panel = "document.querySelector('[role=tabpanel][data-state=active]')"
+    browser.mouse_click(f"{panel}.querySelectorAll('.du-bois-light-select-selector')[{select_index}]",
+                        f"select {select_index}")
+    browser.type_text(label)
+    option = ("[...document.querySelectorAll('.du-bois-light-select-item-option')]"
+              f".find(o => o.offsetParent !== null && o.innerText.trim() === {json.dumps(label)})")
+    browser.wait_for(f"!!({option})", f"the option {label!r}")
+    browser.mouse_click(option, f"the option {label!r}")
+    browser.press("Escape", 27)
+
+
+def parallel_coordinates(browser: Chromium, params: list[str], metrics: list[str]) -> None:
+    """On the compare page: show ``params`` and ``metrics`` (MLflow names) as the parallel-coordinates
+    plot's axes, instead of the UI's default (the first few params and metrics it finds)."""
+    browser.wait_for_text("Parallel Coordinates Plot", "Clear All")
+    click(browser, "button[data-testid='clear-button']")
+    for name in params:
+        _pick(browser, 0, name)
+    for name in metrics:
+        _pick(browser, 1, name)
+    labels = [*params, *metrics]
+    probe = " && ".join(f"ticks.includes({json.dumps(n)})" for n in labels)
+    browser.evaluate("document.activeElement && document.activeElement.blur()")  # no focus ring on a select
+    browser.wait_for(f"(() => {{ const ticks = [...document.querySelectorAll('.pcp-plot text')]"
+                     f".map(t => t.textContent); return {probe}; }})()", f"the plot's axes {labels}")
