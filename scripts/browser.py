@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -90,6 +89,7 @@ class MlflowServer:
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mlflow"]
         cmd += ["server", "--backend-store-uri", self.backend_uri, "--artifacts-destination", str(self.artifacts),
                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        # The job runner is a pool of extra processes that serving a UI never uses.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
@@ -113,22 +113,18 @@ class MlflowServer:
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group ``proc`` leads, then SIGKILL what is left of it."""
+    """SIGTERM the process group ``proc`` leads, then SIGKILL what is left of it (children of the
+    leader that outlived it, or all of it after ``grace_s``)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            continue
         if sig == signal.SIGTERM:
-            try:  # children left in the group after the leader exited
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
                 pass
-            break
     proc.wait(timeout=60)
 
 
@@ -148,7 +144,6 @@ class Chromium:
         self.proc: subprocess.Popen | None = None
         self._ids = iter(range(1, 1 << 62))
         self._replies: dict[int, dict] = {}
-        self._events: queue.Queue[dict | None] = queue.Queue()
         self._cond = threading.Condition()
         self.session = ""
 
@@ -156,17 +151,17 @@ class Chromium:
     def __enter__(self) -> Chromium:
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
-
-        def fds_3_and_4() -> None:  # in the child: Chromium reads commands on fd 3, writes on fd 4
-            r, w = os.dup(to_child_r), os.dup(from_child_w)  # away from 3 and 4 before the dup2s
-            os.dup2(r, 3)
-            os.dup2(w, 4)
-
-        cmd = [self.exe, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}",
+        # Chromium reads commands on fd 3 and writes on fd 4. Popen only places fds 0-2, so a bare
+        # Python moves the pipes from 0 and 1 to 3 and 4, points 0 and 1 elsewhere, and execs
+        # Chromium (no preexec_fn: that is unsafe in a process with threads, e.g. pytest-xdist's).
+        shim = ("import os, sys; os.dup2(0, 3); os.dup2(1, 4); os.dup2(os.open(os.devnull, os.O_RDONLY), 0); "
+                "os.dup2(2, 1); os.execv(sys.argv[1], sys.argv[1:])")
+        cmd = [sys.executable, "-I", "-S", "-c", shim, self.exe, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}",
                f"--window-size={self.width},{self.height}", "about:blank"]
-        self._stderr = open(self.profile.parent / f"{self.profile.name}.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._stderr, stderr=self._stderr,
-                                     preexec_fn=fds_3_and_4, close_fds=False, start_new_session=True)
+        self.profile.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.profile / "chromium.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdin=to_child_r, stdout=from_child_w, stderr=self._log,
+                                     start_new_session=True)
         os.close(to_child_r)
         os.close(from_child_w)
         threading.Thread(target=self._read, daemon=True).start()
@@ -174,8 +169,6 @@ class Chromium:
             target = self.call("Target.createTarget", url="about:blank", session=None)["targetId"]
             self.session = self.call("Target.attachToTarget", targetId=target, flatten=True,
                                      session=None)["sessionId"]
-            self.call("Page.enable")
-            self.call("Runtime.enable")
             self.call("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height,
                       deviceScaleFactor=1, mobile=False)
         except BaseException:
@@ -196,12 +189,13 @@ class Chromium:
             _stop_group(self.proc)
             self.proc = None
             os.close(self._to_child)
-            self._stderr.close()
+            self._log.close()
         if self._own_profile:
             shutil.rmtree(self.profile, ignore_errors=True)
 
     def _read(self) -> None:
-        """The reader thread: splits Chromium's output into messages; replies by id, events to a queue."""
+        """The reader thread: splits Chromium's output into messages and keeps the replies, by id (events
+        are dropped: nothing here waits on one; waits poll the page instead)."""
         buf = b""
         with os.fdopen(self._from_child, "rb", buffering=0) as pipe:
             while chunk := pipe.read(1 << 20):
@@ -213,8 +207,6 @@ class Chromium:
                         with self._cond:
                             self._replies[msg["id"]] = msg
                             self._cond.notify_all()
-                    else:
-                        self._events.put(msg)
         with self._cond:  # the pipe closed: Chromium is gone; wake whoever waits
             self._replies[-1] = {}
             self._cond.notify_all()
@@ -240,7 +232,7 @@ class Chromium:
         return reply.get("result", {})
 
     def log_tail(self) -> str:
-        path = self.profile.parent / f"{self.profile.name}.log"
+        path = self.profile / "chromium.log"
         return path.read_text(errors="replace")[-2000:] if path.exists() else ""
 
     # ---- pages ------------------------------------------------------------------------------------------

@@ -38,9 +38,12 @@ def tidy(browser: Chromium) -> None:
 
 
 def open_runs_table(browser: Chromium, base_url: str, experiment_id: str, parent_name: str) -> None:
-    """Open the experiment's runs table and wait until its top-level rows are there."""
+    """Open the experiment's runs table and wait until the row of ``parent_name`` is in it (the
+    name alone shows up earlier, in the breadcrumbs, before the table's rows are fetched)."""
     browser.open(runs_page(base_url, experiment_id))
-    browser.wait_for_text(parent_name, "matching runs")
+    browser.wait_for(f"[...document.querySelectorAll('[role=gridcell] a')]"
+                     f".some(a => a.innerText.trim() === {json.dumps(parent_name)})", f"the row of {parent_name!r}")
+    browser.wait_for_text("matching runs")
     tidy(browser)
 
 

@@ -111,7 +111,11 @@ def test_best_trial_run_page_shows_its_params_and_metrics(study, server, browser
     text = browser.wait_for_text(best.info.run_name, "search.lr", lr, "val_acc", "Parent run")
     tidy(browser)
     browser.settle()
-    assert best.info.run_id in text and study["parent"].info.run_name in text
+    assert best.info.run_id in text
+    parent = study["parent"].info
+    links = browser.evaluate(f"[...document.querySelectorAll('a[href$=\"/runs/{parent.run_id}\"]')]"
+                             ".map(a => a.innerText.trim())")
+    assert parent.run_name in links, f"no link to the parent run {parent.run_name!r}: {links}"
     acc = best.data.metrics["val_acc"]
     assert str(acc)[:6] in text, f"val_acc {acc} is not on the page:\n{text[:3000]}"
     others = [r for r in study["trials"] if r.info.run_id != best.info.run_id]
