@@ -1,7 +1,7 @@
 """Fixtures for the scale-out tests: a fresh PostgreSQL database per use, an MLflow server.
 
-Tests that need PostgreSQL skip (with the reason) when no server answers on 127.0.0.1:5432
-(trust authentication, as user postgres or root). Every database made here is dropped at
+Tests that need PostgreSQL fail (with the reason and how to start it) when no server answers on
+127.0.0.1:5432 (trust authentication, as user postgres or root). Every database made here is dropped at
 teardown, so tests never see each other's studies.
 """
 from __future__ import annotations
