@@ -16,7 +16,18 @@ from sweeps.tracking.spool import Spool
 
 log = logging.getLogger(__name__)
 
+
+class TrackingAuthError(TrackingError):
+    """The tracking server refused the credentials (or their absence): the user's settings are
+    wrong, not the store, so it is bad input (exit 2) like a bad spec, and retrying cannot help."""
+
+    exit_code = 2
+
 _CHECK_TIMEOUT_S = (3.0, 5.0)  # (connect, read): an unreachable server fails in seconds
+# With credentials the server hashes the password (MLflow basic auth: PBKDF2, slow on purpose),
+# which took 10-13 s per request on a busy 2-core test machine; a 5 s read timeout would call a
+# live, authenticating server "unreachable". Connecting still fails in seconds.
+_CHECK_TIMEOUT_AUTH_S = (3.0, 90.0)
 _FIX = (
     "Start the tracking server or point the study's tracking.uri at one that runs "
     "(e.g. `mlflow server --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000`, "
@@ -179,21 +190,39 @@ def _check_http(uri: str) -> None:
     if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
         verify = False
     url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search"
+    timeout = _CHECK_TIMEOUT_AUTH_S if (auth or headers) else _CHECK_TIMEOUT_S
     try:
         resp = requests.post(url, json={"max_results": 1}, headers=headers, auth=auth,
-                             verify=verify, timeout=_CHECK_TIMEOUT_S)
+                             verify=verify, timeout=timeout)
     except requests.exceptions.RequestException as exc:
         raise TrackingError(f"cannot reach the MLflow tracking server at {uri}: {exc}. {_FIX}") from exc
     if resp.status_code in (401, 403):
-        raise TrackingError(
-            f"the MLflow tracking server at {uri} refused access (HTTP {resp.status_code}). Set "
-            f"MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN."
-        )
+        raise TrackingAuthError(_refusal(uri, resp.status_code, auth, bool(headers)))
     if resp.status_code != 200:
         raise TrackingError(
             f"{uri} does not answer like an MLflow tracking server (HTTP {resp.status_code} "
             f"from {url}: {resp.text[:200]!r}). {_FIX}"
         )
+
+
+def _refusal(uri: str, status: int, auth: tuple[str, str] | None, token: bool) -> str:
+    """Why the server said no, from what this process sent, and the fix; never the password."""
+    if status == 403:
+        who = f"user {auth[0]!r}" if auth else "the token in MLFLOW_TRACKING_TOKEN"
+        return (f"the MLflow tracking server at {uri} refused access (HTTP 403): {who} is signed in but "
+                "may not use it. Have an MLflow admin grant it permission (a study needs to create "
+                "experiments and runs), or use other credentials.")
+    if token:
+        sent = "the token in MLFLOW_TRACKING_TOKEN was rejected"
+    elif auth:
+        sent = (f"user {auth[0]!r} and the password in MLFLOW_TRACKING_PASSWORD were rejected"
+                + ("" if auth[1] else " (MLFLOW_TRACKING_PASSWORD is not set)"))
+    else:
+        sent = "no credentials were sent: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_TOKEN are not set"
+    return (f"the MLflow tracking server at {uri} requires authentication (HTTP 401): {sent}. Set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (for the docker-compose stack: "
+            "the MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD values in .env) in the environment of "
+            "every `sweeps run` / `sweeps worker`, or MLFLOW_TRACKING_TOKEN for a token.")
 
 
 def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> dict:

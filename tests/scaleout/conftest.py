@@ -1,20 +1,17 @@
 """Fixtures for the scale-out tests: a fresh PostgreSQL database per use, an MLflow server.
 
-Tests that need PostgreSQL skip (with the reason) when no server answers on 127.0.0.1:5432
-(trust authentication, as user postgres or root). Every database made here is dropped at
+Tests that need PostgreSQL fail (with the reason and how to start it) when no server answers on
+127.0.0.1:5432 (trust authentication, as user postgres or root). Every database made here is dropped at
 teardown, so tests never see each other's studies.
 """
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
-from tests.scaleout.scaleout_helpers import stop_group, wait_http
+from tests.scaleout.scaleout_helpers import start_mlflow_server, stop_group
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 PG_USERS = ("postgres", "root")
@@ -71,23 +68,11 @@ def fresh_db(pg_admin):
 # ---- MLflow tracking server -------------------------------------------------------------------
 @pytest.fixture
 def mlflow_server(tmp_path, fresh_db, free_port):
-    """An ``mlflow server`` on a fresh PostgreSQL backend store and a free local port, artifacts
+    """An ``mlflow server`` on a fresh PostgreSQL backend store (a plain ``postgresql://`` URL:
+    SQLAlchemy 2.1 opens it with psycopg 3, a project dependency) and a free local port, artifacts
     proxied into ``tmp_path/mlartifacts``. Yields (base URL, artifacts folder). Killed at teardown."""
-    # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3; the project installs psycopg2.
-    store = fresh_db().replace("postgresql://", "postgresql+psycopg2://", 1)
-    artifacts = tmp_path / "mlartifacts"
-    log = tmp_path / "mlflow_server.log"
-    mlflow = Path(sys.executable).with_name("mlflow")
-    cmd = [str(mlflow), "server", "--backend-store-uri", store, "--serve-artifacts",
-           "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(free_port),
-           "--workers", "1"]
-    with open(log, "w") as out:
-        # Its own session: teardown stops the server and the uvicorn / job-runner children it starts.
-        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"})
-    base = f"http://127.0.0.1:{free_port}"
+    proc, base, artifacts, _ = start_mlflow_server(tmp_path, fresh_db(), free_port)
     try:
-        wait_http(base + "/health", timeout=120, proc=proc, log=log)
         yield base, artifacts
     finally:
         stop_group(proc)

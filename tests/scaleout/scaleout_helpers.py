@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -41,6 +42,33 @@ def stop_group(proc: subprocess.Popen, grace: float = 15) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
+
+
+def start_mlflow_server(folder: Path, store: str, port: int, *args: str, env: dict | None = None,
+                        timeout: float = 300):
+    """Start ``mlflow server`` on ``store`` and 127.0.0.1:``port``, artifacts proxied into
+    ``folder/mlartifacts``, extra CLI ``args`` and ``env``; wait for /health. Returns (process, base
+    URL, artifacts folder, log file); stop it with ``stop_group``. The health wait is generous: the
+    first start migrates the store (and the auth store), which a slow machine takes minutes for."""
+    artifacts = folder / "mlartifacts"
+    log = folder / f"mlflow_server_{port}.log"
+    mlflow = Path(sys.executable).with_name("mlflow")
+    cmd = [str(mlflow), "server", "--backend-store-uri", store, "--serve-artifacts",
+           "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1", *args]
+    base_env = {k: v for k, v in os.environ.items()
+                if k != "MLFLOW_TRACKING_URI" and not k.startswith(("MLFLOW_TRACKING_", "MLFLOW_AUTH_"))}
+    with open(log, "w") as out:
+        # Its own session: teardown stops the server and the uvicorn / job-runner children it starts.
+        proc = subprocess.Popen(cmd, cwd=folder, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**base_env, **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/health", timeout=timeout, proc=proc, log=log)
+    except BaseException:
+        stop_group(proc)
+        raise
+    return proc, base, artifacts, log
 
 
 def rest(base: str, path: str, body: dict | None = None) -> dict:

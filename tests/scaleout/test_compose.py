@@ -1,119 +1,59 @@
-"""docker-compose.yml without Docker: it parses, every command uses flags the installed
-mlflow / ray / sweeps accept, and names, ports, volumes and credentials agree across the
-compose file, .env.example, docker/ and the study specs it runs."""
+"""docker-compose.yml without Docker: it parses and validates against the Compose schema, every
+command uses flags the installed mlflow / ray / sweeps accept, and names, ports, volumes, GPUs and
+credentials agree across the compose file, .env.example, docker/ and the study specs it runs.
+Secrets have no defaults; only what must be reached from other machines is published off loopback."""
 from __future__ import annotations
 
+import configparser
 import os
 import re
-import shlex
-import subprocess
-import sys
-from functools import cache
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 
 from sweeps.spec import load_spec
-
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = ROOT / "docker-compose.yml"
-ENV_EXAMPLE = ROOT / ".env.example"
-BIN = Path(sys.executable).parent
-# `${VAR}`, `${VAR:-default}`, `${VAR-default}`; `$${...}` is an escaped dollar, not a variable.
-VAR_RE = re.compile(r"(?<!\$)\$\{(\w+)(?::?-([^}]*))?\}")
-# The programs a service may run, and how to ask each for its flags.
-HELP = {
-    ("mlflow", "server"): [str(BIN / "mlflow"), "server", "--help"],
-    ("ray", "start"): [str(BIN / "ray"), "start", "--help"],
-    ("sweeps", "run"): [sys.executable, "-m", "sweeps.cli", "run", "--help"],
-    ("sweeps", "worker"): [sys.executable, "-m", "sweeps.cli", "worker", "--help"],
-}
+from tests.scaleout.compose_helpers import (
+    COMPOSE,
+    HELP,
+    ROOT,
+    VAR_RE,
+    all_commands,
+    commands_of,
+    env_example,
+    flag_value,
+    flags_of,
+    load_compose,
+    program_of,
+    resolve,
+)
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    data = yaml.safe_load(COMPOSE.read_text())
-    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
-    return data
+    return load_compose()
 
 
 @pytest.fixture(scope="module")
 def env_defaults() -> dict[str, str]:
-    values = {}
-    for line in ENV_EXAMPLE.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
-
-
-def resolve(value, env: dict[str, str]):
-    """A compose value with every ${VAR...} replaced by its .env.example value."""
-    if isinstance(value, str):
-        return VAR_RE.sub(lambda m: env[m.group(1)], value)
-    if isinstance(value, list):
-        return [resolve(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: resolve(v, env) for k, v in value.items()}
-    return value
-
-
-@cache
-def flags_of(program: tuple[str, str]) -> frozenset[str]:
-    out = subprocess.run(HELP[program], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
-    return frozenset(re.findall(r"(?<![\w-])(--[A-Za-z0-9][A-Za-z0-9-]*)", out.stdout))
-
-
-def commands_of(service: dict, env: dict[str, str]) -> list[list[str]]:
-    """The service's command as argument lists: one, or each part of an `sh -c "a && b"`."""
-    command = resolve(service["command"], env)
-    if isinstance(command, str):
-        command = shlex.split(command)
-    if command[:2] in (["sh", "-c"], ["bash", "-c"]):
-        return [shlex.split(part) for part in re.split(r"&&|;", command[2])]
-    return [command]
-
-
-def program_of(argv: list[str]) -> tuple[str, str]:
-    args = argv[1:] if argv[0] == "exec" else argv
-    return args[0], args[1]
-
-
-def flag_value(argv: list[str], flag: str) -> str:
-    for i, arg in enumerate(argv):
-        if arg == flag:
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    raise AssertionError(f"{flag} not in {argv}")
-
-
-def all_commands(compose: dict, env: dict[str, str]):
-    for name, service in compose["services"].items():
-        if "command" in service:
-            for argv in commands_of(service, env):
-                yield name, argv
+    return env_example()
 
 
 # ---- the file and its variables ---------------------------------------------------------------
 def test_every_variable_is_in_env_example_with_the_same_default(env_defaults):
     used = VAR_RE.findall(COMPOSE.read_text())
     assert used
-    for var, default in used:
+    for var, op, default in used:
         assert var in env_defaults, f"${{{var}}} is used by docker-compose.yml but not set in .env.example"
-        if default:
+        if op.endswith("-") and default:
             assert default == env_defaults[var], (var, default, env_defaults[var])
-    unused = set(env_defaults) - {var for var, _ in used}
+    unused = set(env_defaults) - {var for var, _, _ in used}
     assert not unused, f".env.example sets {sorted(unused)}, which docker-compose.yml never reads"
 
 
 def test_the_stack_has_its_services(compose):
     services = compose["services"]
-    assert {"postgres", "mlflow", "ray-head", "ray-worker", "sweeps", "sweeps-worker"} <= set(services)
+    assert {"postgres", "mlflow", "ray-head", "ray-worker", "sweeps", "sweeps-worker", "minio"} <= set(services)
     assert services["postgres"]["image"].startswith("postgres:")
 
 
@@ -162,15 +102,19 @@ def test_sweeps_commands_run_specs_that_validate_and_fit_the_stack(compose, env_
     assert workers and all(specs[argv[2]].is_rdb_storage() for argv in workers)
 
 
-def test_mlflow_server_uses_postgres_and_serves_artifacts_from_a_volume(compose, env_defaults):
+def test_mlflow_server_uses_postgres_basic_auth_and_serves_artifacts(compose, env_defaults):
     service = compose["services"]["mlflow"]
     argv = commands_of(service, env_defaults)[0]
+    assert flag_value(argv, "--app-name") == "basic-auth"
+    # A plain postgresql:// URL: SQLAlchemy 2.1 opens it with psycopg 3, installed in the image.
     store = urlsplit(flag_value(argv, "--backend-store-uri"))
-    assert store.scheme == "postgresql+psycopg2" and store.hostname == "postgres"
+    assert store.scheme == "postgresql" and store.hostname == "postgres"
     assert store.path == "/" + env_defaults["MLFLOW_DB"] and store.password is None
-    assert resolve(service["environment"], env_defaults)["PGPASSWORD"] == env_defaults["POSTGRES_PASSWORD"]
+    env = resolve(service["environment"], env_defaults)
+    assert env["PGPASSWORD"] == env_defaults["POSTGRES_PASSWORD"]
     assert "--serve-artifacts" in argv and flag_value(argv, "--host") == "0.0.0.0"
     destination = flag_value(argv, "--artifacts-destination")
+    assert destination == env_defaults["MLFLOW_ARTIFACTS_DESTINATION"]
     assert any(v.split(":")[1] == destination for v in service["volumes"] if not v.startswith((".", "/")))
     # Host-header protection: the name the other services use must be allowed.
     allowed = flag_value(argv, "--allowed-hosts").split(",")
@@ -181,6 +125,31 @@ def test_mlflow_server_uses_postgres_and_serves_artifacts_from_a_volume(compose,
     init = [v.split(":")[0] for v in pg["volumes"] if "docker-entrypoint-initdb.d" in v]
     assert init and all(os.access(ROOT / p, os.X_OK) for p in init)
     assert "MLFLOW_DB" in (ROOT / init[0]).read_text() and "MLFLOW_DB" in pg["environment"]
+
+
+def test_mlflow_auth_config_is_mounted_and_its_admin_is_the_stacks_account(compose, env_defaults):
+    service = compose["services"]["mlflow"]
+    env = resolve(service["environment"], env_defaults)
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in service["volumes"]}
+    ini_source = mounts[env["MLFLOW_AUTH_CONFIG_PATH"]]
+    ini = configparser.ConfigParser()
+    assert ini.read(ROOT / ini_source), ini_source
+    auth = ini["mlflow"]
+    assert auth["authorization_function"] == "mlflow.server.auth:authenticate_request_basic_auth"
+    assert "admin_password" not in auth  # from MLFLOW_AUTH_ADMIN_PASSWORD (.env), never in the repository
+    assert auth["default_permission"] in ("READ", "NO_PERMISSIONS")
+    # The auth store lives on a named volume, so users survive a restart of the container.
+    db = auth["database_uri"]
+    assert db.startswith("sqlite:////"), db
+    folder = str(Path(db[len("sqlite:///"):]).parent)
+    assert folder in mounts and not mounts[folder].startswith((".", "/")), (folder, mounts)
+    assert int(auth.get("auth_cache_ttl_seconds", "0")) > 0  # else every request pays the password hash
+    # The server's admin is the account every sweeps service signs in with.
+    for name in ("sweeps", "sweeps-worker", "sweeps-ray"):
+        client = resolve(compose["services"][name]["environment"], env_defaults)
+        assert client["MLFLOW_TRACKING_USERNAME"] == env["MLFLOW_AUTH_ADMIN_USERNAME"], name
+        assert client["MLFLOW_TRACKING_PASSWORD"] == env["MLFLOW_AUTH_ADMIN_PASSWORD"], name
+    assert env["MLFLOW_FLASK_SERVER_SECRET_KEY"] == env_defaults["MLFLOW_FLASK_SERVER_SECRET_KEY"]
 
 
 # ---- dependencies, health, ports, volumes, GPUs -----------------------------------------------
@@ -208,15 +177,18 @@ def test_published_ports_match_what_the_services_listen_on(compose, env_defaults
         "postgres": "5432",
         "mlflow": flag_value(commands_of(services["mlflow"], env_defaults)[0], "--port"),
         "ray-head": flag_value(commands_of(services["ray-head"], env_defaults)[0], "--dashboard-port"),
+        "minio": services["minio"]["command"][services["minio"]["command"].index("--console-address") + 1][1:],
     }
-    published = {"postgres": "POSTGRES_PORT", "mlflow": "MLFLOW_PORT", "ray-head": "RAY_DASHBOARD_PORT"}
+    published = {"postgres": "POSTGRES", "mlflow": "MLFLOW", "ray-head": "RAY_DASHBOARD", "minio": "MINIO_CONSOLE"}
     for name, service in services.items():
         for port in service.get("ports", []):
-            host, container = port.rsplit(":", 1)
+            # Always with a bind address, so nothing is published on every interface by accident.
+            bind, host, container = re.fullmatch(r"(\$\{[^}]*\}):(\$\{[^}]*\}):(\d+)", port).groups()
             assert container == listen[name], (name, port)
-            var = VAR_RE.fullmatch(host)
-            assert var and var.group(1) == published[name], (name, port)  # set in .env.example
-            assert resolve(host, env_defaults) == env_defaults[published[name]]
+            for part, suffix in ((bind, "_BIND"), (host, "_PORT")):
+                var = VAR_RE.fullmatch(part)
+                assert var and var.group(1) == published[name] + suffix, (name, port)  # set in .env.example
+                assert resolve(part, env_defaults) == env_defaults[published[name] + suffix]
 
 
 def test_every_named_volume_is_declared_and_every_bind_mount_exists(compose):
@@ -236,18 +208,10 @@ def test_every_named_volume_is_declared_and_every_bind_mount_exists(compose):
         assert "runs:/app/runs" in compose["services"][name]["volumes"], name
 
 
-def test_trial_runners_reserve_nvidia_gpus(compose):
-    services = compose["services"]
-    for name in ("sweeps", "sweeps-worker", "ray-worker"):
-        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
-        assert all(d.get("count") == "all" or isinstance(d.get("count"), int) for d in devices), name
-    assert VAR_RE.fullmatch(str(services["sweeps-worker"]["deploy"]["replicas"]))
-
-
 def test_images_are_built_from_the_dockerfile_in_docker(compose):
     built = {name: s for name, s in compose["services"].items() if "build" in s}
     assert set(built) >= {"mlflow", "sweeps", "sweeps-worker", "ray-head", "ray-worker"}
+    assert built["mlflow"]["build"]["dockerfile"] == "mlflow.Dockerfile"  # its own slim image
     for name, service in built.items():
         context = ROOT / service["build"]["context"]
         dockerfile = context / service["build"]["dockerfile"]
@@ -262,3 +226,7 @@ def test_images_are_built_from_the_dockerfile_in_docker(compose):
                 if line.strip() and not line.startswith("#")]
     assert patterns[0] == "*"  # everything out (.venv, runs/, .git) but what is let back in
     assert not [p for p in patterns if p.startswith("!") and p.lstrip("!").rstrip("/") in (".venv", "runs", ".git")]
+    for line in text.splitlines():  # and let back in by the .dockerignore
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert any(source.rstrip("/") == p.lstrip("!").rstrip("/") for p in patterns), line

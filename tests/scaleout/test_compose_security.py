@@ -1,0 +1,204 @@
+"""docker-compose.yml against the Compose schema, and what keeps the stack to its users: secrets
+without defaults, loopback for what needs no remote access, one GPU holder per GPU, MinIO wired
+to the MLflow server as .env.example says, and the per-GPU worker script run for real."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.scaleout.compose_helpers import (
+    COMPOSE,
+    ENV_EXAMPLE,
+    ROOT,
+    SECRETS,
+    VAR_RE,
+    WORKER_SCRIPT,
+    env_example,
+    load_compose,
+    resolve,
+)
+
+SCHEMA = Path(__file__).with_name("compose_spec.json")  # vendored: compose_spec.README.md says from where
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose()
+
+
+@pytest.fixture(scope="module")
+def env_defaults() -> dict[str, str]:
+    return env_example()
+
+
+def with_secrets(env: dict[str, str]) -> dict[str, str]:
+    """.env.example as an operator fills it in (compose refuses to interpolate empty secrets)."""
+    return {**env, **{name: f"example-{name.lower()}" for name in SECRETS}}
+
+
+def services_started(compose: dict, *named: str, profiles: tuple[str, ...] = ()) -> set[str]:
+    """What `docker compose [--profile P] up [SERVICE...]` starts: the named services (or every one
+    without a profile, or of an enabled one) and everything they depend on."""
+    services = compose["services"]
+    todo = list(named) or [n for n, s in services.items() if not set(s.get("profiles", [])) - set(profiles)]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(services[name].get("depends_on", {}))
+    return seen
+
+
+def gpu_devices(service: dict) -> list[dict]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+# ---- schema ----------------------------------------------------------------------------------------
+def test_the_compose_file_validates_against_the_compose_schema(compose, env_defaults):
+    schema = json.loads(SCHEMA.read_text())
+    schema["properties"]["name"] = {"type": "string"}  # newer than this schema copy (see its README)
+    data = resolve(compose, with_secrets(env_defaults))
+    for service in data["services"].values():  # compose casts interpolated numbers before validating
+        deploy = service.get("deploy", {})
+        if isinstance(deploy.get("replicas"), str):
+            deploy["replicas"] = int(deploy["replicas"])
+    # Its $schema URL (draft 2019-09, spelt with "http" and "#") is not one jsonschema knows by name.
+    validator = jsonschema.Draft201909Validator(schema)
+    problems = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(data)]
+    assert not problems, "\n".join(problems)
+    # The schema is strict: a misspelt key is caught (so the pass above means something).
+    data["services"]["sweeps"]["deploy"]["resources"]["reservations"]["devices"][0]["device_id"] = ["0"]
+    assert not validator.is_valid(data)
+
+
+# ---- credentials -------------------------------------------------------------------------------------
+def test_no_secret_has_a_default_and_compose_refuses_to_start_without_it(env_defaults):
+    text = COMPOSE.read_text()
+    for name in SECRETS:
+        assert env_defaults.get(name, None) == "", f".env.example must leave {name} empty (no default secret)"
+        uses = [(op, arg) for var, op, arg in VAR_RE.findall(text) if var == name]
+        assert uses, name
+        for op, arg in uses:
+            # `:?` stops compose with the message when unset or empty; the one exception is the
+            # MLflow server's S3 key, read only when the destination is s3:// (profile minio).
+            if (op, arg) != (":-", ""):
+                assert op == ":?" and f"set {name} in .env" in arg, (name, op, arg)
+    assert not re.search(r"PASSWORD\w*:-\w", text), "a password with a default value"
+    # The old default password is gone from every file an operator copies.
+    for path in (COMPOSE, ENV_EXAMPLE):
+        assert not re.search(r"PASSWORD\s*[:=]\s*sweeps\b", path.read_text()), path
+
+
+def test_every_ray_process_uses_token_authentication(compose, env_defaults):
+    ray = [n for n, s in compose["services"].items() if "ray" in s.get("profiles", [])]
+    assert set(ray) == {"ray-head", "ray-worker", "sweeps-ray"}
+    for name in ray:
+        env = resolve(compose["services"][name]["environment"], env_defaults)
+        assert env["RAY_AUTH_MODE"] == "token", name
+        assert "RAY_AUTH_TOKEN" in compose["services"][name]["environment"], name
+
+
+def test_what_needs_no_remote_access_is_published_on_loopback_only(compose, env_defaults):
+    published = {}
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            bind = VAR_RE.match(port).group(1)
+            published[name] = env_defaults[bind]
+    assert published["ray-head"] == "127.0.0.1"  # the dashboard submits jobs: code execution
+    assert published["minio"] == "127.0.0.1"     # artifacts go through the MLflow server
+    # Reached from other machines, each behind a password.
+    assert published["postgres"] == published["mlflow"] == "0.0.0.0"
+    assert "--app-name" in compose["services"]["mlflow"]["command"]
+    assert set(published) == {"ray-head", "minio", "postgres", "mlflow"}
+
+
+# ---- GPUs ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("named, profiles", [
+    ((), ()),                         # docker compose up
+    (("sweeps-ray",), ()),            # docker compose up sweeps-ray (the Ray study)
+    (("sweeps-worker",), ()),         # docker compose --profile workers up --no-deps sweeps-worker
+    ((), ("minio",)),
+])
+def test_each_gpu_of_a_host_has_one_holder(compose, named, profiles):
+    started = services_started(compose, *named, profiles=profiles)
+    holders = {n: gpu_devices(compose["services"][n]) for n in started if gpu_devices(compose["services"][n])}
+    assert holders, started
+    everything = [n for n, devices in holders.items() for d in devices if d.get("count") == "all"]
+    assert len(everything) <= 1, f"{everything} each reserve every GPU of the host"
+    ids: list[str] = []
+    for name, devices in holders.items():
+        service = compose["services"][name]
+        for d in devices:
+            assert d["driver"] == "nvidia" and "gpu" in d["capabilities"], name
+            # `count: N` on one host gives every replica the same GPUs; pin ids or take all once.
+            assert d.get("count") == "all" or d.get("device_ids"), (name, d)
+            ids += d.get("device_ids", [])
+        if any(d.get("count") == "all" for d in devices):
+            assert "replicas" not in service.get("deploy", {}), f"{name}: replicas would each get every GPU"
+    assert not (everything and ids), f"{everything} take every GPU while others pin {ids}"
+    assert len(ids) == len(set(ids)), f"a GPU id reserved twice: {ids}"
+
+
+def test_the_worker_service_runs_one_pinned_sweeps_worker_per_gpu(tmp_path):
+    """docker/worker-per-gpu.sh for real, with a `sweeps` stand-in that records its GPU and arguments."""
+    fake = tmp_path / "bin" / "sweeps"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" >> "$RECORD"\n'
+                    '[ "$CUDA_VISIBLE_DEVICES" = "$FAIL_ON" ] && exit 3\nexit 0\n')
+    fake.chmod(0o755)
+    record = tmp_path / "record"
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "RECORD": str(record)}
+
+    def run(count: str, fail_on: str = "none"):
+        record.unlink(missing_ok=True)
+        return subprocess.run(["sh", str(ROOT / WORKER_SCRIPT), "spec.yaml", "--wait", "900"], capture_output=True,
+                              text=True, timeout=120, env={**env, "SWEEPS_GPU_COUNT": count, "FAIL_ON": fail_on})
+
+    done = run("3")
+    assert done.returncode == 0, done.stderr
+    assert sorted(record.read_text().splitlines()) == [f"{i} worker spec.yaml --wait 900" for i in range(3)]
+    failed = run("2", fail_on="1")
+    assert failed.returncode == 3 and len(record.read_text().splitlines()) == 2  # the other still ran
+    for bad in ("0", "two"):
+        refused = run(bad)
+        assert refused.returncode == 2 and not record.exists(), refused.stderr
+        assert "GPU" in refused.stderr
+
+
+# ---- MinIO ----------------------------------------------------------------------------------------------
+def test_minio_profile_matches_the_mlflow_server_and_env_example(compose, env_defaults):
+    services = compose["services"]
+    assert {n for n, s in services.items() if "minio" in s.get("profiles", [])} == {"minio", "minio-init"}
+    mlflow = resolve(services["mlflow"]["environment"], env_defaults)
+    minio = resolve(services["minio"]["environment"], env_defaults)
+    init = resolve(services["minio-init"]["environment"], env_defaults)
+    assert mlflow["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"  # minio's S3 API port inside the network
+    assert mlflow["AWS_ACCESS_KEY_ID"] == minio["MINIO_ROOT_USER"] == init["MINIO_ROOT_USER"]
+    assert services["mlflow"]["environment"]["AWS_SECRET_ACCESS_KEY"].startswith("${MINIO_ROOT_PASSWORD")
+    # .env.example tells which destination the profile needs, and it names the bucket minio-init makes.
+    bucket = init["MINIO_BUCKET"]
+    assert f"MLFLOW_ARTIFACTS_DESTINATION=s3://{bucket}" in ENV_EXAMPLE.read_text()
+    assert "mc mb" in " ".join(services["minio-init"]["entrypoint"]) and "MINIO_BUCKET" in str(
+        services["minio-init"]["entrypoint"])
+    assert services["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    assert "minio:/data" in services["minio"]["volumes"]
+    for name in ("minio", "minio-init"):
+        assert re.fullmatch(r"minio/\w+:RELEASE\.[\dT-]+Z", services[name]["image"]), name  # pinned
+
+
+def test_the_mlflow_image_is_slim_and_pins_what_the_clients_run():
+    from importlib.metadata import version
+
+    text = "\n".join(line for line in (ROOT / "docker" / "mlflow.Dockerfile").read_text().splitlines()
+                     if not line.startswith("#"))
+    pins = dict(re.findall(r'"([\w\[\]-]+)==([\w.]+)"', text))
+    assert pins["mlflow"] == version("mlflow"), "server and clients must run the same MLflow"
+    assert pins["psycopg[binary]"] == version("psycopg") and pins["Flask-WTF"] == version("Flask-WTF")
+    assert "boto3" in pins and "torch" not in text and "COPY" not in text
