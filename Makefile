@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 # Static checks: ruff (rules in pyproject.toml [tool.ruff]) and mypy ([tool.mypy]: core, sweeps,
 # dashboards). About a minute on 2 cores, most of it mypy's first run (.mypy_cache after that).
 lint: $(STAMP)
-	$(BIN)/ruff check core sweeps dashboards benchmarks tests
+	$(BIN)/ruff check core sweeps dashboards benchmarks scripts tests
 	$(BIN)/mypy
 
 bench: $(STAMP)

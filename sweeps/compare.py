@@ -27,7 +27,8 @@ from sweeps.tracking.reader import TrackingReader
 
 # Metrics that measure the machine, not the training: never part of a curve comparison.
 TIMING_METRICS = frozenset({"samples_per_s", "epoch_time_s", "peak_mem_mb", "trial_seconds"})
-IGNORED_PREFIXES = ("onnx_",)  # export checks and latencies: about the exporter, not the curves
+# Export checks and latencies (about the exporter), and MLflow's system metrics (about the machine).
+IGNORED_PREFIXES = ("onnx_", "system/")
 DIFF_STYLE = "bold yellow"
 DIFF_MARK = "*"
 

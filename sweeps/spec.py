@@ -80,6 +80,9 @@ class ObjectiveSection(_Section):
 class SamplerSection(_Section):
     name: Literal["tpe", "random", "grid", "cmaes", "gp", "qmc"] = "tpe"
     seed: int | None = 0
+    # tpe/gp: how many first trials are drawn at random before the model guides the search
+    # (None: Optuna's default, 10). A small study needs fewer for the search to concentrate.
+    n_startup_trials: int | None = Field(None, ge=1)
 
 
 class PrunerSection(_Section):

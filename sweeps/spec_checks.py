@@ -237,6 +237,10 @@ def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Prob
             out.append((("sampler", "name"), f"{sampler.name!r} cannot sample categorical parameters "
                                              f"({', '.join(cats)}): Optuna would draw them at random on the side; "
                                              "use tpe or gp, or make them int/float"))
+    if sampler and sampler.n_startup_trials is not None and sampler.name not in ("tpe", "gp"):
+        out.append((("sampler", "n_startup_trials"), f"{sampler.n_startup_trials} is set but sampler "
+                                                     f"{sampler.name} does not use it (it applies to tpe and gp); "
+                                                     "remove it"))
     if pruner is None:
         return
     if pruner.name == "pbt" and backend == "ray":

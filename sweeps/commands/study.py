@@ -48,9 +48,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(a: argparse.Namespace) -> int:
     from core.faults import pause_here
     from sweeps.backends import get_backend
+    from sweeps.moved_store import follow_moved_store
 
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
+    # runs/ moved: a resumed study's new trial runs must write where the artifacts are now.
+    follow_moved_store(spec.tracking_store_uri(), err_console)
     result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet)
     return result.exit_code
 
@@ -88,6 +91,7 @@ def _status_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_status(a: argparse.Namespace) -> int:
     from sweeps.backends import get_backend
+    from sweeps.moved_store import follow_moved_store
 
     spec = load_spec_file(a.spec)
     result = get_backend(spec.backend, a.spec).load(spec)

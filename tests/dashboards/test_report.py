@@ -12,7 +12,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -205,12 +204,12 @@ def test_status_prints_the_trials_table_as_csv_and_json(study, capsys):
 def _chromium() -> str:
     """The headless Chromium the browser test needs. The test never installs it (that is CI's set-up,
     `.ci/run`); without it the test fails, saying how to get it, rather than passing as a skip."""
-    found = shutil.which("chromium") or (Path("/usr/bin/chromium").is_file() and "/usr/bin/chromium")
+    from scripts.browser import INSTALL_HINT, find_chromium
+
+    found = find_chromium()
     if not found:
-        pytest.fail("headless Chromium is not installed: run `.ci/run` (it installs it), or "
-                    "`apt-get install -y chromium`; `make test-fast` leaves this test out (marker: browser)",
-                    pytrace=False)
-    return str(found)
+        pytest.fail(INSTALL_HINT + "; `make test-fast` leaves this test out (marker: browser)", pytrace=False)
+    return found
 
 
 def _chromium_run(report: Path, profile: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -68,6 +68,16 @@ def test_a_moved_project_reads_and_writes_its_artifacts_where_they_are_now(tmp_p
         assert "Traceback" not in out.stderr
     assert list(elsewhere.iterdir()) == []
 
+    # Moved again, then resumed with more budget: the new trial's run writes where the project is now.
+    again_moved = tmp_path / "again"
+    subprocess.run(["mv", str(moved), str(again_moved)], check=True)
+    write_spec(again_moved, "mv_study", budget={"n_trials": 3, "max_failures": 1})
+    resumed = run_cli(again_moved, "run", "mv_study.yaml", "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert not moved.exists() and not first.exists()
+    assert all(str(again_moved) in loc for loc in _locations(again_moved))
+    assert len([r for r in mlflow_runs(again_moved, "mv_study") if r.data.tags.get("sweeps.role") == "trial"]) == 3
+
 
 def test_a_store_moved_without_its_artifacts_names_the_path_it_expected(tmp_path, capsys):
     from mlflow.tracking import MlflowClient

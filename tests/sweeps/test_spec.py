@@ -152,6 +152,8 @@ CASES = {
     "lr finder without lr": (BASE + "lr_finder: {enabled: true}\n",
                              ["lr_finder.narrow_search: true but lr is not in search"]),
     "bool as string field": (BASE.replace("name: t", "name: true"), ["name: True is not allowed"]),
+    "startup trials on random": (BASE + "sampler: {name: random, n_startup_trials: 4}\n",
+                                 ["sampler.n_startup_trials: 4 is set but sampler random does not use it"]),
 }
 
 
@@ -371,3 +373,13 @@ def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "val_fraction" in out.stdout
     assert "torch imported: False" in out.stdout, out.stdout
+
+
+def test_n_startup_trials_reaches_the_tpe_and_gp_samplers(tmp_path):
+    from sweeps.backends.optuna_study import make_sampler
+
+    for name in ("tpe", "gp"):
+        spec = load_spec(write(tmp_path, GOOD + f"sampler: {{name: {name}, seed: 0, n_startup_trials: 4}}\n"))
+        assert make_sampler(spec).sampler_for(0)._n_startup_trials == 4
+    spec = load_spec(write(tmp_path, GOOD + "sampler: {name: tpe, seed: 0}\n"))
+    assert make_sampler(spec).sampler_for(0)._n_startup_trials == 10  # Optuna's default when unset
