@@ -84,6 +84,11 @@ class SamplerSection(_Section):
     # (None: Optuna's default, 10). A small study needs fewer for the search to concentrate.
     n_startup_trials: int | None = Field(None, ge=1)
 
+    def model_options(self) -> dict[str, Any]:
+        """Keyword arguments for Optuna's TPESampler/GPSampler: only what the spec sets, so an
+        unset option keeps Optuna's own default."""
+        return {} if self.n_startup_trials is None else {"n_startup_trials": self.n_startup_trials}
+
 
 class PrunerSection(_Section):
     """Early stopping of bad trials. Each option applies to some pruners only (see :meth:`options`);

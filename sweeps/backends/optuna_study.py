@@ -170,7 +170,6 @@ def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.Base
     same spec run again from scratch draws the same points. ``seed: null`` stays unseeded."""
     seed, name = spec.sampler.seed, spec.sampler.name
     samplers = optuna.samplers
-    startup = {} if spec.sampler.n_startup_trials is None else {"n_startup_trials": spec.sampler.n_startup_trials}
     if name == "grid":
         # Not wrapped: trial n takes grid point n (later ones a point no trial has visited, read
         # from the study), and the seed only shuffles the grid: the same shuffle in every
@@ -178,10 +177,10 @@ def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.Base
         return samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
     factories = {
         # constant_liar: running trials count as bad guesses, so parallel workers spread out.
-        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **startup),
+        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options()),
         "random": lambda s: samplers.RandomSampler(seed=s),
         "cmaes": lambda s: samplers.CmaEsSampler(seed=s),
-        "gp": lambda s: samplers.GPSampler(seed=s, **startup),
+        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options()),
         # One sequence for the whole study (its position is counted in the study); only the
         # random first point, drawn before the search space is known, comes from the trial.
         "qmc": lambda s: samplers.QMCSampler(seed=seed, scramble=True,

@@ -52,8 +52,7 @@ def make_search(spec: StudySpec, workers: int) -> tuple[Any, dict, int, int]:
         from ray.tune.search.optuna import OptunaSearch
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        startup = {} if spec.sampler.n_startup_trials is None else {"n_startup_trials": spec.sampler.n_startup_trials}
-        sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, **startup)
+        sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, **spec.sampler.model_options())
         searcher = OptunaSearch(space=ss.optuna_distributions(spec.search), metric=R_OBJECTIVE,
                                 mode=_mode(spec), sampler=sampler)
         return ConcurrencyLimiter(searcher, max_concurrent=workers), {}, spec.budget.n_trials, 1

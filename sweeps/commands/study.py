@@ -91,7 +91,6 @@ def _status_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_status(a: argparse.Namespace) -> int:
     from sweeps.backends import get_backend
-    from sweeps.moved_store import follow_moved_store
 
     spec = load_spec_file(a.spec)
     result = get_backend(spec.backend, a.spec).load(spec)
