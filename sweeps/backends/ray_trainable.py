@@ -294,24 +294,26 @@ class ContinuingTracker:
     _STALE_TAGS = (layout.TAG_PRUNED, layout.TAG_ERROR, "sweeps.reason", "sweeps.traceback")
 
     def __init__(self, inner: Tracker, existing: RunHandle | None) -> None:
-        self._inner, self._existing = inner, existing
+        # Public: TrialExtras reaches the MlflowTracker through ``inner`` and asks ``existing``
+        # whether the run continues (its system metrics go on from their last step).
+        self.inner, self.existing = inner, existing
 
     def start_run(self, run: str | RunHandle, *, experiment: str | None = None,
                   parent: RunHandle | None = None, tags: Mapping[str, Any] | None = None) -> RunHandle:
-        if self._existing is None:
-            return self._inner.start_run(run, experiment=experiment, parent=parent, tags=tags)
-        return self._inner.start_run(self._existing, tags={**dict.fromkeys(self._STALE_TAGS), **(tags or {})})
+        if self.existing is None:
+            return self.inner.start_run(run, experiment=experiment, parent=parent, tags=tags)
+        return self.inner.start_run(self.existing, tags={**dict.fromkeys(self._STALE_TAGS), **(tags or {})})
 
     def log(self, run: RunHandle, *, params: Mapping[str, Any] | None = None,
             tags: Mapping[str, Any] | None = None) -> None:
-        self._inner.log(run, params=params if self._existing is None else None, tags=tags)
+        self.inner.log(run, params=params if self.existing is None else None, tags=tags)
 
     def log_metrics(self, run: RunHandle, metrics: Mapping[str, float], step: int) -> None:
-        self._inner.log_metrics(run, metrics, step)
+        self.inner.log_metrics(run, metrics, step)
 
     def log_artifact(self, run: RunHandle, artifact: Any, path: str | None = None) -> None:
-        if self._existing is None or path != layout.ART_CONFIG:
-            self._inner.log_artifact(run, artifact, path)
+        if self.existing is None or path != layout.ART_CONFIG:
+            self.inner.log_artifact(run, artifact, path)
 
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
-        self._inner.end_run(run, status)
+        self.inner.end_run(run, status)

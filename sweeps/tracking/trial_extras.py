@@ -25,14 +25,14 @@ CONTEXTS = {"train": "training", "val": "validation"}  # MLflow's usual mlflow.d
 
 
 def mlflow_tracker_of(tracker: Any) -> MlflowTracker | None:
-    """The MlflowTracker under ``tracker`` (Ray's ContinuingTracker wraps one as ``_inner``), or
+    """The MlflowTracker under ``tracker`` (Ray's ContinuingTracker wraps one as ``inner``), or
     None for another Tracker: dataset inputs and logged models are MLflow calls beyond the five."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     for _ in range(4):
         if isinstance(tracker, MlflowTracker):
             return tracker
-        tracker = getattr(tracker, "_inner", None)
+        tracker = getattr(tracker, "inner", None)
     return None
 
 
@@ -44,8 +44,8 @@ class TrialExtras:
         self.tracker, self.run = tracker, run
         self.mlflow = mlflow_tracker_of(tracker)
         self.datasets: dict[str, dict] = {}  # split -> described dataset, as logged
-        # Ray's ContinuingTracker holds ``_existing`` when the trial continues its earlier run.
-        self.continued = getattr(tracker, "_existing", None) is not None
+        # Ray's ContinuingTracker holds ``existing`` when the trial continues its earlier run.
+        self.continued = getattr(tracker, "existing", None) is not None
         self.system = SystemMetrics(tracker, run, first_step=self._next_system_step()).start()
 
     def _next_system_step(self) -> int:
