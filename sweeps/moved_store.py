@@ -77,7 +77,10 @@ def follow_moved_store(uri: str, console=None) -> int:
     db = Path(uri[len("sqlite:///"):])
     if not db.is_file():
         return 0  # the command's own check names a missing store
-    moves, problems = moved_roots(db)
+    try:
+        moves, problems = moved_roots(db)
+    except sqlite3.DatabaseError:
+        return 0  # a damaged store: the command's own open of it names the file and the fix
     if problems:
         raise PathError(f"MLflow store {db}: " + "; ".join(problems) + ". Put the mlartifacts folder back beside "
                         f"the store ({db.parent / ARTIFACTS}), or run the command where the study ran")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,9 @@ def _sweep(tmp_path: Path, name: str, changes: dict, capsys) -> tuple[Path, obje
     assert mv.run_id == runs[best].info.run_id and mv.tags["sweeps.metric"] == metric
 
     # The rerun of the promoted trial trains it again to the same objective, bit for bit.
-    assert _in(tmp_path, ["rerun", str(spec), "--trial", str(best)]) == 0
+    # With the original's thread count: CPU kernels split their sums by thread (sweeps rerun --threads).
+    threads = re.match(r"cpu \((\d+) threads?\)", runs[best].data.tags["sweeps.device"]).group(1)
+    assert _in(tmp_path, ["rerun", str(spec), "--trial", str(best), "--threads", threads]) == 0
     assert "identical" in capsys.readouterr().out
     [rerun] = client.search_runs([runs[best].info.experiment_id],
                                  f"tags.`rerun_of` = '{runs[best].info.run_id}' and tags.`sweeps.role` = 'rerun'")
