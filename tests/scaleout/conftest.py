@@ -87,3 +87,18 @@ def spawned():
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+# The compose file and .env.example, read once per module, for test_compose and test_compose_security.
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    from tests.scaleout.compose_helpers import load_compose
+
+    return load_compose()
+
+
+@pytest.fixture(scope="module")
+def env_defaults() -> dict[str, str]:
+    from tests.scaleout.compose_helpers import env_example
+
+    return env_example()

@@ -20,23 +20,11 @@ from tests.scaleout.compose_helpers import (
     VAR_RE,
     all_commands,
     commands_of,
-    env_example,
     flag_value,
     flags_of,
-    load_compose,
     program_of,
     resolve,
 )
-
-
-@pytest.fixture(scope="module")
-def compose() -> dict:
-    return load_compose()
-
-
-@pytest.fixture(scope="module")
-def env_defaults() -> dict[str, str]:
-    return env_example()
 
 
 # ---- the file and its variables ---------------------------------------------------------------

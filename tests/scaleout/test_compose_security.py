@@ -19,22 +19,10 @@ from tests.scaleout.compose_helpers import (
     SECRETS,
     VAR_RE,
     WORKER_SCRIPT,
-    env_example,
-    load_compose,
     resolve,
 )
 
 SCHEMA = Path(__file__).with_name("compose_spec.json")  # vendored: compose_spec.README.md says from where
-
-
-@pytest.fixture(scope="module")
-def compose() -> dict:
-    return load_compose()
-
-
-@pytest.fixture(scope="module")
-def env_defaults() -> dict[str, str]:
-    return env_example()
 
 
 def with_secrets(env: dict[str, str]) -> dict[str, str]:
