@@ -55,13 +55,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, proc: subprocess.Popen, log: Path, limit_s: float = START_LIMIT_S) -> None:
+def wait_http(url: str, proc: subprocess.Popen | None = None, log: Path | None = None,
+              limit_s: float = START_LIMIT_S) -> None:
     """Poll ``url`` until it answers 200; fail at once if ``proc`` exits, with its log's tail."""
+    def tail() -> str:
+        return log.read_text(errors="replace")[-3000:] if log is not None else ""
+
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BrowserError(f"{' '.join(map(str, proc.args[:2]))} exited with {proc.returncode}:\n"
-                               f"{log.read_text(errors='replace')[-3000:]}")
+        if proc is not None and proc.poll() is not None:
+            raise BrowserError(f"{' '.join(map(str, proc.args[:2]))} exited with {proc.returncode}:\n{tail()}")
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 if resp.status == 200:
@@ -69,7 +72,7 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, limit_s: float = STAR
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
-    raise BrowserError(f"{url} did not answer within {limit_s:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
+    raise BrowserError(f"{url} did not answer within {limit_s:.0f} s:\n{tail()}")
 
 
 class MlflowServer:

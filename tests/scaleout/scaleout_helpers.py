@@ -14,19 +14,14 @@ from pathlib import Path
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{proc.args[:3]} exited with {proc.returncode}:\n"
-                                 f"{log.read_text()[-3000:] if log else ''}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} did not answer within {timeout} s:\n{log.read_text()[-3000:] if log else ''}")
+    """scripts.browser.wait_http, failing the test (AssertionError) when the server does not answer."""
+    from scripts.browser import BrowserError
+    from scripts.browser import wait_http as poll
+
+    try:
+        poll(url, proc, log, limit_s=timeout)
+    except BrowserError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 15) -> None:
