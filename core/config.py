@@ -34,6 +34,20 @@ class DistributedConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``train.profile``: torch.profiler over a few optimizer steps (core/profiling.py). Steps
+    ``wait`` are skipped, ``warmup`` traced and dropped, ``active`` recorded; ``repeat`` cycles."""
+
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    record_shapes: bool = True
+    profile_memory: bool = True
+    with_stack: bool = False  # Python stacks per op: large traces, slower
+
+
+@dataclass
 class TrainConfig:
     """Every knob of :func:`core.train.train`. Defaults are sensible for small CPU runs."""
 
@@ -69,6 +83,8 @@ class TrainConfig:
     label_smoothing: float = 0.0
     mixup_alpha: float = 0.0  # 0 disables mixup
     compile: bool = False  # torch.compile the model
+    # -- diagnostics (all off by default; core/forensics.py)
+    detect_anomaly: bool = False  # on divergence, replay the step under torch.autograd.detect_anomaly
     # -- reproducibility
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms + cuDNN flags
@@ -83,9 +99,13 @@ class TrainConfig:
     monitor_mode: Literal["min", "max"] = "min"
     save_checkpoints: bool = True
     export_onnx: bool = False
-    onnx_tolerance: float = 1.0e-4
+    onnx_tolerance: float = 1.0e-4  # also the TorchScript check's
+    # model.ts beside model.onnx (core/torchscript_export.py)
+    export_torchscript: Literal["trace", "script"] | None = None
     # -- distributed
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # -- diagnostics: a mapping (``{}`` for the defaults) profiles a few steps; null: off
+    profile: ProfileConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,6 +159,30 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     return value
 
 
+_SECTIONS: dict[str, type] = {"distributed": DistributedConfig, "profile": ProfileConfig}  # nested mappings
+_OPTIONAL_SECTIONS = ("profile",)  # null turns them off
+
+
+def _section(key: str, current: Any, value: Any) -> Any:
+    """A nested section (``train.distributed``, ``train.profile``) from a mapping, on top of its
+    current values (or its defaults)."""
+    cls = _SECTIONS[key]
+    if isinstance(value, cls):
+        return value
+    if value is None and key in _OPTIONAL_SECTIONS:
+        return None
+    if not isinstance(value, dict):
+        null = " (or null to turn it off)" if key in _OPTIONAL_SECTIONS else ""
+        raise ConfigError(f"train.{key}: expected a mapping{null}, got {value!r}")
+    hints = get_type_hints(cls)
+    values = dataclasses.asdict(current) if current is not None else dataclasses.asdict(cls())
+    for k, v in value.items():
+        if k not in hints:
+            raise ConfigError(f"train.{key}.{k}: unknown field.{_did_you_mean(k, list(hints))}")
+        values[k] = _coerce(f"{key}.{k}", hints[k], v)
+    return cls(**values)
+
+
 def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     """Return a copy of ``cfg`` with ``overrides`` applied; unknown keys raise ConfigError."""
     hints = config_fields()
@@ -148,21 +192,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             raise ConfigError(
                 f"train.{key}: unknown train-config field.{_did_you_mean(key, list(hints))}"
             )
-        if key == "distributed":
-            if isinstance(value, DistributedConfig):
-                updates[key] = value
-                continue
-            if not isinstance(value, dict):
-                raise ConfigError(f"train.distributed: expected a mapping, got {value!r}")
-            dhints = get_type_hints(DistributedConfig)
-            dvals = dataclasses.asdict(cfg.distributed)
-            for dk, dv in value.items():
-                if dk not in dhints:
-                    raise ConfigError(
-                        f"train.distributed.{dk}: unknown field.{_did_you_mean(dk, list(dhints))}"
-                    )
-                dvals[dk] = _coerce(f"distributed.{dk}", dhints[dk], dv)
-            updates[key] = DistributedConfig(**dvals)
+        if key in _SECTIONS:
+            updates[key] = _section(key, getattr(cfg, key), value)
             continue
         updates[key] = _coerce(key, hints[key], value)
     new = dataclasses.replace(cfg, **updates)
@@ -188,6 +219,12 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.max_steps_per_epoch is None or cfg.max_steps_per_epoch >= 1,
          "max_steps_per_epoch", cfg.max_steps_per_epoch, "use 1 or more, or null"),
     ]
+    if cfg.profile is not None:
+        p = cfg.profile
+        checks += [(p.wait >= 0, "profile.wait", p.wait, "use 0 or more steps"),
+                   (p.warmup >= 0, "profile.warmup", p.warmup, "use 0 or more steps"),
+                   (p.active >= 1, "profile.active", p.active, "use 1 or more steps"),
+                   (p.repeat >= 1, "profile.repeat", p.repeat, "use 1 or more cycles")]
     for ok, name, value, fix in checks:
         if not ok:
             raise ConfigError(f"train.{name}: {value!r} is out of range; {fix}")

@@ -1,4 +1,4 @@
-"""End of a completed run: evaluate the best weights and export them to ONNX.
+"""End of a completed run: evaluate the best weights and export them to ONNX and TorchScript.
 
 Kept apart from the loop so ``train.py`` stays readable; runs on rank 0 only.
 """
@@ -22,7 +22,8 @@ from core.reporting import Reporter
 from core.results import TrainResult
 from core.tasks.base import Task
 
-ONNX_SAMPLES = 256  # validation inputs compared between PyTorch and onnxruntime
+ONNX_SAMPLES = 256  # validation inputs compared between PyTorch and onnxruntime (and TorchScript)
+TORCHSCRIPT_FILE = "model.ts"
 
 
 def best_model(model: nn.Module, out: Path) -> nn.Module:
@@ -48,10 +49,18 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
         save_json_atomic({"matrix": matrix, "per_class_acc": per_class}, cm_path)
         reporter.log_artifact(cm_path, "confusion_matrix")
 
-    if not cfg.export_onnx:
+    if not (cfg.export_onnx or cfg.export_torchscript):
         return
     # The first validation inputs, as the loader batches them (a stream has no indexing).
     sample = torch.cat([x for x, _ in itertools.islice(loader, math.ceil(ONNX_SAMPLES / batch))])[:ONNX_SAMPLES]
+    if cfg.export_onnx:
+        _export_onnx(model, sample, cfg, out, reporter, result)
+    if cfg.export_torchscript:
+        _export_torchscript(model, sample, cfg, out, reporter, result)
+
+
+def _export_onnx(model: nn.Module, sample: torch.Tensor, cfg: TrainConfig, out: Path, reporter: Reporter,
+                 result: TrainResult) -> None:
     report_path = out / "onnx_parity.json"
     try:
         report = export_and_verify(model, sample, out / "model.onnx", tolerance=cfg.onnx_tolerance)
@@ -64,3 +73,25 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
     if report.passed:
         reporter.log_artifact(out / "model.onnx", "onnx")
     reporter.log_artifact(report_path, "onnx_report")
+
+
+def _export_torchscript(model: nn.Module, sample: torch.Tensor, cfg: TrainConfig, out: Path, reporter: Reporter,
+                        result: TrainResult) -> None:
+    """``model.ts`` checked against eager (core/torchscript_export.py). A model that cannot be compiled
+    or fails the check keeps its metrics; the report and the run's reason say why."""
+    from core.torchscript_export import TorchScriptError, TorchScriptReport, export_torchscript
+
+    mode = cfg.export_torchscript
+    assert mode is not None  # the caller checks it
+    try:
+        report = export_torchscript(model, sample, out / TORCHSCRIPT_FILE, mode, tolerance=cfg.onnx_tolerance)
+    except TorchScriptError as exc:
+        report = TorchScriptReport(str(out / TORCHSCRIPT_FILE), mode, math.inf, cfg.onnx_tolerance, False, 0,
+                                   error=str(exc))
+    if report.error:
+        result.reason = "; ".join(r for r in (result.reason, report.error) if r)
+    result.torchscript = report.to_dict()
+    report_path = save_json_atomic(report.to_dict(), out / "torchscript_parity.json")
+    if report.passed:
+        reporter.log_artifact(out / TORCHSCRIPT_FILE, "torchscript")
+    reporter.log_artifact(report_path, "torchscript_report")

@@ -1,9 +1,16 @@
 """Export a trained model to ONNX and prove onnxruntime computes the same logits.
 
-Exporter: the torch.export-based ("dynamo") exporter, torch's default since 2.9 and the only
-one still maintained; it needs onnxscript. The legacy TorchScript exporter (deprecated) is
-tried only when torch.export cannot capture the model (e.g. data-dependent Python control
-flow), with a warning. Opset: the exporter's default unless ``opset`` is given.
+Exporters: the TorchScript one (``torch.onnx.export(dynamo=False)``) first, where it captures
+the model faithfully: a fraction of a second for a small model where the torch.export-based
+("dynamo") exporter takes seconds (benchmarks/README.md), which in a study of short trials was
+a large share of every trial. A trace follows one path through the code, so a trace that met
+data-dependent Python (a tensor turned into a Python bool or number, which
+``torch.jit.TracerWarning`` reports) is not used: such a model, and any the TorchScript exporter
+cannot handle, goes to the dynamo exporter (torch's default since 2.9, the maintained one; it
+needs onnxscript). Whichever exported it, the model passes the same checks before it is written:
+``onnx.checker``, a dynamic batch axis, and onnxruntime's logits against PyTorch's on real
+inputs at two batch sizes. ``exporter="dynamo"`` or ``"torchscript"`` asks for one; the report
+names the one used. Opset: the exporter's default unless ``opset`` is given.
 
 The file at ``path`` only ever holds a verified model: export, ``onnx.checker`` and the
 parity check all run in a temporary folder next to ``path``; the files are moved into place
@@ -68,7 +75,8 @@ class OnnxParityError(RuntimeError):
 
 def export_and_verify(model: nn.Module, sample_inputs: torch.Tensor, path: str | os.PathLike,
                       tolerance: float = 1e-4, opset: int | None = None, *,
-                      max_samples: int = MAX_CHECK_SAMPLES, latency_runs: int = LATENCY_RUNS) -> OnnxReport:
+                      max_samples: int = MAX_CHECK_SAMPLES, latency_runs: int = LATENCY_RUNS,
+                      exporter: str = "auto") -> OnnxReport:
     """Export ``model`` to ``path`` (input ``"input"``, output ``"logits"``, dynamic batch axis).
 
     ``sample_inputs`` are real inputs (a batch, e.g. validation images); the first
@@ -96,7 +104,7 @@ def export_and_verify(model: nn.Module, sample_inputs: torch.Tensor, path: str |
     tmp_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         tmp_path = tmp_dir / path.name
-        _export(cpu_model, inputs, tmp_path, opset)
+        used_exporter = _export(cpu_model, inputs, tmp_path, opset, exporter)
         onnx.checker.check_model(str(tmp_path))  # by path: works for external-data models too
         proto = onnx.load(str(tmp_path), load_external_data=False)
         _check_dynamic_batch(proto)
@@ -119,7 +127,8 @@ def export_and_verify(model: nn.Module, sample_inputs: torch.Tensor, path: str |
         torch_ms, ort_ms = _latency_ms(cpu_model, session, inputs[:big], latency_runs)
         report = OnnxReport(path=path, max_abs_diff=max_diff, tolerance=float(tolerance),
                             passed=max_diff <= tolerance, n_inputs_checked=n,
-                            torch_latency_ms=torch_ms, ort_latency_ms=ort_ms, opset=int(used_opset))
+                            torch_latency_ms=torch_ms, ort_latency_ms=ort_ms, opset=int(used_opset),
+                            exporter=used_exporter)
         del session  # release the file before moving it (matters on Windows)
         if not report.passed:
             raise OnnxParityError(report)
@@ -182,37 +191,87 @@ def _cpu_eval_copy(model: nn.Module) -> nn.Module:
     return copied.to("cpu").float().eval()
 
 
-def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | None) -> None:
-    """Export with the dynamo exporter; fall back to the TorchScript one if capture fails."""
+EXPORTERS = ("auto", "torchscript", "dynamo")
+
+
+def _export(model: nn.Module, inputs: torch.Tensor, dest: Path, opset: int | None, exporter: str) -> str:
+    """Export to ``dest`` with ``exporter`` ("auto": TorchScript where its trace is faithful, else
+    dynamo). Returns the name of the exporter that wrote the file."""
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     # torch.export specialises a dimension whose example size is 0 or 1, so trace with >= 2 samples.
     example = inputs[:2] if len(inputs) >= 2 else inputs.repeat(2, *([1] * (inputs.ndim - 1)))
-    batch = torch.export.Dim("batch")
+    if exporter == "dynamo":
+        _export_dynamo(model, example, dest, opset)
+        return "dynamo"
     try:
-        with _reused_registry():
-            torch.onnx.export(
-                model, (example,), str(dest), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                opset_version=opset, dynamo=True, dynamic_shapes=({0: batch},), external_data=False,
-                verbose=False, artifacts_dir=str(dest.parent),
-            )
-        return
-    except Exception as dynamo_exc:  # noqa: BLE001 - capture failures surface as many exception types
-        log.warning("torch.onnx dynamo export failed (%s); retrying with the TorchScript exporter",
-                    str(dynamo_exc).splitlines()[0] if str(dynamo_exc) else type(dynamo_exc).__name__)
-        for leftover in dest.parent.iterdir():  # partial output or an error report
-            if leftover.is_file():
-                leftover.unlink()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # we know; it is the fallback
-                torch.onnx.export(
-                    model, (example,), str(dest), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                    opset_version=opset, dynamo=False,
-                    dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-                )
-        except Exception as legacy_exc:  # noqa: BLE001 - raised again below, with the dynamo failure
-            raise RuntimeError(
-                f"ONNX export failed with both exporters: dynamo: {dynamo_exc}; torchscript: {legacy_exc}"
-            ) from dynamo_exc
+        _export_torchscript(model, example, dest, opset, strict=exporter == "auto")
+        import onnx
+
+        # A trace can fix the batch size without a warning (a size read as a Python int).
+        _check_dynamic_batch(onnx.load(str(dest), load_external_data=False))
+        return "torchscript"
+    except Exception as exc:  # noqa: BLE001 - trace and export failures surface as many types
+        if exporter == "torchscript":
+            raise
+        traced_exc = exc
+        why = str(traced_exc).splitlines()[0] if str(traced_exc) else type(traced_exc).__name__
+        log.info("TorchScript export not used (%s); exporting with the dynamo exporter", why)
+        _clear(dest.parent)
+    try:
+        _export_dynamo(model, example, dest, opset)
+        return "dynamo"
+    except Exception as dynamo_exc:  # noqa: BLE001 - raised again with both causes
+        if not _from_a_tracer_warning(traced_exc):
+            raise RuntimeError(f"ONNX export failed with both exporters: torchscript: {why}; "
+                               f"dynamo: {dynamo_exc}") from dynamo_exc
+        # Data-dependent Python that torch.export cannot capture either: the trace (one path through
+        # it) is the only export there is. The parity check below decides whether it stands.
+        log.warning("torch.export cannot capture the model (%s) and its TorchScript trace follows one path "
+                    "through data-dependent code (%s); exporting that trace, verified on real inputs",
+                    str(dynamo_exc).splitlines()[0] if str(dynamo_exc) else type(dynamo_exc).__name__, why)
+        _clear(dest.parent)
+        _export_torchscript(model, example, dest, opset, strict=False)
+        return "torchscript"
+
+
+def _export_torchscript(model: nn.Module, example: torch.Tensor, dest: Path, opset: int | None,
+                        strict: bool = True) -> None:
+    """``strict``: a trace that turned a tensor into a Python value (one branch baked in) raises."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter is deprecated; see above
+        warnings.simplefilter("error" if strict else "ignore", torch.jit.TracerWarning)
+        torch.onnx.export(
+            model, (example,), str(dest), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+            opset_version=opset, dynamo=False,
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+        )
+
+
+def _export_dynamo(model: nn.Module, example: torch.Tensor, dest: Path, opset: int | None) -> None:
+    with _reused_registry():
+        torch.onnx.export(
+            model, (example,), str(dest), input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+            opset_version=opset, dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},),
+            external_data=False, verbose=False, artifacts_dir=str(dest.parent),
+        )
+
+
+def _from_a_tracer_warning(exc: BaseException | None) -> bool:
+    """Whether the trace was refused for a ``TracerWarning`` (raised from C++, it arrives
+    wrapped, e.g. in a ``SystemError``, with the warning as its context)."""
+    while exc is not None:
+        if isinstance(exc, torch.jit.TracerWarning):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _clear(folder: Path) -> None:
+    """Remove a failed export's partial output or error report."""
+    for leftover in folder.iterdir():
+        if leftover.is_file():
+            leftover.unlink()
 
 
 def _registry_class():
@@ -259,9 +318,12 @@ def _check_dynamic_batch(proto) -> None:
     inputs = [i for i in proto.graph.input if i.name == INPUT_NAME]
     if not inputs:
         raise RuntimeError(f"exported ONNX model has no input named {INPUT_NAME!r}")
-    dim0 = inputs[0].type.tensor_type.shape.dim[0]
-    if not dim0.dim_param:
-        raise RuntimeError(f"exported ONNX model has a fixed batch size {dim0.dim_value}; expected a dynamic axis")
+    outputs = [o for o in proto.graph.output if o.name == OUTPUT_NAME]
+    for value in inputs + outputs:
+        dims = value.type.tensor_type.shape.dim
+        if dims and not dims[0].dim_param:
+            raise RuntimeError(f"exported ONNX model has a fixed batch size {dims[0].dim_value} in {value.name!r}; "
+                               "expected a dynamic axis")
 
 
 def _ort_session(ort, model_path: Path):

@@ -51,7 +51,9 @@ class Reporter(Protocol):
     def log_artifact(self, path: Path, kind: str) -> None:
         """Called when a file worth keeping is final: ``kind`` is one of "config",
         "checkpoint_best", "checkpoint_last", "onnx", "onnx_report", "confusion_matrix",
-        "lr_finder". The file stays where it is; the reporter may copy it."""
+        "lr_finder", "diverged" (core/forensics.py), "torchscript", "torchscript_report",
+        "profile" (core/profiling.py).
+        The file stays where it is; the reporter may copy it."""
         ...
 
 

@@ -30,6 +30,7 @@ class OnnxReport:
     torch_latency_ms: float
     ort_latency_ms: float
     opset: int
+    exporter: str = ""  # "torchscript" or "dynamo" (core.onnx_export)
 
     def to_dict(self) -> dict:
         d = self.__dict__.copy()
@@ -50,7 +51,9 @@ class TrainResult:
     checkpoint_last: Path | None = None
     checkpoint_best: Path | None = None
     onnx: OnnxReport | None = None
+    torchscript: dict | None = None  # train.export_torchscript: core.torchscript_export.TorchScriptReport.to_dict()
     confusion_matrix: list[list[int]] | None = None  # classification tasks (num_classes > 0)
     per_class_acc: list[float] | None = None
     global_batch_size: int = 0
     skipped_steps: int = 0
+    diverged: dict | None = None  # status "diverged": what core/forensics.py recorded (diverged.json)

@@ -129,6 +129,7 @@ class StepReader:
         self._current = PendingStep(1, 0)  # the step being accumulated
         self._pending: PendingStep | None = None  # lag 1: an updated step whose numbers are not yet read
         self._decision = Decision.CONTINUE  # the reporter's answer for the last reported step
+        self.diverged: PendingStep | None = None  # the non-finite step, once read (core/forensics.py)
 
     def start_epoch(self, epoch: int, step: int, loss_sum: float, seen: float, grad_norm: float = math.nan) -> None:
         """``epoch`` starts after optimizer step ``step``, with the sums of its micro-batches
@@ -188,7 +189,10 @@ class StepReader:
     def _read(self, done: PendingStep) -> str | None:
         """Read a step's numbers (the one host-device sync of a step) and say if it diverged."""
         done.read()
-        return done.problem(check_loss=self.check_loss, check_grad=self.check_grad)
+        problem = done.problem(check_loss=self.check_loss, check_grad=self.check_grad)
+        if problem:
+            self.diverged = done
+        return problem
 
     def _report(self, done: PendingStep) -> Decision:
         """Add a read step to the epoch's sums and report it; every rank gets rank 0's decision."""

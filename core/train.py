@@ -21,10 +21,12 @@ from core.curves import epoch_reports
 from core.data import check_datasets, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
 from core.faults import stop_here
+from core.grad_checkpoint import checkpoint_blocks
 from core.gradients import StepGradients
 from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.precision import Precision
+from core.profiling import StepProfiler, start_profiler
 from core.reporting import Decision, NullReporter, Reporter
 from core.results import Stop, TrainResult
 from core.run_state import RunCheckpoints, RunState
@@ -61,11 +63,16 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     out = Path(out_dir) if out_dir is not None else None
     if out is not None and ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+    # train.profile: torch.profiler over a few steps (rank 0); None when unset, so no step pays for it.
+    profiler = start_profiler(cfg.profile, cfg.device, out, reporter) if ctx.is_main else None
     try:
-        result = _train(task, cfg, reporter, out, resume, owner, ctx)
+        result = _train(task, cfg, reporter, out, resume, owner, ctx, profiler)
     except BaseException:
         shutdown(ctx)
         raise
+    finally:
+        if profiler is not None:
+            profiler.close()  # also when the run fails: a sweep worker goes on to its next trial
     shutdown(ctx, completed=True)
     if ctx.is_main:
         stop_here("after_training")  # tests: a kill after training, before the caller records anything
@@ -73,7 +80,7 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
 
 
 def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, resume: bool,
-           owner: str | None, ctx: DistContext) -> TrainResult:
+           owner: str | None, ctx: DistContext, profiler: StepProfiler | None) -> TrainResult:
     # ---- set-up: the monitored metric must be the task's (checked before the model or data is built)
     problem = metric_problem(task, cfg.monitor, cfg.monitor_mode == "max", "train.monitor / train.monitor_mode")
     if problem:
@@ -111,9 +118,12 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         _write_config(out, cfg, task, reporter)
 
     stop: Stop | None = None  # why the run ends early; None while it goes on
+    diverged: dict | None = None  # the divergence record, when the run diverged
     # Each step's numbers are read now (lag 0) or one step later (lag 1): core/step_stats.py.
     steps = StepReader(read_lag(device, ctx.enabled), reporter, run.step_log, ctx, device,
                        check_grad=not precision.tolerates_nonfinite_grads)
+    if profiler is not None:
+        profiler.start()
     for epoch in range(run.start_epoch, cfg.epochs + 1):
         # ---- train one epoch
         for p in backbone_params:  # frozen for the first `freeze_backbone_epochs` epochs
@@ -157,11 +167,16 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                     scheduler.step()
                 run.step += 1
                 stop = steps.after_update(current_lr(optimizer))
+                if profiler is not None and not profiler.step():
+                    profiler = None  # its schedule is done: the rest of the run pays nothing
             if stop is not None:
                 break
         stop = steps.finish_epoch() or stop  # lag 1: the epoch's last step is read only now
         train_time += time.perf_counter() - t0
         if stop is not None and stop.status == "diverged":
+            if ctx.is_main:  # diverged.json: what a practitioner needs to find why
+                stop, diverged = _record_divergence(stop, steps, last_i, (x, y), model, criterion, cfg,
+                                                    optimizer, precision, out, reporter)
             break  # no checkpoint: the weights in memory may be spoiled
         sums = ctx.all_reduce_sum([steps.loss_sum, steps.seen], device)
         if stop is not None:  # interrupted mid-epoch: a resumed run continues at the next micro-batch
@@ -191,6 +206,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
 
     # ---- end of run: the result, then (completed runs) evaluation and ONNX export of the best weights
     result = _result(stop, run, cfg.batch_size * ctx.world_size * accum, precision.skipped_steps)
+    result.diverged = diverged
     if out is not None and ctx.is_main:
         result.checkpoint_last = out / ckpt.LAST if (out / ckpt.LAST).exists() else None
         result.checkpoint_best = out / ckpt.BEST if (out / ckpt.BEST).exists() else None
@@ -206,6 +222,8 @@ def _build_model(task: Task, cfg: TrainConfig, ctx: DistContext,
     """The task's model on ``device`` (BatchNorm synchronised across DDP ranks when asked), and its
     pretrained backbone or None."""
     model = task.build_model()
+    if task.checkpoint_blocks:  # gradient checkpointing of the task's named blocks, set once here
+        checkpoint_blocks(model, task.checkpoint_blocks, task.name)
     if ctx.enabled and cfg.distributed.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
@@ -235,6 +253,28 @@ def _wrap(model: nn.Module, cfg: TrainConfig, ctx: DistContext,
     # torch.compile of a module returns a module (OptimizedModule); its stub says any callable.
     fwd_model = cast(nn.Module, torch.compile(ddp_model)) if cfg.compile else ddp_model
     return ddp_model, fwd_model
+
+
+def _record_divergence(stop: Stop, steps: StepReader, micro_batch: int, batch: tuple, model: nn.Module,
+                       criterion, cfg: TrainConfig, optimizer: torch.optim.Optimizer, precision: Precision,
+                       out: Path | None, reporter: Reporter) -> tuple[Stop, dict]:
+    """diverged.json for the step that stopped the run (core/forensics.py); the plain model, not
+    the DDP or compiled wrapper, replays it under ``train.detect_anomaly``."""
+    from core.forensics import record_divergence
+
+    bad = steps.diverged
+    assert bad is not None  # a "diverged" stop comes from the step it read
+    x, y = batch
+
+    def replay() -> torch.Tensor:
+        with precision.autocast():
+            return _forward(model, criterion, x, y, cfg.mixup_alpha)
+
+    return record_divergence(
+        stop, step=bad.step, epoch=bad.epoch, micro_batch=micro_batch, batch=batch, losses=bad.loss_values,
+        model=model, lr=current_lr(optimizer), late=steps.lag == 1, out=out,
+        loss_fn=replay if cfg.detect_anomaly else None, reporter=reporter,
+        amp_scale=precision.scaler.get_scale() if precision.scaler.is_enabled() else None)
 
 
 def _epoch_metrics(train_sums: list[float], train_time: float, val: dict[str, float], grad_norm: float,

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from dashboards.front import pareto_figure
 from dashboards.tables import StudyTables, top_two_params
 
 STATE_COLORS = {"COMPLETE": "#1f77b4", "PRUNED": "#ff7f0e", "FAIL": "#d62728", "RUNNING": "#7f7f7f",
@@ -299,4 +300,7 @@ FIGURES = {  # div id -> builder, in page order (the LR finder may return None: 
 
 
 def all_figures(t: StudyTables) -> dict[str, go.Figure | None]:
-    return {div_id: build(t) for div_id, build in FIGURES.items()}
+    figures = {div_id: build(t) for div_id, build in FIGURES.items()}
+    if t.objectives:  # several objectives: the front first (dashboards.front); one objective: as before
+        return {"fig-front": pareto_figure(t.trials, t.objectives, t.param_names), **figures}
+    return figures

@@ -43,6 +43,9 @@ SECTIONS = {  # div id -> (heading, what the figure shows)
                    "and green."),
     "fig-lr-finder": ("LR range test", "The training loss while the learning rate ramps up exponentially on a "
                       "fresh model, before the trials; the dashed line is the suggested learning rate."),
+    "fig-front": ("Pareto front", "The completed trials by their objectives: the front (no other trial is at "
+                  "least as good in every objective and better in one) in colour, the dominated trials grey. "
+                  "Two objectives: a scatter; more: parallel coordinates."),
     "fig-states": ("Trials by state", "How many trials completed, were pruned, failed or are still running."),
     "fig-durations": ("Time per trial", "Wall-clock seconds of each trial (pruned trials stop early)."),
 }
@@ -151,7 +154,9 @@ def _lr_finder_note(t: StudyTables, h: PageHeader) -> str:
 
 def _trials_html(t: StudyTables) -> str:
     df = ranked_trials(t.trials, t.direction)
-    cols = ["number", "state", "value", *t.param_names, "duration_s", "run_id"]
+    # Several objectives: each objective, on_front and the deployment figures (latency with its spread).
+    extra = [c for c in df.columns if c.startswith(("objective:", "figure:")) or c == "on_front"]
+    cols = ["number", "state", "value", *t.param_names, *extra, "duration_s", "run_id"]
     head = "".join(f"<th>{_e(c)}</th>" for c in ["", *cols])
     rows = []
     for _, r in df.iterrows():

@@ -23,6 +23,7 @@ STATE_ORDER = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
 FINISHED_STATES = ("COMPLETE", "PRUNED", "FAIL")
 TRIAL_COLUMNS = ("number", "state", "value")  # then one column per parameter, then TRIAL_TAIL
 TRIAL_TAIL = ("duration_s", "run_id", "is_best", "reason")
+FIGURE_COLUMNS = ("onnx_latency_ms", "onnx_latency_p95_ms", "onnx_latency_spread_ms", "params", "onnx_size_bytes")
 IMPORTANCE_MIN_TRIALS = 2  # fANOVA needs at least two trials with a finite value
 # Fewer completed trials than this, and the importances also use pruned trials, compared at an
 # epoch they all reached: two or three points say little about two parameters.
@@ -48,6 +49,8 @@ class StudyTables:
     lr_finder: pd.DataFrame
     lr_finder_info: dict[str, Any] = field(default_factory=dict)  # rule, suggestion, narrowed; {} if none
     importance_note: str = ""  # the trials and value the importances come from, or why there are none
+    # Several objectives: [(metric, direction), ...]; trials then has objective:<metric> and on_front.
+    objectives: list[tuple[str, str]] = field(default_factory=list)
 
     def best_row(self) -> pd.Series | None:
         best = self.trials[self.trials["is_best"]]
@@ -81,16 +84,30 @@ def trials_table(result: StudyResult, search: dict | None = None) -> pd.DataFram
     is_best (the best COMPLETE trial), reason (why it failed or was pruned, when known)."""
     names = param_names(result, search)
     best = result.best()
+    # Several objectives: one column per objective and on_front (the Pareto front of the stored
+    # values, sweeps.pareto), after the parameters; a one-objective table is unchanged.
+    metrics = [m for m, _ in result.objectives()] if len(result.objectives()) > 1 else []
+    front = {t.number for t in result.front()} if metrics else set()
+    # The deployment figures beside the objectives: latency is shown with its p95 and spread.
+    shown = [k for k in FIGURE_COLUMNS if metrics and any(k in t.figures for t in result.trials)]
     rows = []
     for t in sorted(result.trials, key=lambda t: t.number):
         row: dict[str, Any] = {"number": t.number, "state": t.state, "value": _float(t.value)}
         row.update({name: t.params.get(name) for name in names})
+        if metrics:
+            row.update({f"objective:{m}": _float(v) for m, v in zip(metrics, t.values or [math.nan] * len(metrics),
+                                                                    strict=True)})
+            row["on_front"] = t.number in front
+            row.update({f"figure:{k}": _float(t.figures.get(k)) for k in shown})
         row.update({"duration_s": _float(t.duration_s), "run_id": t.run_id,
                     "is_best": best is not None and t.number == best.number, "reason": t.reason or ""})
         rows.append(row)
-    columns = [*TRIAL_COLUMNS, *names, *TRIAL_TAIL]
+    extra = [*(f"objective:{m}" for m in metrics), *(["on_front"] if metrics else []),
+             *(f"figure:{k}" for k in shown)]
+    columns = [*TRIAL_COLUMNS, *names, *extra, *TRIAL_TAIL]
     df = pd.DataFrame(rows, columns=columns)
-    return df.astype({"number": "int64", "value": "float64", "duration_s": "float64", "is_best": "bool"})
+    return df.astype({"number": "int64", "value": "float64", "duration_s": "float64", "is_best": "bool",
+                      **({"on_front": "bool"} if metrics else {})})
 
 
 def table_records(df: pd.DataFrame) -> list[dict[str, Any]]:
@@ -275,4 +292,5 @@ def build_tables(result: StudyResult, search: dict | None = None, reader: Any = 
                        param_kinds=param_kinds(search, names, trials), trials=trials,
                        best_so_far=best_so_far_table(trials, result.direction),
                        state_counts=state_counts_table(trials), importances=importances, curves=curves,
-                       lr_finder=lr_df, lr_finder_info=lr_info, importance_note=note)
+                       lr_finder=lr_df, lr_finder_info=lr_info, importance_note=note,
+                       objectives=result.objectives() if len(result.objectives()) > 1 else [])

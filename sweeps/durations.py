@@ -8,6 +8,7 @@ units in the order d, h, m, s, each at most once: ``"90s"``, ``"30m"``, ``"2h"``
 from __future__ import annotations
 
 import math
+import os
 import re
 
 _UNIT_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
@@ -51,3 +52,13 @@ def format_duration(seconds: float) -> str:
         if n:
             parts.append(f"{n}{unit}")
     return "".join(parts)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A number of seconds >= 0 from the environment variable ``name`` (tests and operators tune
+    waits this way); ``default`` when unset or not a number."""
+    text = os.environ.get(name, "").strip()
+    try:
+        return max(0.0, float(text)) if text else default
+    except ValueError:
+        return default

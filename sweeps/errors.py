@@ -78,6 +78,12 @@ class PromoteError(SweepsError):
     """Nothing can be promoted (no usable trial, a model that fails its checks)."""
 
 
+class NothingQualifies(PromoteError):
+    """``sweeps promote --where``: no trial of the front meets the conditions (a usage matter: exit 2)."""
+
+    exit_code = 2
+
+
 class BadNameError(SweepsError):
     """A model name or alias the registry would refuse."""
 

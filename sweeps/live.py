@@ -102,16 +102,24 @@ def results_table(result: StudyResult, top: int | None = None, title: str | None
     """Trials sorted best first (finished ones), then the rest by number; the best marked."""
     best = result.best()
     reverse = result.direction == "maximize"
-    ranked = sorted([t for t in result.trials if t.state == "COMPLETE" and t.value is not None],
-                    key=lambda t: cast(float, t.value), reverse=reverse)
+    several = len(result.objectives()) > 1
+    # Several objectives: the Pareto front's trials first, marked "front", then the rest by number.
+    ranked = (result.front() if several else
+              sorted([t for t in result.trials if t.state == "COMPLETE" and t.value is not None],
+                     key=lambda t: cast(float, t.value), reverse=reverse))
+    ranked = sorted(ranked, key=lambda t: cast(float, t.value), reverse=reverse) if several else ranked
     others = sorted([t for t in result.trials if t not in ranked], key=lambda t: t.number)
     rows = ranked[:top] if top else ranked + others
     table = Table(title=title, header_style="bold")
-    for col in ("", "trial", "state", result.metric, "duration", "params", "MLflow run"):
+    metrics = [m for m, _ in result.objectives()] if several else [result.metric]
+    for col in ("", "trial", "state", *metrics, "duration", "params", "MLflow run"):
         table.add_column(col)
     for t in rows:
-        mark = "*" if best is not None and t.number == best.number else ""
-        table.add_row(mark, str(t.number), t.state, _fmt(t.value),
+        mark = ("front" if t in ranked else "") if several else (
+            "*" if best is not None and t.number == best.number else "")
+        values = [_fmt(v) for v in t.values] if several and t.values else (
+            ["-"] * len(metrics) if several else [_fmt(t.value)])
+        table.add_row(mark, str(t.number), t.state, *values,
                       f"{t.duration_s:.1f}s" if t.duration_s else "-", _fmt_params(t.params), t.run_id or "-")
     return table
 
@@ -129,6 +137,16 @@ def print_summary(spec: StudySpec, result: StudyResult, console: Console | None 
     console.print("next:")
     console.print(f"  look at the runs:   {ui}   (experiment {spec.experiment_name()!r})")
     console.print(f"  study status:       sweeps status {spec_path}")
+    front = result.front() if len(result.objectives()) > 1 else []
+    if front:  # several objectives: no single best; promote picks from the front by a condition
+        (first, d1), (second, d2) = result.objectives()[:2]
+        seconds = [cast(list[float], t.values)[1] for t in front]
+        # repr: the exact stored value; a rounded bound could fall on the wrong side of a front member
+        where = f"{second}<={max(seconds)!r}" if d2 == "minimize" else f"{second}>={min(seconds)!r}"
+        console.print(f"  Pareto front:       trials {', '.join(str(t.number) for t in front)}", markup=False)
+        console.print(f"  promote from it:    sweeps promote {spec_path} --where \"{where}\" "
+                      f"--{d1} {first}   (tighten the bound to trade {first} for {second})",
+                      markup=False, highlight=False)
     if best is not None:
         console.print(f"  best trial {best.number}: {result.metric}={best.value:.4f}")
         console.print(f"  promote it:         sweeps promote {spec_path}")

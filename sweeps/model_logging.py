@@ -2,7 +2,8 @@
 (natural input -> the task's preprocess -> the trial's best weights -> postprocess -> predictions),
 with a signature and an input example in natural units, the PyTorch module itself, and the trial's
 ONNX model re-verified against it (onnxruntime vs torch on validation model inputs), stamped with
-what it leaves out, beside the parity report. A logged model left by a crashed promote is found
+what it leaves out, beside the parity report, and its TorchScript file (``train.export_torchscript``)
+re-verified the same way. A logged model left by a crashed promote is found
 and reused (``find_logged_model``).
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ TAG_PROMOTED = "sweeps.promoted"  # "true" on logged models written by promote
 TAG_FORMAT = "sweeps.model_format"  # their layout (sweeps.serving.MODEL_FORMAT); another one is not reused
 EXAMPLE_ROWS = 8  # rows of the input example stored with the model
 CHECK_ROWS = 256  # validation inputs the ONNX re-verification runs on
+TORCHSCRIPT_DIR = "torchscript"  # where a trial logs model.ts (sweeps.objective's artifact folders)
+ART_TORCHSCRIPT = "torchscript_model"  # its key among the pyfunc model's artifacts
 
 
 def _download(reader: TrackingReader, run_id: str, path: str, dest: str) -> Path | None:
@@ -93,6 +96,43 @@ def verify_onnx(onnx_path: Path, model, inputs, tolerance: float, original_repor
             "argmax_agree": bool(got.shape == ref.shape and (got.argmax(1) == ref.argmax(1)).all()),
             "onnx_sha256": hashlib.sha256(onnx_path.read_bytes()).hexdigest(),
             "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "original_report": original_report}
+
+
+def verify_torchscript(ts_path: Path, model, inputs, tolerance: float) -> dict:
+    """Run the trial's ``model.ts`` on ``inputs`` and compare with the PyTorch model (as for ONNX)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # torch.jit is marked deprecated; the file is what is checked
+        warnings.simplefilter("ignore", FutureWarning)
+        loaded = torch.jit.load(str(ts_path), map_location="cpu")
+    with torch.inference_mode():
+        got, ref = loaded(torch.from_numpy(inputs)), model(torch.from_numpy(inputs))
+    diff = (got.double() - ref.double()).abs()
+    max_diff = float(diff.max()) if got.shape == ref.shape and bool(torch.isfinite(diff).all()) else math.inf
+    return {"passed": max_diff <= tolerance, "max_abs_diff": max_diff, "tolerance": tolerance,
+            "n_inputs_checked": int(len(inputs)),
+            "torchscript_sha256": hashlib.sha256(ts_path.read_bytes()).hexdigest()}
+
+
+def _add_torchscript(reader: TrackingReader, cand: Candidate, tmp: str, model, inputs, resolved: dict,
+                     artifacts: dict, tags: dict, console) -> None:
+    """The trial's TorchScript file (``train.export_torchscript``), re-verified, beside the ONNX one."""
+    ts = _download(reader, cand.run_id, f"{TORCHSCRIPT_DIR}/model.ts", tmp)
+    if ts is None:
+        return
+    tolerance = float((resolved.get("train") or {}).get("onnx_tolerance") or 1e-4)
+    report = verify_torchscript(ts, model, inputs, tolerance)
+    if not report["passed"]:
+        raise PromoteError(f"the TorchScript model of trial {cand.number} (run {cand.run_id}) fails re-verification: "
+                           f"max |torchscript - torch| = {report['max_abs_diff']:.3g} > tolerance {tolerance:.3g}; "
+                           "not promoted")
+    artifacts[ART_TORCHSCRIPT] = str(ts)
+    tags.update({"sweeps.torchscript": "artifacts/model.ts",
+                 "sweeps.torchscript_max_abs_diff": repr(report["max_abs_diff"])})
+    console.print(f"TorchScript re-verified: max |torchscript - torch| = {report['max_abs_diff']:.3g} <= "
+                  f"{tolerance:.3g}", markup=False, highlight=False)
 
 
 def _pip_requirements() -> list[str]:
@@ -236,6 +276,7 @@ def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) 
                          "sweeps.onnx_sha256": report["onnx_sha256"]})
             console.print(f"ONNX re-verified: max |onnxruntime - torch| = {report['max_abs_diff']:.3g} <= "
                           f"{tolerance:.3g} over {report['n_inputs_checked']} inputs", markup=False, highlight=False)
+        _add_torchscript(reader, cand, tmp, model, inputs, resolved, artifacts, tags, console)
         artifacts[serving.ART_TORCH] = str(Path(tmp) / serving.ART_TORCH)
         tags["sweeps.pytorch_format"] = save_pytorch(model, Path(artifacts[serving.ART_TORCH]), inputs, console)
         with fluent_uri(uri):  # Model.log reads the fluent URI; the run is addressed by id

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -26,12 +25,15 @@ from core.distributed import lr_scale_factor
 from core.reporting import Decision
 from core.results import TrainResult
 from core.train import train
+from sweeps import deploy_check
+from sweeps.model_logging import TORCHSCRIPT_DIR
 from sweeps.pool import ddp_processes, visible_gpu_count
 from sweeps.spec import StudySpec
 from sweeps.study_run import process_git_commit
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.trial_extras import TrialExtras
+from sweeps.worker_identity import worker_identity
 
 TrialState = Literal["COMPLETE", "PRUNED", "FAIL", "INTERRUPTED"]
 PruneFn = Callable[[int, float], bool]
@@ -39,6 +41,9 @@ PruneFn = Callable[[int, float], bool]
 _ARTIFACT_DIRS = {
     "checkpoint_best": layout.ART_CHECKPOINT_DIR, "onnx": layout.ART_ONNX_DIR, "onnx_report": layout.ART_ONNX_DIR,
     "confusion_matrix": layout.ART_EVAL_DIR, "lr_finder": layout.ART_LR_FINDER_DIR,
+    "diverged": "diagnostics",  # diverged.json (core/forensics.py)
+    "torchscript": TORCHSCRIPT_DIR, "torchscript_report": TORCHSCRIPT_DIR,  # model.ts + its parity report
+    "profile": "profile",  # train.profile: Chrome traces and top-operator tables (core/profiling.py)
 }
 _MLFLOW_STATUS: dict[str, RunStatus] = {
     "COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED", "INTERRUPTED": "KILLED"}
@@ -53,6 +58,9 @@ class TrialOutcome:
     result: TrainResult | None = None
     seconds: float = 0.0
     oom: bool = False
+    values: list[float] | None = None  # every objective's value, in the spec's order (COMPLETE trials)
+    figures: dict[str, float] = field(default_factory=dict)  # deployment figures (sweeps.deploy_check)
+    rejected: bool = False  # PRUNED before training: its architecture violates a constraint
 
 
 @dataclass
@@ -85,7 +93,8 @@ class TrialInterrupted(BaseException):
 
 
 def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """This process's name in the study (``host:boot:pid``, unique across machines)."""
+    return worker_identity()
 
 
 def trial_config(spec: StudySpec, params: dict, overrides: dict | None = None) -> TrainConfig:
@@ -255,6 +264,11 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, int
         interrupt.abortable = True  # type: ignore[attr-defined]
         if interrupt.is_set():
             raise TrialInterrupted(0)
+        figures = _measured(spec, trial, reporter.tracker, run)
+        reason = deploy_check.rejection_reason(spec.constraints, figures)
+        if reason:  # no epoch is trained; Optuna's sampler learns from its constraint values
+            reporter.tracker.log(run, tags={deploy_check.TAG_REJECTED: "true"})
+            return TrialOutcome("PRUNED", None, reason, run, figures=figures, rejected=True)
         task = spec.make_task(trial.params)  # also checks the task section before any rank starts
         cfg = trial_config(spec, trial.params, trial.overrides)
         if reporter.extras is not None and cfg.distributed.nproc > 1:
@@ -267,7 +281,14 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, int
         else:
             result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=resume, owner=trial.owner)
         interrupt.abortable = False  # type: ignore[attr-defined]
-        return _outcome_of(result, run)
+        outcome = _outcome_of(result, run)
+        outcome.figures = figures
+        if outcome.state == "COMPLETE":
+            outcome.values = deploy_check.objective_values(spec, result.history, result.best_epoch, figures)
+            if outcome.values is None and len(spec.objective_list()) > 1:
+                missing = deploy_check.missing_objectives(spec, result.history, result.best_epoch, figures)
+                outcome.state, outcome.reason = "FAIL", f"no value of the objective {', '.join(missing)}"
+        return outcome
     except TrialInterrupted as exc:
         name = signal.Signals(exc.signum).name if exc.signum else "a stop request"
         return TrialOutcome("INTERRUPTED", None, f"stopped by {name} while the trial was setting up "
@@ -287,6 +308,15 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, int
         interrupt.abortable = False  # type: ignore[attr-defined]
 
 
+def _measured(spec: StudySpec, trial: TrialSpec, tracker: Tracker, run: RunHandle) -> dict[str, float]:
+    """The deployment figures, when an objective or a constraint needs them, logged to the run."""
+    if not spec.deploy_metrics_needed():
+        return {}
+    figures = deploy_check.measure(spec, trial.params, trial.out_dir)
+    tracker.log_metrics(run, figures, 0)
+    return figures
+
+
 def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) -> None:
     """Final metrics, tags and the MLflow status that mirrors the study state:
     COMPLETE -> FINISHED; PRUNED -> KILLED + sweeps.pruned; FAIL -> FAILED + sweeps.error;
@@ -304,6 +334,8 @@ def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) ->
         tracker.log_metrics(run, {"onnx_max_abs_diff": result.onnx.max_abs_diff,
                                   "onnx_ort_latency_ms": result.onnx.ort_latency_ms,
                                   "onnx_torch_latency_ms": result.onnx.torch_latency_ms}, 0)
+    if result is not None and result.torchscript is not None:
+        tracker.log_metrics(run, {"torchscript_max_abs_diff": result.torchscript["max_abs_diff"]}, 0)
     if outcome.value is not None:
         tracker.log_metrics(run, {"objective": outcome.value}, 0)
     tracker.log_metrics(run, {"trial_seconds": outcome.seconds}, 0)

@@ -22,8 +22,14 @@ from sweeps.errors import ResourcesError
 # --------------------------------------------------------------------------- discovery
 
 
+# A GPU driver shows one of these (NVIDIA; WSL's GPU bridge; ROCm, which torch.cuda also drives).
+GPU_DRIVER_NODES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
 def visible_gpu_count() -> int:
     """Devices torch can see (after CUDA_VISIBLE_DEVICES), 0 without torch or CUDA."""
+    if not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+        return 0  # no driver: torch would say 0 too, after seconds of importing it
     try:
         import torch  # lazy: importing torch costs seconds and most callers never need it
     except ImportError:
@@ -185,10 +191,22 @@ def cpu_threads_available() -> int:
 
 
 def auto_cpu_workers(cpu_threads: float) -> int:
-    """``workers: auto`` on CPU, for both backends: one trial per two threads (at least
-    one). Two threads keep a trial's own intra-op parallelism useful while the other
-    trials fill the remaining cores."""
-    return max(1, int(cpu_threads // 2))
+    """``workers: auto`` on CPU, for both backends: one trial per thread (Ray Tune's default of
+    one CPU per trial); on one machine ``plan_workers`` also keeps to what its memory holds.
+    Independent trials side by side use the cores better than one trial's intra-op threads
+    (benchmarks/RESULTS.md, parallel: 2 one-thread workers against one two-thread worker)."""
+    return max(1, int(cpu_threads))
+
+
+WORKER_MEMORY_BYTES = 1536 * 2**20  # a CPU worker: torch, MLflow and ONNX Runtime loaded, a small model training
+
+
+def _workers_memory_holds() -> int:
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return 1 << 30
+    return max(1, int(psutil.virtual_memory().available // WORKER_MEMORY_BYTES))
 
 
 @dataclass(frozen=True)
@@ -232,7 +250,7 @@ def plan_workers(
     fits = len(devices) // k * slots  # 0 on CPU
 
     if workers_setting == "auto":
-        n = fits if devices else auto_cpu_workers(threads_total)
+        n = fits if devices else min(auto_cpu_workers(threads_total), _workers_memory_holds())
     elif isinstance(workers_setting, int) and not isinstance(workers_setting, bool):
         n = workers_setting
         if n < 1:

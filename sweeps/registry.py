@@ -24,15 +24,16 @@ import contextlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rich.text import Text
 
 from sweeps.compare import best_over_epochs, metric_curve, open_client, side_by_side
-from sweeps.errors import BadNameError, PromoteError, PromoteRefused
+from sweeps.errors import BadNameError, NothingQualifies, PromoteError, PromoteRefused, UsageError
 from sweeps.model_logging import MODEL_ARTIFACT, find_logged_model, fluent_uri, log_model
 from sweeps.safe_names import safe_component
+from sweeps.spec_objectives import is_deploy_metric
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
@@ -40,9 +41,12 @@ from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
 TAG_RUN_ID = "sweeps.run_id"  # on a model version: the trial run it came from
 TAG_PARAMS = "sweeps.params"
 TAG_METRIC, TAG_METRIC_VALUE, TAG_METRIC_DIRECTION = "sweeps.metric", "sweeps.metric_value", "sweeps.metric_direction"
+TAG_FIGURE_PREFIX = "sweeps.figure."  # on a model version: each objective's value and deployment figure
+TAG_WHERE = "sweeps.where"  # on a model version: the --where conditions it was picked under
 # Tags of the logged model that the model version carries too (and its description is made from).
 MODEL_TAGS = ("sweeps.onnx", "sweeps.onnx_max_abs_diff", "sweeps.onnx_tolerance", "sweeps.onnx_sha256",
-              "sweeps.onnx_preprocessing", "sweeps.input", "sweeps.input_contract", "sweeps.pytorch_format")
+              "sweeps.onnx_preprocessing", "sweeps.input", "sweeps.input_contract", "sweeps.pytorch_format",
+              "sweeps.torchscript", "sweeps.torchscript_max_abs_diff")
 _LOWER_IS_BETTER = re.compile(r"loss|error|err$|time|mem|latency|diff", re.IGNORECASE)
 
 
@@ -53,6 +57,8 @@ class Candidate:
     params: dict
     value: float  # only trials with a finite value are candidates
     run: Any = None  # the mlflow Run
+    figures: dict[str, float] = field(default_factory=dict)  # objectives and deployment figures: version tags
+    where: str = ""  # the --where conditions it was picked under
 
 
 @dataclass
@@ -63,18 +69,31 @@ class Holder:
 
 
 def metric_direction(metric: str, spec, explicit: str | None = None) -> str:
-    """The direction for judging ``metric`` (see the module docstring)."""
-    if explicit:
-        return explicit
-    if metric == spec.objective.metric:
-        return spec.objective.direction
+    """The direction for judging ``metric`` (see the module docstring). An explicit direction
+    that contradicts a known one (the study's objective, a deployment cost, the task's own
+    metric) is refused: ``--maximize val_loss`` would register the worst model."""
+    known = _known_direction(metric, spec)
+    if explicit and known and explicit != known:
+        better = "higher" if known == "maximize" else "lower"
+        raise UsageError(f"--{explicit} {metric}: {metric} is better when {better} "
+                         f"(the study's objective, a deployment cost or the task's own metric), so this would pick "
+                         f"the worst trial; use --{known} {metric}")
+    return explicit or known or ("minimize" if _LOWER_IS_BETTER.search(metric) else "maximize")
+
+
+def _known_direction(metric: str, spec) -> str | None:
+    for objective in spec.objective_list():
+        if metric == objective.metric:
+            return objective.direction
+    if is_deploy_metric(metric):  # a deployment cost: lower is better
+        return "minimize"
     from core.metrics import LOOP_METRICS, declared_metrics
 
-    with contextlib.suppress(Exception):  # a task that cannot be built here: judge by the name below
+    with contextlib.suppress(Exception):  # a task that cannot be built here: judged by the name (caller)
         known = {**LOOP_METRICS, **(declared_metrics(spec.make_task()) or {})}.get(metric)
         if known is not None:  # the task's own direction (val_mae: minimize), not a guess from the name
             return "maximize" if known else "minimize"
-    return "minimize" if _LOWER_IS_BETTER.search(metric) else "maximize"
+    return None
 
 
 def worse(a: float | None, b: float | None, direction: str) -> bool:
@@ -119,10 +138,13 @@ def rank_trials(reader, result, metric: str, direction: str, objective: str) -> 
             continue
         if metric == objective and t.value is not None:
             value = t.value
+        elif is_deploy_metric(metric):  # measured once per trial, not per epoch
+            value = run.data.metrics.get(metric)
         else:
             value = best_over_epochs(metric_curve(reader, t.run_id, metric), direction)
         if value is None or math.isnan(value):
-            notes.append(f"trial {t.number} skipped: its run has no per-epoch values of {metric!r}")
+            notes.append(f"trial {t.number} skipped: its run has no " + (
+                f"measured {metric!r}" if is_deploy_metric(metric) else f"per-epoch values of {metric!r}"))
             continue
         ranked.append(Candidate(t.number, t.run_id, dict(t.params), value, run))
     sign = -1.0 if direction == "maximize" else 1.0
@@ -139,7 +161,8 @@ def current_holder(reader: TrackingReader, name: str, alias: str, metric: str, d
         return None  # no such model or alias yet
     value = None
     with contextlib.suppress(Exception):  # the holder's run may be gone: fall back to its tags
-        value = best_over_epochs(metric_curve(reader, mv.run_id, metric), direction)
+        value = (reader.get_run(mv.run_id).data.metrics.get(metric) if is_deploy_metric(metric)
+                 else best_over_epochs(metric_curve(reader, mv.run_id, metric), direction))
     if value is None and mv.tags.get(TAG_METRIC) == metric:
         with contextlib.suppress(ValueError, TypeError):
             value = float(mv.tags.get(TAG_METRIC_VALUE))
@@ -185,6 +208,8 @@ def lineage_tags(reader, cand: Candidate, result, metric: str, direction: str, m
             layout.TAG_SPEC_HASH: tags.get(layout.TAG_SPEC_HASH, ""), layout.TAG_BACKEND: result.backend,
             # The trial's own logged model (its best checkpoint, in the experiment's Models view).
             **({TAG_CHECKPOINT_MODEL: tags[TAG_MODEL_ID]} if tags.get(TAG_MODEL_ID) else {}),
+            **{TAG_FIGURE_PREFIX + k: repr(v) for k, v in cand.figures.items()},
+            **({TAG_WHERE: cand.where} if cand.where else {}),
             **{k: str(v) for k, v in model_tags.items()}}
 
 
@@ -205,9 +230,42 @@ def ensure_registered_model(registry, name: str, study: str) -> None:
             raise
 
 
+# ---- several objectives: --where on the front ---------------------------------------------------
+def eligible(result, where: str | None):
+    """``result`` narrowed to the trials promote may pick: with several objectives, the Pareto
+    front of the stored values; with ``--where``, those of them (or of the COMPLETE trials, for
+    one objective) meeting every condition. UsageError for a condition on a metric no trial has;
+    NothingQualifies (exit 2) when no trial meets them, showing what the front offers."""
+    from sweeps.pareto import parse_where
+
+    conditions = parse_where(where) if where else []
+    metrics = [m for m, _ in result.objectives()]
+    several = len(metrics) > 1
+    if not (conditions or several):
+        return result
+    pool = result.front() if several else [t for t in result.trials if t.state == "COMPLETE"]
+    known = sorted({k for t in pool for k in t.objective_values(metrics)} | set(metrics))
+    for c in conditions:
+        if c.metric not in known:
+            raise UsageError(f"--where {where!r}: {c.metric!r} is not an objective or a deployment figure of the "
+                             f"trials; use one of {', '.join(known)}")
+    keep = [t for t in pool if all(c.holds(t.objective_values(metrics)) for c in conditions)]
+    if not keep:
+        def figures(t) -> str:
+            values = t.objective_values(metrics)
+            return ", ".join(f"{c.metric}={values.get(c.metric, math.nan):.4g}" for c in conditions)
+
+        shown = "; ".join(f"trial {t.number}: {figures(t)}" for t in pool) or "no trial"
+        raise NothingQualifies(f"no trial {'on the Pareto front' if several else 'of the study'} meets --where "
+                               f"{', '.join(map(str, conditions))} ({shown}); nothing was changed. Relax the "
+                               "conditions, or run more trials")
+    return replace(result, trials=keep)
+
+
 # ---- the command -------------------------------------------------------------------------------
 def promote(spec, *, alias: str = "champion", model_name: str | None = None, metric: str | None = None,
-            direction: str | None = None, dry_run: bool = False, force: bool = False, console=None) -> int:
+            direction: str | None = None, dry_run: bool = False, force: bool = False, console=None,
+            where: str | None = None) -> int:
     from rich.console import Console
 
     from sweeps.backends import get_backend
@@ -217,10 +275,14 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
     check_alias(alias)
     uri = spec.tracking_store_uri()
     reader = open_client(uri)
-    result = get_backend(spec.backend).load(spec)
+    result = eligible(get_backend(spec.backend).load(spec), where)
     metric = metric or spec.objective.metric
     direction = metric_direction(metric, spec, direction)
     ranked, notes = rank_trials(reader, result, metric, direction, spec.objective.metric)
+    metrics = [m for m, _ in result.objectives()]
+    for c in ranked:
+        c.figures = next(t for t in result.trials if t.number == c.number).objective_values(metrics)
+        c.where = where or ""
     for note in notes:
         console.print(note, markup=False, highlight=False)
     if not ranked:

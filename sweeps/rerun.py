@@ -204,11 +204,12 @@ def _pin_device(cfg, device_tag: str, console):
 
 def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None, parent: RunHandle | None = None,
                console=None, out_root: str | Path = "runs", reader: TrackingReader | None = None,
-               threads: int | None = None) -> RerunOutcome:
+               threads: int | None = None, profile: bool = False) -> RerunOutcome:
     """Train the trial of run ``original_id`` again (``seed`` replaced when given), logged as a
     new run; then compare its curves with the original's and tag the verdict on the new run.
     ``reader``: what reads the original (default: one on the tracker's store). ``threads``: CPU
-    threads to train on (default: this process's count; see the module's docstring)."""
+    threads to train on (default: this process's count; see the module's docstring). ``profile``:
+    run torch.profiler over a few steps (``train.profile``, its defaults unless the trial set it)."""
     import torch
 
     from core.train import train
@@ -221,6 +222,10 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     tags = orig.data.tags
     device_tag = tags.get(layout.TAG_DEVICE, "")
     cfg = _pin_device(config_from_resolved(resolved, original_id, seed), device_tag, console)
+    if profile and cfg.profile is None:
+        from core.config import apply_overrides
+
+        cfg = apply_overrides(cfg, {"profile": {}})
     then_threads = original_threads(device_tag)
     cpu = _on_cpu(cfg)
     threads = (threads or torch.get_num_threads()) if cpu else None

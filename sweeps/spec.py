@@ -19,13 +19,14 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from core.config import SuggestRule, TrainConfig, apply_overrides
 from sweeps import search_space as ss
 from sweeps.durations import parse_duration
 from sweeps.errors import SpecError
 from sweeps.search_space import SearchParam
+from sweeps.spec_objectives import Bound, DeploySection, ObjectiveSection, is_deploy_metric, settle_objectives
 from sweeps.tracking.sync import RDB_DIALECTS
 from sweeps.yaml_loader import check_size, mapping_from_text, read_spec_text
 
@@ -41,7 +42,8 @@ BACKEND_SAMPLERS = {"optuna": SAMPLERS, "ray": ("random", "grid", "tpe")}
 BACKEND_PRUNERS = {"optuna": ("none", "median", "percentile", "asha", "hyperband"),
                    "ray": ("none", "median", "asha", "hyperband", "pbt")}
 _SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", "budget", "resources",
-                           "lr_finder", "tracking")
+                           "lr_finder", "tracking", "constraints", "deploy")
+_SET_ONLY = ("objectives", "constraints", "deploy")  # in spec_hash only when not at their defaults
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 _ENCODED_RE = re.compile(r"%(?:25)*(?:2e|2f|5c)", re.I)  # %2e = '.', %2f = '/', %5c = '\', also double-encoded
 
@@ -70,11 +72,6 @@ class TaskSection(_Section):
     target: str | None = None
     model: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
-
-
-class ObjectiveSection(_Section):
-    metric: str = "val_acc"
-    direction: Literal["maximize", "minimize"] = "maximize"
 
 
 class SamplerSection(_Section):
@@ -217,6 +214,9 @@ class StudySpec(_Section):
     train: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, SearchParam] = Field(default_factory=dict)
     objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
+    objectives: list[ObjectiveSection] | None = None  # several: sweeps/spec_objectives.py
+    constraints: dict[str, Bound] = Field(default_factory=dict)
+    deploy: DeploySection = Field(default_factory=DeploySection)
     backend: Literal["optuna", "ray"] = "optuna"
     sampler: SamplerSection = Field(default_factory=SamplerSection)
     pruner: PrunerSection = Field(default_factory=PrunerSection)
@@ -235,6 +235,10 @@ class StudySpec(_Section):
             raise ValueError(f"{v!r} is not allowed; use 1-{NAME_MAX} of A-Z a-z 0-9 _ . - (not '.' or '..'), "
                              "e.g. lr_bs; it names the Optuna study, the MLflow experiment and files under runs/")
         return _safe_name(v, "study name")
+
+    @model_validator(mode="after")
+    def _several_objectives(self) -> StudySpec:
+        return settle_objectives(self)  # `objective` becomes the primary one (sweeps.spec_objectives)
 
     @field_validator("storage", mode="before")
     @classmethod
@@ -300,6 +304,18 @@ class StudySpec(_Section):
         model = args.pop("model", self.task.model)
         return make_task(self.task.name, target=self.task.target, model=model, args=args)
 
+    # -- objectives
+    def objective_list(self) -> list[ObjectiveSection]:
+        """``objectives``, or the single ``objective`` as a one-element list."""
+        return list(self.objectives) if self.objectives else [self.objective]
+
+    def directions(self) -> list[Literal["maximize", "minimize"]]:
+        return [o.direction for o in self.objective_list()]
+
+    def deploy_metrics_needed(self) -> bool:
+        """Whether trials measure the deployment figures (an objective or a constraint names one)."""
+        return bool(self.constraints) or any(is_deploy_metric(o.metric) for o in self.objective_list())
+
     def timeout_seconds(self) -> float | None:
         return parse_duration(self.budget.timeout)
 
@@ -309,7 +325,10 @@ class StudySpec(_Section):
     # -- identity
     def spec_hash(self) -> str:
         """sha256 of the canonical JSON of everything but ``description`` (tags runs with their spec)."""
-        data = self.model_dump(mode="json", exclude={"description"})
+        # At their defaults the new sections are left out, so a spec written before them keeps its hash.
+        unset = {k for k in _SET_ONLY if getattr(self, k) == StudySpec.model_fields[k].get_default(
+            call_default_factory=True)}
+        data = self.model_dump(mode="json", exclude={"description", *unset})
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def search_space_signature(self) -> dict[str, dict[str, Any]]:

@@ -27,6 +27,7 @@ from sweeps import search_space as ss
 from sweeps.search_space import CategoricalParam, FloatParam, Problem, SearchParam
 from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudySpec
 from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
+from sweeps.spec_objectives import is_deploy_metric, objective_problems
 from sweeps.spec_task_checks import TaskInfo, instantiate_checks, representatives, task_problems
 
 
@@ -40,7 +41,7 @@ def collect_problems(data: dict[str, Any], lines: dict[tuple[str, ...], int]) ->
         spec = None
         problems += pydantic_problems(exc)
         sections = _valid_sections(data)
-    problems += cross_problems(sections)
+    problems += cross_problems(sections, set(data))
     rendered = [render(loc, text, lines) for loc, text in problems]
     return spec, list(dict.fromkeys(rendered))  # drop exact repeats, keep order
 
@@ -125,8 +126,8 @@ def _search_problems(s: dict[str, Any], info: TaskInfo | None, cfg: TrainConfig 
             names = list(fields) + [ss.TASK_PREFIX + a for a in ((info.accepted or []) if info else [])]
             out.append((at, f"not a train-config field or task.<arg>{did_you_mean(key, names)}"))
             continue
-        if key == "distributed":
-            out.append((at, "a nested section cannot be searched; set train.distributed instead"))
+        if key in ("distributed", "profile"):
+            out.append((at, f"a nested section cannot be searched; set train.{key} instead"))
             continue
         if key in train:
             out.append((at, f"also fixed in train (train.{key} = {show(train[key])}); remove it from one of the two"))
@@ -200,23 +201,31 @@ def _objective_problems(s: dict[str, Any], info: TaskInfo | None, out: list[Prob
         problem = _metric_problem(train["monitor"], reported, label)
         if problem:
             out.append((("train", "monitor"), problem))
-    if obj is None:
-        return
+    listed = s.get("objectives")
+    # Each trained objective (a deployment metric is checked in sweeps.spec_objectives), at its place.
+    checked = ([(("objectives", i), o) for i, o in enumerate(listed) if not is_deploy_metric(o.metric)]
+               if listed else [(("objective",), obj)] if obj is not None else [])
+    for at, one in checked:
+        _one_objective_problems(at, one, reported, label, out)
+
+
+def _one_objective_problems(at: tuple[Any, ...], obj: Any, reported: dict[str, bool | None] | None, label: str,
+                            out: list[Problem]) -> None:
     problem = _metric_problem(obj.metric, reported, label)
     if problem:
-        out.append((("objective", "metric"), problem))
+        out.append((at + ("metric",), problem))
         return
     own = (reported or LOOP_METRICS).get(obj.metric)
     if own is None:
         return  # no direction of its own (lr), or a user task's metric: checked when a trial builds the task
     want = "maximize" if own else "minimize"
     if "direction" not in obj.model_fields_set and not own:
-        out.append((("objective", "direction"), f"not set, so the default maximize would maximize {obj.metric}; "
-                                                "set direction: minimize (or maximize explicitly)"))
+        out.append((at + ("direction",), f"not set, so the default maximize would maximize {obj.metric}; "
+                                         "set direction: minimize (or maximize explicitly)"))
     elif "direction" in obj.model_fields_set and obj.direction != want:
-        out.append((("objective", "direction"), f"{obj.direction} contradicts {obj.metric!r} of task {label!r}, "
-                                                f"which is better when {'higher' if own else 'lower'}; "
-                                                f"use direction: {want}"))
+        out.append((at + ("direction",), f"{obj.direction} contradicts {obj.metric!r} of task {label!r}, "
+                                         f"which is better when {'higher' if own else 'lower'}; "
+                                         f"use direction: {want}"))
 
 
 def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Problem]) -> None:
@@ -320,9 +329,11 @@ def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:
                                                         "narrowing needs type: float"))
 
 
-def cross_problems(sections: dict[str, Any]) -> list[Problem]:
-    """The rules spanning several fields, on whichever sections validated."""
+def cross_problems(sections: dict[str, Any], fields_set: set[str] | None = None) -> list[Problem]:
+    """The rules spanning several fields, on whichever sections validated (``fields_set``: the
+    top-level keys the file sets)."""
     out: list[Problem] = []
+    objective_problems(sections, fields_set or set(), out)
     info = task_problems(sections, out)
     cfg = _train_problems(sections, out)
     _search_problems(sections, info, cfg, out)
@@ -342,9 +353,6 @@ def _ray_problems(s: dict[str, Any], out: list[Problem]) -> None:
     if s["storage"] is not None:
         out.append((("storage",), f"{s['storage']!r} is the Optuna storage, but backend is ray (its experiment "
                                   "state lives in runs/ray/<name>); remove storage or use backend: optuna"))
-    if budget is not None and budget.trial_timeout is not None:
-        out.append((("budget", "trial_timeout"), f"{budget.trial_timeout!r} is not supported on backend ray; "
-                                                 "remove it or use backend: optuna"))
     if budget is not None and budget.oom_retry_smaller_batch:
         out.append((("budget", "oom_retry_smaller_batch"), "true is not supported on backend ray; remove it "
                                                            "or use backend: optuna"))

@@ -9,7 +9,7 @@ import functools
 import importlib.metadata
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sweeps.backends.base import StudyResult
 from sweeps.spec import StudySpec, dump_spec_dict
@@ -135,7 +135,7 @@ def parent_status(result: StudyResult, exit_code: int) -> RunStatus:
 
 def write_summary(tracker: MlflowTracker, parent: RunHandle, result: StudyResult) -> dict:
     best = result.best()
-    summary = {
+    summary: dict[str, Any] = {
         "study": result.name, "backend": result.backend, "metric": result.metric, "direction": result.direction,
         "counts": result.counts(), "stopped_reason": result.stopped_reason,
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
@@ -143,16 +143,32 @@ def write_summary(tracker: MlflowTracker, parent: RunHandle, result: StudyResult
         "trials": [{"number": t.number, "state": t.state, "value": t.value, "params": t.params,
                     "duration_s": t.duration_s, "run_id": t.run_id, "reason": t.reason} for t in result.trials],
     }
+    if len(result.objectives()) > 1:
+        summary["front"] = tag_front(tracker, parent, result)
     update_parent_best(tracker, parent, result)
     tracker.log_artifact(parent, summary, layout.ART_SUMMARY)
     return summary
 
 
-def running_children(reader: TrackingReader, parent_run_id: str) -> list[str]:
-    """Run ids of the parent's trial runs whose MLflow status is still RUNNING (reruns, which
-    a user may be running right now, are not trials and are left alone)."""
+def tag_front(tracker: MlflowTracker, parent: RunHandle, result: StudyResult) -> list[int]:
+    """Tag every COMPLETE trial's run ``sweeps.pareto_front`` true or false (a resumed study's
+    front moves: a trial that left it says so). Returns the front's trial numbers."""
+    front = {t.number for t in result.front()}
+    for t in result.trials:
+        if t.state == "COMPLETE" and t.run_id:
+            run = RunHandle(t.run_id, parent.experiment_id, f"trial-{t.number}")
+            tracker.log(run, tags={layout.TAG_PARETO_FRONT: str(t.number in front).lower()})
+    return sorted(front)
+
+
+def running_children(reader: TrackingReader, parent_run_id: str) -> list[tuple[str, str | None]]:
+    """(run id, the id it was made under) of the parent's trial runs whose MLflow status is still
+    RUNNING (reruns, which a user may be running right now, are not trials and are left alone).
+    The second id is the one a study recorded for a run made during an MLflow outage."""
+    from sweeps.tracking.local_runs import TAG_CLIENT_ID
+
     runs = reader.children(parent_run_id, {layout.TAG_ROLE: layout.ROLE_TRIAL}, status="RUNNING", max_results=1000)
-    return [r.info.run_id for r in runs]
+    return [(r.info.run_id, r.data.tags.get(TAG_CLIENT_ID)) for r in runs]
 
 
 def tracker_for(spec: StudySpec) -> MlflowTracker:

@@ -34,3 +34,45 @@ def test_the_path_of_one_sweep_names_at_most_ten_files_that_exist():
 
 def test_repo_paths_tells_files_from_a_sweeps_output():
     assert repo_paths("`sweeps/cli.py` writes runs/mlflow.db, see core/train.py.") == {"sweeps/cli.py", "core/train.py"}
+
+
+# ---- every test a doc names as its proof exists -----------------------------------------------------
+TEST_REF = re.compile(r"`([\w./-]*?)(test_\w+\.py)?::(test_\w+)`")
+
+
+def named_tests(text: str) -> list[tuple[str, str]]:
+    """(test file, test function) for each `path/test_x.py::test_y` in ``text``; a bare
+    `::test_z` continues the file named last. A file given by its name alone is looked for under tests/."""
+    found, current = [], ""
+    for folder, name, function in TEST_REF.findall(text):
+        if name:
+            current = folder + name
+        found.append((current, function))
+    return found
+
+
+def _test_file(ref: str) -> Path | None:
+    if (ROOT / ref).is_file():
+        return ROOT / ref
+    matches = [p for p in (ROOT / "tests").rglob(Path(ref).name) if str(p).endswith(ref)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def test_every_test_that_a_reliability_claim_names_exists():
+    """docs/RELIABILITY.md proves each row with tests; a renamed or deleted test must take its
+    claim with it (or the claim must name the test that proves it now)."""
+    text = (ROOT / "docs" / "RELIABILITY.md").read_text(encoding="utf-8")
+    refs = named_tests(text)
+    assert len(refs) > 30, refs
+    missing = []
+    for ref, function in refs:
+        path = _test_file(ref) if ref else None
+        if path is None or not re.search(rf"^\s*(?:async )?def {function}\(", path.read_text(encoding="utf-8"), re.M):
+            missing.append(f"{ref}::{function}")
+    assert not missing, f"docs/RELIABILITY.md names tests that do not exist: {missing}"
+
+
+def test_named_tests_reads_paths_and_continuations():
+    text = "`tests/a/test_x.py::test_one`, `::test_two`; `test_y.py::test_three`"
+    assert named_tests(text) == [("tests/a/test_x.py", "test_one"), ("tests/a/test_x.py", "test_two"),
+                                 ("test_y.py", "test_three")]

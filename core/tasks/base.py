@@ -50,6 +50,11 @@ class Task:
     # do not stack as they are, e.g. sequences of different lengths to pad. Define it as a method
     # or assign it in __init__ (a plain function set on the class would be bound to the task).
     collate_fn: Callable[[list[Any]], Any] | None = None
+    # Submodules (names from ``model.named_modules()``) whose activations backward recomputes instead
+    # of keeping (gradient checkpointing, core/grad_checkpoint.py): less memory for one more forward
+    # of them. Applied by core.train when it builds the model; built-in tasks that offer it take
+    # ``task.args.checkpoint_blocks``. Empty: off.
+    checkpoint_blocks: tuple[str, ...] = ()
 
     def build_model(self) -> nn.Module:
         """Return a fresh, randomly initialised (or locally pretrained) model. Called once per run."""
@@ -149,6 +154,14 @@ class Task:
             source = root
         return {"name": f"{self.name}-{split}", "source": source, "profile": profile,
                 "digest": digest.hexdigest()[:32] if hashed else None}
+
+
+def block_names(task_name: str, value: Any) -> tuple[str, ...]:
+    """``task.args.checkpoint_blocks`` checked: a list of submodule names (strings), else TaskError."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TaskError(f"task {task_name!r}: checkpoint_blocks is {value!r}; give a list of submodule names, "
+                        f"e.g. [layer1, layer2]")
+    return tuple(value)
 
 
 TaskFactory = Callable[..., Task]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from core.tasks.base import Task, TaskError, check_model_name, register
+from core.tasks.base import Task, TaskError, block_names, check_model_name, register
 
 if TYPE_CHECKING:  # imported where the model is built: checking a task needs no torch
     from torch import nn
@@ -50,9 +50,11 @@ class CIFAR10Task(Task):
                       "channel, as PIL or CIFAR-10's python batches give them); returns each image's class index "
                       "0 to 9 in CIFAR-10's label order")
 
-    def __init__(self, model: str = "resnet18", root: str = "data", augment: bool = True) -> None:
+    def __init__(self, model: str = "resnet18", root: str = "data", augment: bool = True,
+                 checkpoint_blocks: list[str] | tuple[str, ...] = ()) -> None:
         # No file access here: a spec is validated by instantiating its task, before any data exists.
         check_model_name(self.name, model, self.models)
+        self.checkpoint_blocks = block_names(self.name, checkpoint_blocks)  # e.g. [layer1, layer2, layer3]
         self.model = model
         self.root = str(root)
         self.augment = bool(augment)
@@ -131,5 +133,6 @@ def missing_data_message(root: str, intro: bool = True) -> str:
 
 
 @register("cifar10")
-def make_cifar10(model: str = "resnet18", root: str = "data", augment: bool = True) -> CIFAR10Task:
-    return CIFAR10Task(model=model, root=root, augment=augment)
+def make_cifar10(model: str = "resnet18", root: str = "data", augment: bool = True,
+                 checkpoint_blocks: list[str] | tuple[str, ...] = ()) -> CIFAR10Task:
+    return CIFAR10Task(model=model, root=root, augment=augment, checkpoint_blocks=checkpoint_blocks)

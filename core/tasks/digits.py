@@ -32,7 +32,7 @@ class DigitsTask(Task):
                       "scikit-learn's load_digits().images gives them; returns each image's digit, 0 to 9")
 
     def __init__(self, model: str = "cnn", val_fraction: float = 0.2, width: int | None = None,
-                 dropout: float = 0.1, split_seed: int = 0) -> None:
+                 dropout: float = 0.1, split_seed: int = 0, depth: int = 2) -> None:
         check_model_name(self.name, model, self.models)
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"task.args.val_fraction: {val_fraction!r} must be in (0, 1)")
@@ -41,12 +41,16 @@ class DigitsTask(Task):
         self.width = width if width is not None else (16 if model == "cnn" else 64)
         self.dropout = dropout
         self.split_seed = split_seed
+        if depth < 1 or (model != "cnn" and depth != 2):
+            raise ValueError(f"task.args.depth: {depth!r} is not allowed; use depth >= 1 with model cnn "
+                             "(the mlp has two hidden layers)")
+        self.depth = depth  # conv blocks of the CNN
 
     def build_model(self) -> nn.Module:
         from core.tasks.digits_models import DigitsCNN, DigitsMLP
 
         if self.model == "cnn":
-            return DigitsCNN(self.width, self.dropout)
+            return DigitsCNN(self.width, self.dropout, depth=self.depth)
         return DigitsMLP(self.width, self.dropout)
 
     def datasets(self):
@@ -79,7 +83,7 @@ class DigitsTask(Task):
         return torch.from_numpy(images[idx_val[:max(n, 0)]].astype(np.float64))
 
     def describe(self):
-        return {"task": self.name, "model": self.model, "width": self.width,
+        return {"task": self.name, "model": self.model, "width": self.width, "depth": self.depth,
                 "val_fraction": self.val_fraction, "split_seed": self.split_seed}
 
 
@@ -117,5 +121,6 @@ def _sound(images: np.ndarray, labels: np.ndarray, train: np.ndarray, val: np.nd
 
 @register("digits")
 def make_digits(model: str = "cnn", val_fraction: float = 0.2, width: int | None = None,
-                dropout: float = 0.1, split_seed: int = 0) -> DigitsTask:
-    return DigitsTask(model=model, val_fraction=val_fraction, width=width, dropout=dropout, split_seed=split_seed)
+                dropout: float = 0.1, split_seed: int = 0, depth: int = 2) -> DigitsTask:
+    return DigitsTask(model=model, val_fraction=val_fraction, width=width, dropout=dropout, split_seed=split_seed,
+                      depth=depth)

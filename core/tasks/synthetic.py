@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.tasks.base import Task, check_model_name, register
+from core.tasks.base import Task, block_names, check_model_name, register
 
 if TYPE_CHECKING:  # imported where the model and data are built: checking a task needs no torch
     from torch import nn
@@ -19,8 +19,9 @@ class SyntheticTask(Task):
 
     def __init__(self, model: str = "mlp", shape: tuple[int, ...] | list[int] = (3, 32, 32),
                  num_classes: int = 10, n_train: int = 512, n_val: int = 128, width: int = 32,
-                 data_seed: int = 0) -> None:
+                 data_seed: int = 0, checkpoint_blocks: list[str] | tuple[str, ...] = ()) -> None:
         check_model_name(self.name, model, self.models)
+        self.checkpoint_blocks = block_names(self.name, checkpoint_blocks)
         self.model = model
         self.input_shape = tuple(int(s) for s in shape)
         self.num_classes = num_classes
@@ -73,5 +74,6 @@ class SyntheticTask(Task):
 
 @register("synthetic")
 def make_synthetic(model: str = "mlp", shape: list[int] | tuple[int, ...] = (3, 32, 32), num_classes: int = 10,
-                   n_train: int = 512, n_val: int = 128, width: int = 32, data_seed: int = 0) -> SyntheticTask:
-    return SyntheticTask(model, shape, num_classes, n_train, n_val, width, data_seed)
+                   n_train: int = 512, n_val: int = 128, width: int = 32, data_seed: int = 0,
+                   checkpoint_blocks: list[str] | tuple[str, ...] = ()) -> SyntheticTask:
+    return SyntheticTask(model, shape, num_classes, n_train, n_val, width, data_seed, checkpoint_blocks)

@@ -19,6 +19,13 @@ class TrialRecord:
     reason: str = ""
     started: float | None = None  # unix time
     retry_of: int | None = None
+    values: list[float] | None = None  # every objective's value, in the spec's order (COMPLETE trials)
+    figures: dict[str, float] = field(default_factory=dict)  # deployment figures (sweeps.deploy_check)
+    rejected: bool = False  # PRUNED before training: its architecture violates a constraint
+
+    def objective_values(self, metrics: list[str]) -> dict[str, float]:
+        """``{metric: value}`` of the objectives, with the deployment figures (what --where reads)."""
+        return {**self.figures, **dict(zip(metrics, self.values or [], strict=False))}
 
 
 @dataclass
@@ -31,6 +38,24 @@ class StudyResult:
     parent_run_id: str | None = None
     stopped_reason: str = ""  # why `run` stopped early (max_failures, timeout, signal), else ""
     exit_code: int = 0  # what `sweeps run` exits with (130/143 after a signal)
+    metrics: list[str] = field(default_factory=list)  # every objective (empty: the one above)
+    directions: list[str] = field(default_factory=list)  # one per metric
+
+    def objectives(self) -> list[tuple[str, str]]:
+        """``[(metric, direction), ...]``: ``objectives`` of the spec, or its one objective."""
+        return list(zip(self.metrics, self.directions, strict=True)) or [(self.metric, self.direction)]
+
+    def front(self) -> list[TrialRecord]:
+        """The COMPLETE trials on the Pareto front of the objectives, computed from their stored
+        values (sweeps.pareto); with one objective, the best trial(s)."""
+        from sweeps.pareto import pareto_front
+
+        metrics, directions = zip(*self.objectives(), strict=True)
+        several = len(metrics) > 1
+        done = [t for t in self.trials if t.state == "COMPLETE"
+                and (len(t.values or []) == len(metrics) if several else t.value is not None)]
+        points = [cast(list[float], t.values) if several else [cast(float, t.value)] for t in done]
+        return [done[i] for i in pareto_front(points, list(directions))]
 
     def finished(self) -> list[TrialRecord]:
         return [t for t in self.trials if t.state in ("COMPLETE", "PRUNED")]

@@ -93,6 +93,11 @@ def stale_trial_callback(study: optuna.Study) -> Callable[[optuna.Study, FrozenT
     return _heartbeat_storage(study).get_heartbeat_stale_trial_callback()
 
 
+def heartbeat_interval_seconds(study: optuna.Study) -> int:
+    """How often a heartbeat-enabled study's trials are to beat."""
+    return _heartbeat_storage(study).get_heartbeat_interval() or 1
+
+
 def record_heartbeat(study: optuna.Study, trial_id: int) -> None:
     """Records that ``trial_id`` is alive, as ``Study.optimize`` does for its own trials; a
     worker that runs trials through ask/tell must do it itself."""

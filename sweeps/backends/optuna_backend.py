@@ -14,11 +14,12 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from sweeps.backends import driver_faults, optuna_study
 from sweeps.backends import optuna_recovery as recovery
-from sweeps.backends import optuna_study
 from sweeps.backends.base import StudyResult
+from sweeps.backends.driver_signals import DriverSignals, stopped_by
 from sweeps.backends.run_lock import run_lock
-from sweeps.backends.supervisor import Supervisor
+from sweeps.backends.supervisor import EarlyWorkers, Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
@@ -28,11 +29,35 @@ from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, 
 log = logging.getLogger("sweeps")
 
 
-def _beat_dir(spec: StudySpec) -> Path:
+def workers_beat_dir(spec: StudySpec) -> Path:
     """Heartbeat files of local workers (their mtime is their last sign of progress)."""
     if spec.is_rdb_storage():
         return Path("runs").resolve() / spec.name / ".workers"
     return Path(spec.storage_url()).resolve().parent / spec.name / ".workers"
+
+
+def plan_local_workers(spec: StudySpec) -> list[WorkerSlot]:
+    """This machine's worker slots for the spec's ``resources`` (``sweeps run``, and
+    ``sweeps worker --devices``, which hands its flags in as the spec's resources)."""
+    devices = [] if spec.resources.devices == "cpu" else discover_devices(spec.resources.devices)
+    workers = spec.resources.workers
+    if workers == "auto" and spec.storage_url().startswith("sqlite"):
+        workers = 1  # what fits: parallel workers would lock SQLite; an explicit count > 1 is refused below
+        log.info("storage is SQLite: one worker (parallel workers would lock it); the default journal file or "
+                 "postgresql://... runs one per core")
+    slots = plan_workers(devices, spec.resources.gpus_per_trial, workers, cpu_threads_available())
+    if len(slots) > spec.budget.n_trials:  # a worker with no trial to run would only cost memory
+        slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.budget.n_trials, cpu_threads_available())
+    if len(slots) > 1 and spec.storage_url().startswith("sqlite"):
+        raise StudyStateError(
+            f"storage: {spec.storage_url()!r} is SQLite, which parallel workers would lock "
+            f"('database is locked'); with resources.workers={len(slots)} use the default journal file "
+            f"(remove the storage key) or postgresql://...")
+    return slots
+
+
+def _stopped_while(signum: int, when: str) -> tuple[str, int]:
+    return stopped_by(signum, f"it came while {when}; run the same command to go on")
 
 
 class OptunaBackend:
@@ -45,17 +70,23 @@ class OptunaBackend:
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+        with DriverSignals() as signals:  # outside the supervisor: while the study starts and ends
+            return self._run(spec, fresh, quiet, signals)
+
+    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals) -> StudyResult:
         from sweeps.live import LiveView
 
         slots = self._plan(spec)
         tracker = tracker_for(spec)
-        tracker.check_connection()  # before anything is created or trained
-        with self._run_lock(spec):
+        # The workers start first: their imports take seconds, on the cores this set-up leaves idle.
+        with EarlyWorkers(slots) as early, self._run_lock(spec):
+            tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
             uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
             parent = find_or_create_parent(tracker, spec, study.study_name, self.name, study_uid=uid)
             if study.user_attrs.get(optuna_study.ATTR_PARENT_RUN) != parent.run_id:
                 study.set_user_attr(optuna_study.ATTR_PARENT_RUN, parent.run_id)
+            driver_faults.starting()
             recovered = self._recover_orphans(spec, study, tracker)
             if spec.lr_finder.enabled:
                 from sweeps.study_lr_finder import run_study_lr_finder
@@ -69,18 +100,24 @@ class OptunaBackend:
                     deepcopy=False, states=(TrialState.RUNNING,)):
                 stopped, code = (f"nothing to run: all {spec.budget.n_trials} trials of budget.n_trials have run; "
                                  "raise it to run more"), 0
+            elif signals.signum:  # while it started: no worker is started
+                stopped, code = _stopped_while(signals.signum, "the study started")
             else:
-                stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker)
+                stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker, early)
             result = optuna_study.study_result(spec, optuna.load_study(
                 study_name=study.study_name, storage=optuna_study.open_storage(spec)))
             result.stopped_reason = stopped
+            driver_faults.ending()
             write_summary(tracker, parent, result)
+            if signals.signum and code < 128:  # while it ended: the summary above is complete
+                stopped, code = _stopped_while(signals.signum, "the study ended")
+                result.stopped_reason = stopped
             tracker.end_run(parent, parent_status(result, code))
             view.finish(result)
         result.exit_code = code
         return result
 
-    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker) -> tuple[str, int]:
+    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker, early) -> tuple[str, int]:
         """Run the workers under a :class:`Supervisor`; the live view and the parent run's
         best-so-far are kept current from the study (every worker's trials, in order)."""
         uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
@@ -92,6 +129,9 @@ class OptunaBackend:
                             slot=slot.index, threads=slot.threads, beat_file=str(beat))
 
         def on_progress() -> None:
+            if driver_faults.any_armed() and any(
+                    t.intermediate_values for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+                driver_faults.trial_mid_way()
             result = optuna_study.study_result(spec, study)
             view.update_result(result)
             if len(result.finished()) != finished[0]:
@@ -99,23 +139,14 @@ class OptunaBackend:
                 update_parent_best(tracker, parent, result)
 
         tracker.log(parent, tags={"sweeps.workers": len(slots)})  # this invocation's local workers
-        supervisor = Supervisor(spec, study, go_for, _beat_dir(spec), started, deadline, on_progress)
+        supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), started, deadline, on_progress,
+                                early=early)
         stopped, code = supervisor.run(slots)
         view.update(study)
         return stopped, code
 
     def _plan(self, spec: StudySpec) -> list[WorkerSlot]:
-        devices = [] if spec.resources.devices == "cpu" else discover_devices(spec.resources.devices)
-        slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.resources.workers,
-                             cpu_threads_available())
-        if len(slots) > spec.budget.n_trials:  # a worker with no trial to run would only cost memory
-            slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.budget.n_trials, cpu_threads_available())
-        if len(slots) > 1 and spec.storage_url().startswith("sqlite"):
-            raise StudyStateError(
-                f"storage: {spec.storage_url()!r} is SQLite, which parallel workers would lock "
-                f"('database is locked'); with resources.workers={len(slots)} use the default journal file "
-                f"(remove the storage key) or postgresql://...")
-        return slots
+        return plan_local_workers(spec)
 
     def _run_lock(self, spec: StudySpec):
         """One ``sweeps run`` per journal study at a time: a second one would race the first

@@ -53,29 +53,35 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
     if not parent:
         return
     running_ids = {t.user_attrs.get(ATTR_RUN_ID)
-                   for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+                   for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))} - {None}
     from sweeps.study_run import running_children
     from sweeps.tracking.reader import TrackingReader
 
-    for run_id in running_children(TrackingReader(tracker.tracking_uri), parent):
-        if run_id not in running_ids:
+    for run_id, client_id in running_children(TrackingReader(tracker.tracking_uri), parent):
+        if run_id not in running_ids and client_id not in running_ids:
             _close_run(tracker, run_id, "orphaned: the process running this trial died")
 
 
 def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, tracker=None,
-               tracking_uri: str | None = None, interrupted: bool = False) -> None:
+               tracking_uri: str | None = None, interrupted: bool = False) -> bool:
     """Fail another process's RUNNING trial with a reason, close its MLflow run, and
     optionally requeue its parameters. ``interrupted``: stopped by the user or the timeout,
-    not the trial's fault (it does not count toward budget.max_failures)."""
+    not the trial's fault (it does not count toward budget.max_failures). Returns False,
+    doing nothing, when the trial has already finished: on RDB storage a stale-trial check
+    (this process's monitor, or another machine's) may have failed and requeued it first."""
     # Through the storage: the trial is another process's, so there is no Trial object to set it on.
     storage, trial_id = optuna_adapter.storage_of(study), optuna_adapter.trial_id_of(t)
-    storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
-    if interrupted:
-        storage.set_trial_user_attr(trial_id, "interrupted", True)
-    storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    try:
+        storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
+        if interrupted:
+            storage.set_trial_user_attr(trial_id, "interrupted", True)
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
     frozen = storage.get_trial(trial_id)
     if requeue:
         StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
     elif frozen.user_attrs.get(ATTR_RUN_ID) and (tracker is not None or tracking_uri):
         _close_run(tracker or StaleTrialCallback(tracking_uri or "")._get_tracker(), frozen.user_attrs[ATTR_RUN_ID],
                    reason)
+    return True

@@ -19,19 +19,22 @@ import warnings
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import optuna
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.pool import NullPool
 
 from sweeps import search_space as ss
 from sweeps.backends import optuna_adapter
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
+from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED, ConstraintsFunc
 from sweeps.errors import BackendError, PathError, StudyStateError
 from sweeps.spec import StudySpec, redact_url
+from sweeps.spec_objectives import judged_by, judged_by_changes
 
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
 GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
@@ -45,6 +48,7 @@ ATTR_RUN_ID = "mlflow_run_id"
 ATTR_WORKER = "worker"
 ATTR_REASON = "fail_reason"
 ATTR_BATCH_OVERRIDES = "train_overrides"
+ATTR_JUDGED_BY = "judged_by"  # objectives, constraints, deploy (sweeps.spec_objectives.judged_by)
 ATTR_STUDY_UID = "study_uid"  # a UUID made when the study is created: its identity beyond its name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -57,15 +61,18 @@ log = logging.getLogger("sweeps")
 
 
 # ---- storage -------------------------------------------------------------------------
-def open_storage(spec: StudySpec, create: bool = True) -> optuna.storages.BaseStorage:
+def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> optuna.storages.BaseStorage:
     """Open the spec's storage. ``create=False`` (read-only commands) refuses to create a
-    journal file or database tables that are not there yet."""
+    journal file or database tables that are not there yet. ``pooled=False``: a database
+    connection only while a call runs (a caller that calls every few seconds should not hold
+    one of the server's connections between calls)."""
     url = spec.storage_url()
     if spec.is_rdb_storage():
         heartbeat_s, grace_s = heartbeat_settings()
         try:
             return RDBStorage(
-                sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True}, skip_table_creation=not create,
+                sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True} if pooled else {"poolclass": NullPool},
+                skip_table_creation=not create,
                 heartbeat_interval=heartbeat_s, grace_period=grace_s,
                 heartbeat_stale_trial_callback=_stale_trial_callback(spec.tracking_store_uri()),
             )
@@ -175,12 +182,16 @@ def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.Base
         # from the study), and the seed only shuffles the grid: the same shuffle in every
         # process, or one grid index would mean different points to different workers.
         return samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
+    # Trials rejected before training are told PRUNED with their constraint values; tpe and gp learn
+    # from them (the others draw without a model and need none).
+    constrained: dict[str, Any] = {"constraints_func": ConstraintsFunc(spec.constraints)} if spec.constraints else {}
     factories = {
         # constant_liar: running trials count as bad guesses, so parallel workers spread out.
-        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options()),
+        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options(),
+                                             **constrained),
         "random": lambda s: samplers.RandomSampler(seed=s),
         "cmaes": lambda s: samplers.CmaEsSampler(seed=s),
-        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options()),
+        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options(), **constrained),
         # One sequence for the whole study (its position is counted in the study); only the
         # random first point, drawn before the search space is known, comes from the trial.
         "qmc": lambda s: samplers.QMCSampler(seed=seed, scramble=True,
@@ -243,9 +254,9 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
         version = _versions(storage, spec.name)[-1][0] + 1
         name = f"{spec.name}-v{version}"
     name = name or spec.name
-    direction = spec.objective.direction
+    directions = spec.directions()
     if create:
-        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction=direction,
+        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, directions=directions,
                                     sampler=make_sampler(spec, worker_index), pruner=make_pruner(spec))
     else:  # read-only: create_study(load_if_exists) would append a create record to a journal
         study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(spec, worker_index),
@@ -264,9 +275,17 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
             f"(stored {[stored.get(k) for k in changed]}, spec {[wanted.get(k) for k in changed]}). "
             f"Its trials would not be comparable: restore the search section, or start a new study "
             f"with: sweeps run {spec.path} --fresh")
-    if study.direction.name.lower() != direction:
-        raise StudyStateError(f"objective.direction: study {name!r} was created to "
-                              f"{study.direction.name.lower()}, the spec says {direction}; use --fresh")
+    judged = judged_by(spec)
+    if ATTR_JUDGED_BY not in study.user_attrs:
+        if create:  # new (or made before this was stored: from now on)
+            study.set_user_attr(ATTR_JUDGED_BY, judged)
+    elif message := judged_by_changes(study.user_attrs[ATTR_JUDGED_BY], judged, name, spec.path):
+        raise StudyStateError(message)
+    stored_dirs = [d.name.lower() for d in study.directions]
+    if stored_dirs != directions:
+        field = "objective.direction" if len(directions) == 1 == len(stored_dirs) else "objectives"
+        raise StudyStateError(f"{field}: study {name!r} was created to {', '.join(stored_dirs)}, the spec says "
+                              f"{', '.join(directions)}; use --fresh")
     return study
 
 
@@ -287,6 +306,8 @@ def record_of(t: FrozenTrial, direction: str = "maximize") -> TrialRecord:
         reason=str(t.user_attrs.get(ATTR_REASON, "")),
         started=t.datetime_start.timestamp() if t.datetime_start else None,
         retry_of=t.system_attrs.get("failed_trial"),
+        values=list(t.values) if t.state == TrialState.COMPLETE and t.values else None,
+        figures=dict(t.user_attrs.get(ATTR_FIGURES) or {}), rejected=bool(t.user_attrs.get(ATTR_REJECTED)),
     )
 
 
@@ -302,7 +323,7 @@ def trial_value(t: FrozenTrial, intermediate: dict[int, float], direction: str) 
         finite = [v for v in intermediate.values() if v == v]  # NaN compares unequal to itself
         if finite:
             return max(finite) if direction == "maximize" else min(finite)
-    return t.value
+    return t.values[0] if t.values else None  # t.value raises on a trial of several objectives
 
 
 def fail_stale_trials(study: optuna.Study) -> list[int]:
@@ -365,7 +386,8 @@ def study_result(spec: StudySpec, study: optuna.Study) -> StudyResult:
     trials = [record_of(t, spec.objective.direction) for t in study.get_trials(deepcopy=False)]
     return StudyResult(name=study.study_name, backend="optuna", direction=spec.objective.direction,
                        metric=spec.objective.metric, trials=trials,
-                       parent_run_id=study.user_attrs.get(ATTR_PARENT_RUN))
+                       parent_run_id=study.user_attrs.get(ATTR_PARENT_RUN),
+                       metrics=[o.metric for o in spec.objective_list()], directions=list(spec.directions()))
 
 
 def failures_in_a_row(study: optuna.Study, since: float) -> int:

@@ -7,6 +7,7 @@ on any machine that reaches a shared RDB storage. Both run this loop.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -19,8 +20,12 @@ import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
+from core.faults import pause_here
+from sweeps import deploy_check
 from sweeps import search_space as ss
 from sweeps.backends import optuna_adapter, optuna_study
+from sweeps.backends.stale_monitor import StaleTrialMonitor
+from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
@@ -30,6 +35,7 @@ from sweeps.tracking import layout
 
 log = logging.getLogger("sweeps")
 EXIT_OK, EXIT_MAX_FAILURES = 0, 3  # `sweeps worker`'s exit codes (besides 128 + a signal's number)
+ENV_HOLD_TRIAL = "SWEEPS_HOLD_TRIAL"  # tests: see _hold_if_asked
 
 
 class _Signals:
@@ -86,8 +92,21 @@ def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s
         study = join_study(spec, worker_index, wait_s, signals.event)
         if study is None:
             return signals.exit_code()
-    else:
-        study = optuna_study.open_study(spec, worker_index=worker_index)
+        # A `sweeps worker` on its own: nobody else on this machine fails dead workers' trials on
+        # a timer (a worker of `sweeps run` or of `sweeps worker --devices` has its supervisor's).
+        monitor = StaleTrialMonitor.start_for(spec, study)
+        try:
+            return _take_trials(spec, worker_index, go, study, tracker, signals)
+        finally:
+            if monitor is not None:
+                monitor.stop()
+    study = optuna_study.open_study(spec, worker_index=worker_index)
+    return _take_trials(spec, worker_index, go, study, tracker, signals)
+
+
+def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study: optuna.Study, tracker,
+                 signals: _Signals) -> int:
+    if go is not None:
         if study.user_attrs.get(optuna_study.ATTR_STUDY_UID) != go.study_uid:  # never work for another study
             raise StudyStateError(f"study {study.study_name!r} in {redact_url(spec.storage_url())} is not the one "
                                   f"`sweeps run` started (its identity changed); run `sweeps run {spec.path}` again")
@@ -206,25 +225,18 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
             layout.TAG_STUDY_UID: uid}
     if retry_of is not None:
         tags["sweeps.retry_of_trial"] = retry_of
-    beat = _heartbeat(study, trial, beat_file)
-
-    def should_prune(epoch: int, value: float) -> bool:
-        trial.report(value, epoch)
-        return trial.should_prune()
-
-    # The folder is this trial's (the study's identity and its original number): a retry (crash,
-    # SIGTERM) resumes from the checkpoint there, and anything else found there is moved aside.
-    owner = f"{uid}:{out_dir.name}"
-    spec_trial = TrialSpec(trial.number, params, out_dir, tags=tags, overrides=overrides, owner=owner)
-
-    def on_start(run) -> None:
-        trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
-        beat()  # creating the MLflow run can take a while; the trial is alive
-
-    outcome = run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,
-                        on_start=on_start)
+    beat = progress_beat(beat_file)
+    alive = TrialAlive.start(study, optuna_adapter.trial_id_of(trial))
+    try:
+        outcome = _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides, uid, signals, beat)
+    finally:
+        if alive is not None:
+            alive.stop()
     beat()
     try:
+        if outcome.run is not None and tracker.store_run_id(outcome.run.run_id) != outcome.run.run_id:
+            # Made during an MLflow outage and on the store since: the study names the store's run.
+            trial.set_user_attr(optuna_study.ATTR_RUN_ID, tracker.store_run_id(outcome.run.run_id))
         exhausted = _record(spec, study, trial, outcome, overrides)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
         if not optuna_adapter.stored_trial(study, trial).state.is_finished():
@@ -243,15 +255,48 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     return None
 
 
+def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides, uid, signals, beat):
+    """The trial's training (through ``run_trial``, the path every backend shares) with Optuna's
+    pruning, after the test hold (``SWEEPS_HOLD_TRIAL``) if one is asked for."""
+    _hold_if_asked(beat, signals.event)
+
+    several = len(trial.study.directions) > 1
+
+    def should_prune(epoch: int, value: float) -> bool:
+        if several:  # Optuna keeps no intermediate values for several objectives; no pruner runs (spec)
+            return False
+        trial.report(value, epoch)
+        return trial.should_prune()
+
+    # The folder is this trial's (the study's identity and its original number): a retry (crash,
+    # SIGTERM) resumes from the checkpoint there, and anything else found there is moved aside.
+    owner = f"{uid}:{out_dir.name}"
+    spec_trial = TrialSpec(trial.number, params, out_dir, tags=tags, overrides=overrides, owner=owner)
+
+    def on_start(run) -> None:
+        trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
+        beat()
+
+    return run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,
+                     on_start=on_start)
+
+
 def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, overrides: dict) -> bool:
     """Store the outcome in the study (and requeue what should be retried). Returns whether
     the grid of search values is exhausted."""
     if outcome.value is not None:
         trial.set_user_attr("best_value", outcome.value)
+    if outcome.figures:  # before tell: the sampler's constraints_func reads them (sweeps.deploy_check)
+        trial.set_user_attr(deploy_check.ATTR_FIGURES, outcome.figures)
+    if outcome.rejected:
+        trial.set_user_attr(deploy_check.ATTR_REJECTED, True)
+    several = len(study.directions) > 1
+    if outcome.state == "COMPLETE" and several and outcome.values is None:
+        outcome.state, outcome.reason = "FAIL", "an objective has no value (NaN or not reported at the best epoch)"
     if outcome.reason:
         trial.set_user_attr(optuna_study.ATTR_REASON, outcome.reason)
-    if outcome.state == "COMPLETE":
-        return _tell(study, trial, values=outcome.value)
+    if outcome.state == "COMPLETE":  # one path for one objective or several
+        return _tell(study, trial, values=outcome.values if several else outcome.value)
     if outcome.state == "PRUNED":
         return _tell(study, trial, state=TrialState.PRUNED)
     if outcome.state == "INTERRUPTED":
@@ -280,35 +325,61 @@ def _tell(study: optuna.Study, trial: optuna.Trial, **kwargs) -> bool:
     return False
 
 
-def _heartbeat(study: optuna.Study, trial: optuna.Trial, beat_file: Path | None):
-    """Called by the trial about once a second: touches the worker's beat file (the local
-    orchestrator stops a trial with no progress for budget.trial_timeout) and, on RDB
-    storage, records Optuna's heartbeat so other machines can tell this worker is alive."""
-    trial_id = optuna_adapter.trial_id_of(trial)
-    rdb = optuna_adapter.heartbeat_enabled(study)
+def _hold_if_asked(beat, stop: threading.Event) -> None:
+    """For tests: with ``SWEEPS_HOLD_TRIAL=<file>``, a trial waits at its start, RUNNING (its
+    worker's heartbeat thread runs) and marking progress as a long step would, until that file
+    exists (or a signal stops it). A
+    test holds a worker busy this way for exactly as long as it needs, whatever the speed."""
+    gate = os.environ.get(ENV_HOLD_TRIAL, "")
+    while gate and not os.path.exists(gate) and not stop.wait(0.5):
+        beat()
 
-    def beat() -> None:
-        if beat_file is not None:
-            beat_file.touch()
-        if rdb:
-            optuna_adapter.record_heartbeat(study, trial_id)
 
-    beat()
-    return beat
+def spec_of(go: WorkerGo) -> StudySpec:
+    """The spec a worker runs: the snapshot ``sweeps run`` (or ``sweeps worker``) read and
+    validated, with the resources its flags override (``--devices``, ``--gpus-per-trial``), so a
+    trial holding K GPUs runs DDP over them as the supervisor planned."""
+    from sweeps.spec import spec_from_text
+
+    spec = spec_from_text(go.spec_text, go.spec_path)
+    if go.resources:
+        spec = spec.model_copy(update={"resources": spec.resources.model_copy(update=go.resources)})
+    return spec
+
+
+# What every trial imports (seconds of torch, torchmetrics with the torchvision it pulls in,
+# MLflow and its SQL store, the ONNX exporter and runtime), loaded before the go: ``sweeps run``
+# starts its workers before it sets up the study (supervisor.EarlyWorkers), so this overlaps
+# that set-up instead of following it.
+TRIAL_IMPORTS = ("torch", "torchmetrics", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train",
+                 "core.onnx_export", "torch.onnx", "onnx", "onnxruntime")
+
+
+def _quiet_exit(signum, _frame) -> None:
+    os._exit(128 + signum)  # before the go there is no trial to save, nor anything to say
 
 
 def main() -> int:
     """Entry point of a local worker started by ``sweeps run`` (``supervisor.Supervisor``): it
-    reads its go (:class:`WorkerGo`: the spec snapshot, the study, its slot) from stdin, then
-    runs the worker loop. EOF instead means stop."""
-    from sweeps.spec import spec_from_text
-
+    imports what trials use, reads its go (:class:`WorkerGo`: the spec snapshot, the study, its
+    slot) from stdin, then runs the worker loop. EOF instead means stop."""
+    # A Ctrl-C while `sweeps run` sets up is the driver's to report; this worker has nothing to
+    # save yet and leaves without a traceback (as supervisor._WORKER_BOOT set it up before any
+    # import; again here for a worker started with -m). After the go, a signal means what it
+    # always does.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _quiet_exit)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    for module in TRIAL_IMPORTS:
+        importlib.import_module(module)
+    pause_here("worker_before_go")
     line = sys.stdin.readline()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if not line.strip():
         return 0  # the orchestrator stopped before sending the go
     go = WorkerGo.from_line(line)
-    spec = spec_from_text(go.spec_text, go.spec_path)  # validated by `sweeps run` already: the same text
+    spec = spec_of(go)
     import torch
 
     # OMP_NUM_THREADS alone is not enough once torch has started its intra-op pool.

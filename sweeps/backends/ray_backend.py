@@ -12,23 +12,30 @@ shared ``sweeps.objective.run_trial``: the MLflow layout is the Optuna backend's
 
 Budget: ``n_trials`` is Ray's ``num_samples``; ``max_failures`` is Ray's per-trial
 ``FailureConfig`` (a failing trial is retried that many times from its latest
-checkpoint, then marked FAIL); ``timeout`` stops this invocation like Ctrl-C does:
-Ray saves the experiment with the running trials' checkpoints, and the next
-``sweeps run`` resumes them (Ray's ``time_budget_s`` would instead terminate them for
-good and end the search). SIGTERM does the same, with exit code 143.
+checkpoint, then marked FAIL) and, as under Optuna, that many failed trials in a row stop
+the study (exit 1, :mod:`sweeps.backends.budget_outcome`); ``timeout`` stops this
+invocation the resumable way: Ray saves the experiment with the running trials'
+checkpoints, and the next ``sweeps run`` resumes them (Ray's ``time_budget_s`` would
+instead terminate them for good and end the search). SIGTERM and SIGINT do the same,
+with exit code 143 and 130. A fit that ends with trials failed exits 1.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import signal
 import time
+import uuid
 from pathlib import Path
 
 from sweeps import search_space as ss
+from sweeps.backends import driver_faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
-from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise
+from sweeps.backends.budget_outcome import max_failures_stop, unfinished_stop
+from sweeps.backends.driver_signals import DriverSignals, stopped_by
+from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise, shutdown_ray
+from sweeps.backends.ray_live import LIVE, DriverCallback
 from sweeps.backends.ray_trainable import (
     TAG_RAY_TRIAL_ID,
     TrialContext,
@@ -40,12 +47,12 @@ from sweeps.backends.ray_trainable import (
 from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.spec import StudySpec
+from sweeps.spec_objectives import judged_by, judged_by_changes
 from sweeps.study_run import (
     find_or_create_parent,
     parent_status,
     reader_for,
     tracker_for,
-    update_parent_best,
     write_summary,
 )
 from sweeps.tracking import layout
@@ -53,7 +60,6 @@ from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.reader import TrackingReader
 
 log = logging.getLogger("sweeps")
-_LIVE: dict = {}  # the running driver's view, tracker and parent; read by _DriverCallback
 
 
 class RayBackend:
@@ -69,6 +75,10 @@ class RayBackend:
 
     # ---- run -------------------------------------------------------------------------------------
     def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+        with DriverSignals() as early:
+            return self._run(spec, fresh, quiet, early)
+
+    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, early: DriverSignals) -> StudyResult:
         from sweeps.live import LiveView
 
         tracker = tracker_for(spec)
@@ -78,23 +88,38 @@ class RayBackend:
         path.parent.mkdir(parents=True, exist_ok=True)
         with run_lock(path, study_name):
             meta = self._checked_meta(spec, study_name)
-            parent = find_or_create_parent(tracker, spec, study_name, self.name)
+            parent = find_or_create_parent(tracker, spec, study_name, self.name, study_uid=meta.get("study_uid"))
             rr.write_meta(study_name, {**meta, "parent_run_id": parent.run_id})
             view = LiveView(spec, study_name, quiet=quiet)
             try:
                 stopped, code = "", 0
                 if not _is_complete(spec, rr.load_result(spec, study_name, live=False)):
-                    stopped, code = self._fit(spec, study_name, parent, tracker, view)
+                    try:
+                        stopped, code = self._fit(spec, study_name, parent, tracker, view, meta.get("study_uid"),
+                                                  early)
+                    except Exception:  # e.g. the cluster refused this driver: the parent must not stay RUNNING
+                        with contextlib.suppress(Exception):
+                            tracker.end_run(parent, "FAILED")
+                        raise
             finally:
                 if view._live is not None:  # a failed fit must not leave the rich display running
                     view._live.stop()
                     view._live = None
             result = rr.load_result(spec, study_name, reader_for(spec), live=False)
             settle_runs(tracker, reader_for(spec), result)
+            if early.signum and not stopped:  # while it started, or before it ended
+                stopped, code = _stopped_by(early.signum)
             if not stopped and any(t.state in ("RUNNING", "WAITING") for t in result.trials):
                 stopped, code = "stopped (interrupted); run the command again to resume the unfinished trials", 130
+            elif not stopped and not _is_complete(spec, result):
+                done, failed = len(result.finished()), result.counts().get("FAIL", 0)
+                stopped, code = unfinished_stop(done, _budget_size(spec), failed, spec.path)
             result.stopped_reason = stopped
+            driver_faults.ending()
             write_summary(tracker, parent, result)
+            if early.signum and code < 128:  # while it ended: the summary above is complete
+                stopped, code = _stopped_by(early.signum)
+                result.stopped_reason = stopped
             tracker.end_run(parent, parent_status(result, code))  # reopened by the next invocation
             view.finish(result)
         result.exit_code = code
@@ -114,8 +139,19 @@ class RayBackend:
                   "sampler": spec.sampler.model_dump(), "pruner": spec.pruner.model_dump(),
                   "direction": spec.objective.direction, "metric": spec.objective.metric}
         stored = rr.read_meta(study_name)
+        if (stored is not None and stored.get("joined") is False and all(stored.get(k) == wanted[k] for k in wanted)
+                and stored.get("judged_by") == judged_by(spec)):
+            # The last driver never joined Ray (a missing token, a wrong ray_address): no trial
+            # ran, so this is the same study, with the same parent run.
+            return {**stored, "spec_hash": spec.spec_hash()}
         if stored is None or not (rr.ray_root() / study_name).exists():
-            return {**wanted, "spec_hash": spec.spec_hash(), "created": time.time()}
+            # A new identity, also for a name reused after runs/ray/<study> was deleted: its parent
+            # run and trial folders are its own, never the old study's (sweeps.trial_folder).
+            return {**wanted, "spec_hash": spec.spec_hash(), "created": time.time(), "study_uid": uuid.uuid4().hex,
+                    "judged_by": judged_by(spec), "joined": False}
+        judged = judged_by(spec)
+        if message := judged_by_changes(stored.get("judged_by", judged), judged, study_name, spec.path):
+            raise StudyStateError(message)
         changed = sorted(k for k in wanted if stored.get(k) != wanted[k])
         if changed:
             raise StudyStateError(
@@ -125,7 +161,8 @@ class RayBackend:
                 f"new study with: sweeps run {spec.path or '<spec>'} --fresh")
         return stored
 
-    def _fit(self, spec: StudySpec, study_name: str, parent: RunHandle, tracker, view) -> tuple[str, int]:
+    def _fit(self, spec: StudySpec, study_name: str, parent: RunHandle, tracker, view,
+             study_uid: str | None, early: DriverSignals) -> tuple[str, int]:
         import ray
         from ray import tune
         from ray.tune.logger import JsonLoggerCallback
@@ -141,13 +178,25 @@ class RayBackend:
         # Ray's own tables and tracebacks stay in its files (error.txt per trial).
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
         os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
+        # SIGINT is handled as SIGTERM is (ray_cluster.Interrupts): Ray's own handler would end
+        # the fit without telling this driver, which then could not say it was interrupted.
+        os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
         quiet_ray_noise()
-        started_ray = init_ray(spec)
+        if early.signum:
+            return _stopped_by(early.signum)
+        started_ray = False
+        with early.around_ray_init():
+            started_ray = init_ray(spec)
+            driver_faults.starting()
         try:
+            if (meta := rr.read_meta(study_name) or {}).get("joined") is False:  # from now on trials may run
+                rr.write_meta(study_name, {**meta, "joined": True})
+            if early.signum:
+                return _stopped_by(early.signum)
             res = plan_resources(spec, ray.cluster_resources())
             ctx = TrialContext(spec=spec, study_name=study_name, parent=parent,
                                trials_dir=str(trials_dir(study_name)), cwd=os.getcwd(), threads=res.threads,
-                               gpus=res.gpus)
+                               gpus=res.gpus, study_uid=study_uid)
             trainable = tune.with_resources(make_trainable(ctx), {"cpu": res.cpus, "gpu": res.gpus})
             path = rr.ray_root() / study_name
             if tune.Tuner.can_restore(str(path)):
@@ -167,29 +216,37 @@ class RayBackend:
                         # otherwise the latest two are enough to resume or retry a trial.
                         checkpoint_config=tune.CheckpointConfig(
                             num_to_keep=None if spec.pruner.name == "pbt" else 2),
-                        callbacks=[_DriverCallback(), JsonLoggerCallback()]))
-            _LIVE.update(spec=spec, study=study_name, tracker=tracker, parent=parent, view=view, history={},
-                         drawn=0.0)
-            with Interrupts(spec.timeout_seconds()) as interrupts:
+                        callbacks=[DriverCallback(), JsonLoggerCallback()]))
+            with Interrupts(spec.timeout_seconds(), early) as interrupts:
+                LIVE.update(spec=spec, study=study_name, tracker=tracker, parent=parent, view=view, history={},
+                            drawn=0.0, ended=[], interrupts=interrupts)
                 tuner.fit()
         finally:
-            _LIVE.clear()
+            LIVE.clear()
             if started_ray:
-                ray.shutdown()
+                shutdown_ray()
+                early.reinstall()  # ray.shutdown resets SIGTERM: the end of the study must not die on one
         if interrupts.signum:
-            name = signal.Signals(interrupts.signum).name
-            return (f"stopped by {name}; running trials were checkpointed and resume on the next sweeps run",
-                    128 + interrupts.signum)
+            return _stopped_by(interrupts.signum)
+        if interrupts.stop_reason == "max_failures":
+            return max_failures_stop(spec.budget.max_failures)
         if interrupts.timed_out:
             return f"stopped: budget.timeout ({spec.budget.timeout}) reached; run the command again to continue", 0
         return "", 0
 
 
+def _stopped_by(signum: int) -> tuple[str, int]:
+    return stopped_by(signum, "running trials were checkpointed and resume on the next sweeps run")
+
+
 def _is_complete(spec: StudySpec, result: StudyResult) -> bool:
     """Every trial of the budget finished (COMPLETE or PRUNED): nothing for Ray to do.
     Failed trials are retried by the next run (``resume_errored``)."""
-    total = ss.grid_size(spec.search) if spec.sampler.name == "grid" else spec.budget.n_trials
-    return len(result.trials) >= total and all(t.state in ("COMPLETE", "PRUNED") for t in result.trials)
+    return len(result.trials) >= _budget_size(spec) and all(t.state in ("COMPLETE", "PRUNED") for t in result.trials)
+
+
+def _budget_size(spec: StudySpec) -> int:
+    return ss.grid_size(spec.search) if spec.sampler.name == "grid" else spec.budget.n_trials
 
 
 # ---- where ---------------------------------------------------------------------------------------
@@ -198,66 +255,8 @@ def trials_dir(study_name: str) -> Path:
 
 
 # ---- while the fit runs ---------------------------------------------------------------------------
-try:
-    from ray.tune import Callback as _Callback
-except ImportError:  # pragma: no cover - ray is a dependency; keeps `import sweeps` light if absent
-    _Callback = object  # type: ignore[misc,assignment]  # a plain base class without Ray
-
-
-class _DriverCallback(_Callback):
-    """Keeps the live view and the parent run's best trial current. It holds no state of
-    its own (Ray pickles it into the experiment): it reads the running driver's ``_LIVE``."""
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        if not _LIVE:
-            return
-        if result.get("epoch"):
-            _LIVE["history"].setdefault(trial.trial_id, []).append(result)
-        if time.monotonic() - _LIVE["drawn"] > 0.5:
-            _LIVE["drawn"] = time.monotonic()
-            _LIVE["view"].update_result(self._result(trials))
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self._finished(trials, trial, "TERMINATED")
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self._finished(trials, trial, "ERROR")
-
-    def on_trial_recover(self, iteration, trials, trial, **info):
-        if _LIVE:
-            number = rr.trial_number(trial)
-            _LIVE["view"].console.print(f"trial {number} failed ({rr.error_reason(trial) or 'see its error.txt'}); "
-                                        f"retry {trial.num_failures} of {_LIVE['spec'].budget.max_failures} "
-                                        "from its last checkpoint", markup=False, highlight=False)
-
-    def _finished(self, trials, trial, status) -> None:
-        if not _LIVE:
-            return
-        result = self._result(trials, {trial.trial_id: status})
-        try:
-            update_parent_best(_LIVE["tracker"], _LIVE["parent"], result)
-        except Exception as exc:  # noqa: BLE001 - the summary at the end writes it again
-            log.warning("could not update the study's parent run: %s", exc)
-        _LIVE["view"].update_result(result)
-
-    @staticmethod
-    def _result(trials, status: dict | None = None) -> StudyResult:
-        spec = _LIVE["spec"]
-        records = []
-        for t in trials:
-            rows = _LIVE["history"].get(t.trial_id, [])
-            records.append(rr.record_of(_StatusView(t, (status or {}).get(t.trial_id)), spec, rows, live=True))
-        return rr.study_result(spec, _LIVE["study"], records, _LIVE["parent"].run_id)
-
-
-class _StatusView:
-    """A live Ray trial with its status as the callback knows it (Ray sets it just after)."""
-
-    def __init__(self, trial, status: str | None) -> None:
-        self._trial, self.status = trial, status or trial.status
-
-    def __getattr__(self, name):
-        return getattr(self._trial, name)
+# Experiments started before the callback moved to ray_live pickled it under this name.
+_DriverCallback = DriverCallback
 
 
 # ---- after the fit: MLflow runs follow the final Ray states ------------------------------------------
@@ -296,6 +295,8 @@ def settle_runs(tracker: Tracker, reader: TrackingReader, result: StudyResult) -
             new_tags = {layout.TAG_STATE: "WAITING",
                         "sweeps.reason": "interrupted; resumes from its last checkpoint on the next sweeps run"}
             drop = (layout.TAG_PRUNED,)
+        elif status == "RUNNING":  # COMPLETE, but its actor died before the end reached MLflow
+            want, new_tags, drop = "FINISHED", {layout.TAG_STATE: "COMPLETE"}, (layout.TAG_PRUNED,)
         else:
             continue  # COMPLETE: closed FINISHED by run_trial itself
         if status == want and all(tags.get(k) == str(v) for k, v in new_tags.items()) \

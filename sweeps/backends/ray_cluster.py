@@ -12,8 +12,24 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from sweeps.backends.driver_signals import DriverSignals
+from sweeps.backends.ray_guardian import Guardian
 from sweeps.errors import BackendError
 from sweeps.spec import StudySpec
+
+_GUARDIANS: list[Guardian] = []  # of the local Ray this process started (at most one)
+
+
+def shutdown_ray() -> None:
+    """Disconnect, and stop the local Ray this process started: every process of it has
+    ended when this returns (sweeps.backends.ray_guardian)."""
+    import ray
+
+    try:
+        ray.shutdown()
+    finally:
+        while _GUARDIANS:
+            _GUARDIANS.pop().finish()
 
 
 def init_ray(spec: StudySpec) -> bool:
@@ -40,13 +56,25 @@ def init_ray(spec: StudySpec) -> bool:
         # cores (an editor, a data job, other tests) the trials, the study's only work, got 3% of
         # a core under `taskset -c 0` with a busy loop. The raylet we start reads this at launch.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        with _visible_devices(devices):
-            ray.init(num_cpus=cpu_threads_available(), num_gpus=num_gpus, include_dashboard=False,
-                     object_store_memory=256 * 2**20, **kwargs)
+        guardian = Guardian().start()  # the local Ray we start ends with this driver, however it ends
+        try:
+            with _visible_devices(devices):
+                ray.init(num_cpus=cpu_threads_available(), num_gpus=num_gpus, include_dashboard=False,
+                         object_store_memory=256 * 2**20, **kwargs)
+        except BaseException:
+            guardian.finish()
+            raise
+        guardian.started_ray()
+        _GUARDIANS.append(guardian)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
+        # Ray 2.60's token authentication (ray/_private/authentication): a head started with
+        # RAY_AUTH_MODE=token refuses a driver that lacks its token.
         raise BackendError(f"cannot start or join {where}: {exc}. Check resources.ray_address "
-                           "(auto, or host:port of a running head node: `ray start --head`)") from exc
+                           "(auto, or host:port of a running head node: `ray start --head`) and, if the head "
+                           "uses token authentication (RAY_AUTH_MODE=token), that this driver has its token: "
+                           "RAY_AUTH_MODE=token with RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH (default "
+                           "~/.ray/auth_token)") from exc
     return True
 
 
@@ -114,13 +142,17 @@ def _worker_pythonpath(spec: StudySpec) -> dict[str, str]:
 
 
 class Interrupts:
-    """SIGTERM and ``budget.timeout`` stop the fit the way Ctrl-C does: Ray's handler for
-    SIGUSR1 (installed while ``fit`` runs) saves the experiment with the running trials,
-    which resume on the next run. The signal is repeated until ``fit`` has seen it, since
-    the handler is only there once the fit has started."""
+    """SIGTERM, SIGINT, ``budget.timeout`` and :meth:`stop` end the fit the resumable way:
+    Ray's handler for SIGUSR1 (installed while ``fit`` runs) saves the experiment with the
+    running trials, which resume on the next run. The signal is repeated until ``fit`` has
+    seen it, since the handler is only there once the fit has started. SIGINT is taken here,
+    not by Ray (``TUNE_DISABLE_SIGINT_HANDLER``), so that ``kill -INT`` of the driver alone
+    and Ctrl-C of the whole terminal are both seen, and both exit 130."""
 
-    def __init__(self, timeout_s: float | None) -> None:
+    def __init__(self, timeout_s: float | None, early: DriverSignals | None = None) -> None:
         self.timeout_s, self.signum, self.timed_out = timeout_s, None, False
+        self._early = early
+        self.stop_reason = ""  # why stop() was called (e.g. "max_failures")
         self._done = threading.Event()
         self._poking = threading.Event()
         self._old: dict = {}
@@ -130,13 +162,21 @@ class Interrupts:
         if threading.current_thread() is not threading.main_thread():
             return self  # signals need the main thread; a timeout is then not enforced
         self._old = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda *_: None),
-                     signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_term)}
+                     signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_term),
+                     signal.SIGINT: signal.signal(signal.SIGINT, self._on_term)}
         if self.timeout_s:
             self._start(self._deadline)
+        if self._early is not None and self._early.signum:  # arrived just before the fit began
+            self._on_term(self._early.signum, None)
         return self
 
     def _on_term(self, signum, _frame) -> None:
-        self.signum = signum
+        self.signum = self.signum or signum  # the first signal names the stop
+        self._start(self._poke)
+
+    def stop(self, reason: str) -> None:
+        """End the fit (from a Ray callback): ``reason`` says why, for the verdict."""
+        self.stop_reason = self.stop_reason or reason
         self._start(self._poke)
 
     def _deadline(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -25,6 +26,7 @@ from typing import Any, TypeGuard
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.ray_trainable import (
     R_DONE,
+    R_FIGURE_PREFIX,
     R_NUMBER,
     R_REASON,
     R_RUN_ID,
@@ -32,6 +34,7 @@ from sweeps.backends.ray_trainable import (
     R_VALUE,
     TAG_RAY_TRIAL_ID,
     number_of,
+    r_objective,
 )
 from sweeps.backends.run_lock import run_lock_held
 from sweeps.spec import StudySpec
@@ -135,11 +138,22 @@ def record_of(trial, spec: StudySpec, rows: Iterable[dict], live: bool) -> Trial
     times = [(ts, dt) for ts, dt in stamps if _finite(ts) and _finite(dt)]
     total = sum(dt for _, dt in times) if times else last.get("time_total_s")
     started = min(ts - dt for ts, dt in times) if times else None
+    if not total and live and status == "ERROR":
+        # Failed before its first report (e.g. in the task's set-up): its time is from Ray's
+        # start of the trial to now, the moment the driver learns of the failure.
+        began = getattr(getattr(trial, "run_metadata", None), "start_time", None)
+        if _finite(began):
+            total, started = max(time.time() - began, 0.0), began
     params = {k: trial.config[k] for k in spec.search if k in (trial.config or {})}
+    n = len(spec.objective_list())
+    told = [last.get(r_objective(i)) for i in range(n)] if n > 1 and state == "COMPLETE" else []
+    values = [float(v) for v in told if _finite(v)]  # what OptunaSearch was told; None unless all are there
+    figures = {k[len(R_FIGURE_PREFIX):]: float(v) for k, v in last.items() if k.startswith(R_FIGURE_PREFIX)}
     return TrialRecord(number=trial_number(trial), state=state, params=params,
                        value=None if value is None else float(value), duration_s=total,
                        run_id=last.get(R_RUN_ID) or None, intermediate=intermediate, reason=reason,
-                       started=started)
+                       started=started, figures=figures,
+                       values=values if told and len(values) == n else None)
 
 
 def error_reason(trial) -> str:
@@ -169,7 +183,8 @@ def study_result(spec: StudySpec, study_name: str, records: list[TrialRecord],
                  parent_run_id: str | None) -> StudyResult:
     return StudyResult(name=study_name, backend="ray", direction=spec.objective.direction,
                        metric=spec.objective.metric, trials=sorted(records, key=lambda t: t.number),
-                       parent_run_id=parent_run_id)
+                       parent_run_id=parent_run_id, metrics=[o.metric for o in spec.objective_list()],
+                       directions=list(spec.directions()))
 
 
 def load_result(spec: StudySpec, study_name: str, reader=None, live: bool | None = None) -> StudyResult:
@@ -220,6 +235,8 @@ def fill_from_mlflow(reader: TrackingReader, result: StudyResult) -> None:
         if run is None:
             continue
         t.run_id = t.run_id or run.info.run_id
+        if not t.duration_s and run.info.end_time and run.info.start_time:
+            t.duration_s = (run.info.end_time - run.info.start_time) / 1000  # failed before any report
         if t.state == "FAIL" and not t.reason:
             t.reason = run.data.tags.get(layout.TAG_ERROR, "")
         if t.state in ("RUNNING", "WAITING") and ended_for_good(run):

@@ -4,7 +4,7 @@ Choosing what to try (search algorithm) stays apart from stopping trials (schedu
   sampler random -> BasicVariantGenerator(random_state=seed) over ``search_space.to_ray_space``
   sampler grid   -> BasicVariantGenerator over ``search_space.ray_grid_space`` (the whole grid once)
   sampler tpe    -> OptunaSearch(TPESampler(seed, constant_liar)) over the same Optuna
-                    distributions the optuna backend uses
+                    distributions the optuna backend uses (several objectives: a list of metrics)
   pruner asha      -> ASHAScheduler(grace_period=min_resource, reduction_factor, max_t=epochs)
   pruner hyperband -> HyperBandScheduler(reduction_factor, max_t=epochs)
   pruner median    -> MedianStoppingRule(grace_period=warmup_epochs, min_samples_required=2)
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sweeps import search_space as ss
-from sweeps.backends.ray_trainable import R_OBJECTIVE
+from sweeps.backends.ray_trainable import R_OBJECTIVE, r_objective
 from sweeps.errors import BackendError
 from sweeps.pool import auto_cpu_workers
 from sweeps.spec import StudySpec
@@ -53,8 +53,15 @@ def make_search(spec: StudySpec, workers: int) -> tuple[Any, dict, int, int]:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, **spec.sampler.model_options())
-        searcher = OptunaSearch(space=ss.optuna_distributions(spec.search), metric=R_OBJECTIVE,
-                                mode=_mode(spec), sampler=sampler)
+        objectives = spec.objective_list()
+        # Several objectives: OptunaSearch makes its study with one direction per metric and is told
+        # the final report's value of each (it ignores per-epoch reports then: nothing to prune by).
+        metric: str | list[str] = ([r_objective(i) for i in range(len(objectives))] if len(objectives) > 1
+                                   else R_OBJECTIVE)
+        mode: str | list[str] = ([("max" if o.direction == "maximize" else "min") for o in objectives]
+                                 if len(objectives) > 1 else _mode(spec))
+        searcher = OptunaSearch(space=ss.optuna_distributions(spec.search), metric=metric, mode=mode,
+                                sampler=sampler)
         return ConcurrencyLimiter(searcher, max_concurrent=workers), {}, spec.budget.n_trials, 1
     raise BackendError(f"sampler.name: {name!r} cannot run on the ray backend; use random, grid or tpe")
 

@@ -26,20 +26,22 @@ Runs inside a Ray actor. The MLflow layout, params, artifacts and status mapping
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import socket
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
+from sweeps.backends.ray_continuing_run import ContinuingTracker, logged_up_to
+from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
-from sweeps.tracking.base import RunHandle, RunStatus, Tracker
+from sweeps.tracking.base import RunHandle
 
 if TYPE_CHECKING:
     from sweeps.tracking.reader import TrackingReader
@@ -50,7 +52,20 @@ TAG_RAY_NODE = "sweeps.ray_node"
 R_NUMBER, R_RUN_ID, R_DONE, R_STATE, R_VALUE, R_REASON = (
     "sweeps_number", "sweeps_run_id", "sweeps_done", "sweeps_state", "sweeps_value", "sweeps_reason")
 R_OBJECTIVE = "sweeps_objective"  # best objective so far: what the searcher (TPE) learns from
-STOP_WAIT_S = 120.0  # how long an actor being stopped waits for its trial to close its MLflow run
+R_FIGURE_PREFIX = "sweeps_figure__"  # final report: each deployment figure (sweeps.deploy_check)
+
+
+def r_objective(i: int) -> str:
+    """Final report of a study of several objectives: objective ``i``'s value (OptunaSearch's metric list)."""
+    return f"{R_OBJECTIVE}_{i}"
+
+
+def stop_wait_seconds() -> float:
+    """How long an actor being stopped waits for its trial to stop at a step and close its MLflow
+    run: the Optuna backend's grace for a worker (SWEEPS_STOP_GRACE_S, default 60)."""
+    from sweeps.backends.supervisor import stop_grace_seconds
+
+    return stop_grace_seconds()
 
 
 class TrialNamer:
@@ -87,6 +102,7 @@ class TrialContext:
     cwd: str  # the driver's working directory: relative paths in the spec mean the same
     threads: int  # torch threads per trial (the trial's CPU share)
     gpus: float = 0.0  # GPUs per trial; Ray sets CUDA_VISIBLE_DEVICES for trials that have some
+    study_uid: str | None = None  # the study's identity (None: started before studies had one on Ray)
 
 
 class TrialActorMixin:
@@ -118,7 +134,10 @@ def _join_trial_thread() -> None:
 
     session = get_session()
     if session is not None and session.training_started and session.training_thread.is_alive():
-        session.finish(timeout=STOP_WAIT_S)
+        stop = _CURRENT.get("stop")
+        if stop is not None:
+            stop.set()  # stop at the next optimizer step, with a checkpoint, not at the epoch's end
+        session.finish(timeout=stop_wait_seconds())
 
 
 def make_trainable(ctx: TrialContext):
@@ -132,6 +151,7 @@ def make_trainable(ctx: TrialContext):
 
 
 # ---- one trial -----------------------------------------------------------------------------------
+_CURRENT: dict[str, threading.Event] = {}  # "stop": the running trial's stop request (one trial per actor)
 _TRACKERS: dict[str, Any] = {}  # one tracker per actor process (actors are reused between trials)
 _TRACKERS_LOCK = threading.Lock()
 
@@ -150,7 +170,7 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     import torch
     from ray import tune
 
-    from sweeps.objective import TrialSpec, run_trial, trial_config
+    from sweeps.objective import TrialSpec
 
     spec = ctx.spec
     if os.path.isdir(ctx.cwd):
@@ -166,7 +186,6 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     trial_id, number = context.get_trial_id(), number_of(context.get_trial_name())
     params = {k: config[k] for k in spec.search if k in config}
     out_dir = Path(ctx.trials_dir) / f"trial-{number:04d}"
-    epochs = trial_config(spec, params).epochs
     tags: dict[str, Any] = {TAG_RAY_TRIAL_ID: trial_id, TAG_RAY_NODE: node_description()}
 
     from sweeps.study_run import reader_for
@@ -174,46 +193,91 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     reader = reader_for(spec)
     existing = reader.find_run(ctx.parent.experiment_id, {layout.PARENT_TAG: ctx.parent.run_id,
                                                           TAG_RAY_TRIAL_ID: trial_id})
-    objective, maximize = spec.objective.metric, spec.objective.direction == "maximize"
     if existing is not None:
-        final = finished_report(reader, existing.run_id, objective, number)
+        hung = reader.get_run(existing.run_id).data.tags.get(TAG_HUNG)
+        if hung:  # budget.trial_timeout stopped it: never resumed into the same hang
+            raise RuntimeError(f"trial {number} failed: {hung}")
+        final = finished_report(reader, existing.run_id, spec.objective.metric, number)
         if final is not None:
             # MLflow says the trial finished (the driver died before Ray recorded it): report
             # its result again instead of training (and reopening its run) a second time.
-            tune.report(final)
+            tune.report({**final, **final_values(spec, reader.get_run(existing.run_id), final)})
             return
 
-    checkpoint = tune.get_checkpoint()
-    resume = False
-    if checkpoint is not None:
-        with checkpoint.as_directory() as folder:
-            donor = restore_checkpoint(Path(folder), out_dir, params)
-        if donor is not None and donor.get("final") and donor["trial_id"] == trial_id:
-            # Finished before the driver died (Ray had not recorded it yet): report, don't rerun.
-            tune.report(donor["final"])
-            return
-        resume = True
-        if donor is not None and (donor["trial_id"] != trial_id or donor["params"] != params):
-            tags.update({"sweeps.pbt_params": json.dumps(params), "sweeps.pbt_from": donor["number"]})
-    else:
-        clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
+    with _own_folder(ctx, out_dir, trial_id, number) as moved:
+        if moved is not None:
+            tags["sweeps.moved_aside"] = str(moved)
+        checkpoint = tune.get_checkpoint()
+        resume = False
+        if checkpoint is not None:
+            with checkpoint.as_directory() as folder:
+                donor = restore_checkpoint(Path(folder), out_dir, params)
+            if donor is not None and donor.get("final") and donor["trial_id"] == trial_id:
+                # Finished before the driver died (Ray had not recorded it yet): report, don't rerun.
+                tune.report(donor["final"])
+                return
+            resume = True
+            if donor is not None and (donor["trial_id"] != trial_id or donor["params"] != params):
+                tags.update({"sweeps.pbt_params": json.dumps(params), "sweeps.pbt_from": donor["number"]})
+        else:
+            clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
+        _train(ctx, reader, existing, TrialSpec(number, params, out_dir, resume=resume, tags=tags,
+                                                        log_resumed_curves=existing is None), trial_id)
 
-    tracker = ContinuingTracker(_tracker(spec), existing)
+
+@contextlib.contextmanager
+def _own_folder(ctx: TrialContext, out_dir: Path, trial_id: str, number: int):
+    """The trial folder, held for this Ray trial of this study (sweeps.trial_folder) before
+    anything is written to it: another study's files there (a study name reused after its
+    runs/ray/<study> was deleted) are moved aside, never overwritten. Studies started before
+    sweeps gave Ray studies an identity have none: their folders are used as they are."""
+    if ctx.study_uid is None:
+        yield None
+        return
+    from sweeps import trial_folder
+
+    # Parameters are not part of the owner: a PBT exploit changes them within the same trial.
+    with trial_folder.claimed(out_dir, f"{ctx.study_uid}:{trial_id}:trial-{number:04d}", {}) as moved:
+        yield moved
+
+
+def _train(ctx: TrialContext, reader, existing: RunHandle | None, trial, trial_id: str) -> None:
+    """Train the trial (its folder holds what it resumes from) and report its end to Ray."""
+    from sweeps.objective import run_trial, trial_config
+
+    spec, number, params, out_dir = ctx.spec, trial.number, trial.params, trial.out_dir
+    epochs = trial_config(spec, params).epochs
+    objective, maximize = spec.objective.metric, spec.objective.direction == "maximize"
+    n_objectives = len(spec.objective_list())
+    several = [r_objective(i) for i in range(n_objectives)] if n_objectives > 1 else []
+    tracker = ContinuingTracker(_tracker(spec), existing,
+                                logged_up_to(reader, existing.run_id) if existing is not None else None)
     state: dict[str, Any] = {"stopped": False, "best": None, "run_id": existing.run_id if existing else None}
+
+    def on_hung(reason: str) -> None:  # budget.trial_timeout: the run says why, then the actor is killed
+        if state.get("run") is not None:
+            tracker.inner.log(state["run"], tags={layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason, TAG_HUNG: reason})
+            tracker.inner.end_run(state["run"], "FAILED")
+
+    limit = spec.trial_timeout_seconds()
+    watchdog = HangWatchdog(limit, spec.budget.trial_timeout, on_hung) if limit else None
 
     def base_metrics(epoch: int, value: float) -> dict:
         best = state["best"]
         if best is None or (value > best if maximize else value < best):
             state["best"] = best = value
+        # Several objectives: Ray wants the searcher's metrics in every result; only the final
+        # report's values are told to it (NaN until then).
         return {"epoch": epoch, objective: value, R_OBJECTIVE: best, R_NUMBER: number,
-                R_RUN_ID: state["run_id"] or ""}
+                R_RUN_ID: state["run_id"] or "", **dict.fromkeys(several, math.nan)}
 
     def should_prune(epoch: int, value: float) -> bool:
         metrics = base_metrics(epoch, value)
         if epoch >= epochs:
             return False  # reported once the trial has finished (below)
         try:
-            report_with_checkpoint(metrics, out_dir, trial_id, number, params)
+            with watchdog.paused() if watchdog is not None else contextlib.nullcontext():
+                report_with_checkpoint(metrics, out_dir, trial_id, number, params)
         except SystemExit:
             # Ray took the trial off this actor (scheduler STOP/PAUSE or the experiment ended).
             state["stopped"] = True
@@ -221,12 +285,20 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
         return False
 
     def on_start(run: RunHandle) -> None:
-        state["run_id"] = run.run_id
+        state["run_id"], state["run"] = run.run_id, run
 
-    trial = TrialSpec(number, params, out_dir, resume=resume, tags=tags, log_resumed_curves=existing is None)
-    outcome = run_trial(spec, tracker, ctx.parent, trial, "ray", should_prune, threading.Event(),
-                        on_start=on_start)
-    if state["stopped"]:
+    # Ray stopping the actor (the end of the fit: a signal, budget.timeout) sets this: the
+    # trial stops at its next optimizer step rather than at the end of its epoch.
+    interrupt = _CURRENT["stop"] = threading.Event()
+    if watchdog is not None:
+        watchdog.start()
+    try:
+        outcome = run_trial(spec, tracker, ctx.parent, trial, "ray", should_prune, interrupt,
+                            heartbeat=watchdog.beat if watchdog else None, on_start=on_start)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    if state["stopped"] or (interrupt.is_set() and outcome.state == "INTERRUPTED"):
         raise SystemExit(0)  # Ray's runner thread treats this as a clean stop
     if outcome.state in ("FAIL", "INTERRUPTED"):
         # Ray retries the trial from its latest checkpoint (FailureConfig), then marks it ERROR.
@@ -234,11 +306,15 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     history = outcome.result.history if outcome.result is not None else []
     last = history[-1] if history else None
     metrics = base_metrics(int(last["epoch"]), last[objective]) if last else {
-        "epoch": 0, objective: math.nan, R_OBJECTIVE: math.nan, R_NUMBER: number, R_RUN_ID: state["run_id"] or ""}
+        "epoch": 0, objective: math.nan, R_OBJECTIVE: math.nan, R_NUMBER: number, R_RUN_ID: state["run_id"] or "",
+        **dict.fromkeys(several, math.nan)}
     metrics.update({R_DONE: 1, R_STATE: outcome.state, R_REASON: outcome.reason or "",
                     R_VALUE: math.nan if outcome.value is None else float(outcome.value)})
     if outcome.value is not None:
         metrics[R_OBJECTIVE] = float(outcome.value)  # best over every epoch, also those before a resume
+    metrics.update({R_FIGURE_PREFIX + k: float(v) for k, v in outcome.figures.items()})
+    if several and outcome.values is not None:
+        metrics.update({r_objective(i): v for i, v in enumerate(outcome.values)})
     report_with_checkpoint(metrics, out_dir, trial_id, number, params, final=True)
 
 
@@ -266,6 +342,23 @@ def finished_report(reader: TrackingReader, run_id: str, objective: str, number:
             R_NUMBER: number, R_RUN_ID: run_id, R_DONE: 1, R_STATE: state, R_REASON: reason, R_VALUE: value}
 
 
+def final_values(spec, run, final: dict) -> dict:
+    """For several objectives: each one's value from the finished run (the searcher's metrics and
+    the figures ``_train`` would have reported): a deployment metric as logged, the trained
+    objective as the run's ``objective``; NaN for what the run does not hold."""
+    from sweeps.spec_objectives import DEPLOY_METRICS, is_deploy_metric
+
+    objectives = spec.objective_list()
+    if len(objectives) < 2:
+        return {}
+    metrics = run.data.metrics
+    values = {r_objective(i): metrics.get(o.metric, math.nan) if is_deploy_metric(o.metric)
+              else final[R_VALUE] if o.metric == spec.objective.metric else math.nan
+              for i, o in enumerate(objectives)}
+    figures = {R_FIGURE_PREFIX + k: v for k, v in metrics.items() if k in DEPLOY_METRICS or is_deploy_metric(k)}
+    return {**values, **figures}
+
+
 def _is_local_store(uri: str) -> bool:
     return uri.startswith(("sqlite:", "file:")) or "://" not in uri
 
@@ -281,39 +374,3 @@ def node_description() -> str:
     except Exception:  # noqa: BLE001 - only a label
         node_id, ip = "?", "?"
     return f"{socket.gethostname()}/{ip}/{node_id}"
-
-
-# ---- one MLflow run per Ray trial ----------------------------------------------------------------
-class ContinuingTracker:
-    """The trial's Tracker, around the actor's own. A Ray trial that starts again (a retry
-    after a crash, a pause, a PBT exploit, a restored experiment) continues its own MLflow
-    run ``existing``: ``start_run`` reopens it (RUNNING again, the stale end-of-run tags
-    removed), and its params and resolved config, logged at the first start, are kept
-    (PBT's new params are in tags). With ``existing`` None it is the inner tracker."""
-
-    _STALE_TAGS = (layout.TAG_PRUNED, layout.TAG_ERROR, "sweeps.reason", "sweeps.traceback")
-
-    def __init__(self, inner: Tracker, existing: RunHandle | None) -> None:
-        # Public: TrialExtras reaches the MlflowTracker through ``inner`` and asks ``existing``
-        # whether the run continues (its system metrics go on from their last step).
-        self.inner, self.existing = inner, existing
-
-    def start_run(self, run: str | RunHandle, *, experiment: str | None = None,
-                  parent: RunHandle | None = None, tags: Mapping[str, Any] | None = None) -> RunHandle:
-        if self.existing is None:
-            return self.inner.start_run(run, experiment=experiment, parent=parent, tags=tags)
-        return self.inner.start_run(self.existing, tags={**dict.fromkeys(self._STALE_TAGS), **(tags or {})})
-
-    def log(self, run: RunHandle, *, params: Mapping[str, Any] | None = None,
-            tags: Mapping[str, Any] | None = None) -> None:
-        self.inner.log(run, params=params if self.existing is None else None, tags=tags)
-
-    def log_metrics(self, run: RunHandle, metrics: Mapping[str, float], step: int) -> None:
-        self.inner.log_metrics(run, metrics, step)
-
-    def log_artifact(self, run: RunHandle, artifact: Any, path: str | None = None) -> None:
-        if self.existing is None or path != layout.ART_CONFIG:
-            self.inner.log_artifact(run, artifact, path)
-
-    def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
-        self.inner.end_run(run, status)

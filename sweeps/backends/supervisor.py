@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,9 +26,13 @@ from optuna.trial import TrialState
 
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
+from sweeps.backends.budget_outcome import max_failures_stop
+from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
+from sweeps.durations import env_seconds
 from sweeps.pool import WorkerSlot
 from sweeps.spec import StudySpec
+from sweeps.worker_identity import boot_id, worker_identity
 
 log = logging.getLogger("sweeps")
 _PR_SET_PDEATHSIG = 1
@@ -39,11 +42,7 @@ CRASH_LOOP = 3  # workers in a row that die before their first trial stop the st
 
 
 def stop_grace_seconds() -> float:
-    text = os.environ.get(ENV_STOP_GRACE, "").strip()
-    try:
-        return max(0.0, float(text)) if text else STOP_GRACE_S
-    except ValueError:
-        return STOP_GRACE_S
+    return env_seconds(ENV_STOP_GRACE, STOP_GRACE_S)
 
 
 def _die_with_parent() -> None:
@@ -68,6 +67,55 @@ def describe_exit(returncode: int) -> str:
     return f"its worker process exited with code {returncode} in the middle of the trial"
 
 
+WORKER_MODULE = "sweeps.backends.optuna_worker"
+# A worker's first lines: SIGINT and SIGTERM end it quietly (128 + n) before anything is imported,
+# so a Ctrl-C while `sweeps run` sets up (its workers still importing, the packages' __init__s
+# included) prints no traceback; the worker sets its own handlers once it has its go. The module
+# is its own argument, so `ps` shows which process this is.
+_WORKER_BOOT = ("import os, runpy, signal, sys\n"
+                "for s in (signal.SIGINT, signal.SIGTERM):\n"
+                "    signal.signal(s, lambda n, _f: os._exit(128 + n))\n"
+                "from core.faults import pause_here\n"  # stdlib only: cheap
+                "pause_here('worker_importing')\n"
+                "runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)")
+
+
+def worker_command() -> list[str]:
+    return [sys.executable, "-c", _WORKER_BOOT, WORKER_MODULE]
+
+
+def spawn_worker(slot: WorkerSlot) -> subprocess.Popen:
+    """A worker process for ``slot``; it imports what trials use, then waits for its go on stdin."""
+    boot_id()  # settled first: the worker then names itself as LocalWorker.name does
+    return subprocess.Popen(worker_command(), env={**os.environ, **slot.env()}, stdin=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent)
+
+
+class EarlyWorkers:
+    """The first worker of each slot, started while ``sweeps run`` still opens its tracking
+    store, study and parent run, so that the workers' imports (seconds, on another core) overlap
+    that set-up instead of following it. The :class:`Supervisor` takes them as it starts its
+    slots; those it never takes (the set-up failed or found nothing to run) are killed on leaving
+    the ``with`` block: they have done nothing but import."""
+
+    def __init__(self, slots: list[WorkerSlot]) -> None:
+        self.procs = {slot.index: spawn_worker(slot) for slot in slots}
+
+    def take(self, slot: WorkerSlot) -> subprocess.Popen | None:
+        return self.procs.pop(slot.index, None)
+
+    def __enter__(self) -> EarlyWorkers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+        self.procs.clear()
+
+
 @dataclass
 class LocalWorker:
     slot: WorkerSlot
@@ -79,8 +127,8 @@ class LocalWorker:
 
     @property
     def name(self) -> str:
-        """How its trials name it (``objective.worker_name`` in the worker)."""
-        return f"{socket.gethostname()}:{self.proc.pid}"
+        """How its trials name it (``objective.worker_name`` in the worker: same host, same boot)."""
+        return worker_identity(self.proc.pid)
 
     def began_a_trial(self) -> bool:
         return self.beat_file.exists()
@@ -100,13 +148,19 @@ class Supervisor:
     signum: int | None = None
     stop_at: float = 0.0
     early_deaths: int = 0
+    max_failures_code: int = 1  # the exit code for budget.max_failures (`sweeps worker` says 3)
+    early: EarlyWorkers | None = None  # processes started before the study was ready, one per slot
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
         """Start a worker per slot and watch them until all have exited and none is to be
         replaced. Returns why it stopped ("" when the budget finished) and the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        monitor: StaleTrialMonitor | None = None
         try:
+            # Dead workers' trials (another machine's, or one of ours that the heartbeat finds
+            # first) are failed on a timer, also while every worker here is busy in a long trial.
+            monitor = StaleTrialMonitor.start_for(self.spec, self.study)
             for slot in slots:
                 self._start(slot)
             while True:
@@ -121,6 +175,8 @@ class Supervisor:
                 self._check_stop_grace()
                 self._wait_any(0.5)
         finally:
+            if monitor is not None:
+                monitor.stop()
             for s, handler in old.items():
                 signal.signal(s, handler)
             for w in self.workers:  # an error above: nobody may be left behind
@@ -189,8 +245,9 @@ class Supervisor:
         cause = w.kill_reason or describe_exit(code)
         for t in orphans:
             interrupted = bool(self.stopping)  # stopped by the user or the timeout: not the trial's fault
-            recovery.fail_trial(self.study, t, cause, requeue=w.requeue_on_kill,
-                                tracking_uri=self.spec.tracking_store_uri(), interrupted=interrupted)
+            if not recovery.fail_trial(self.study, t, cause, requeue=w.requeue_on_kill,
+                                       tracking_uri=self.spec.tracking_store_uri(), interrupted=interrupted):
+                continue  # the stale-trial check failed and requeued it first
             log.warning("trial %d failed: %s%s", t.number, cause,
                         "; requeued to resume from its last checkpoint" if w.requeue_on_kill else "")
         if self.stopping:
@@ -227,7 +284,8 @@ class Supervisor:
         if self.signum is not None:
             return f"{self.stopping}; running trials were checkpointed and requeued", 128 + self.signum
         if optuna_study.failures_in_a_row(study, self.since) >= spec.budget.max_failures:
-            return f"stopped: {spec.budget.max_failures} trials failed in a row (budget.max_failures)", 1
+            message, _ = max_failures_stop(spec.budget.max_failures)  # the same words on Ray
+            return message, self.max_failures_code
         if self.stopping.startswith("budget.timeout"):
             return f"stopped: {self.stopping}; run the command again to continue", 0
         if self.stopping:
@@ -244,12 +302,11 @@ class Supervisor:
     def _start(self, slot: WorkerSlot) -> LocalWorker:
         """A worker for ``slot``: it reads its go (the spec snapshot, the study, its slot) from
         stdin. A trial's beat file is made at its first beat: the hang watchdog counts from there."""
-        beat = self.beat_dir / f"worker-{slot.index}-{len(self.workers)}.beat"
+        # The supervisor's pid in the name: a `sweeps run` and a `sweeps worker` on one machine share the folder.
+        beat = self.beat_dir / f"worker-{os.getpid()}-{slot.index}-{len(self.workers)}.beat"
         beat.parent.mkdir(parents=True, exist_ok=True)
         beat.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "sweeps.backends.optuna_worker"]
-        proc = subprocess.Popen(cmd, env={**os.environ, **slot.env()}, stdin=subprocess.PIPE, text=True,
-                                preexec_fn=_die_with_parent)
+        proc = (self.early.take(slot) if self.early else None) or spawn_worker(slot)
         assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.write(self.go_for(slot, beat).to_line())

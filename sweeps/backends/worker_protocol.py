@@ -25,6 +25,9 @@ class WorkerGo:
     slot: int  # the pool slot this worker owns
     threads: int  # torch intra-op threads
     beat_file: str  # touched about once a second while a trial makes progress
+    # `sweeps worker --devices/--gpus-per-trial`: the resources fields its flags override (the
+    # spec text stays the file's), so a trial holding K GPUs runs DDP over them as it would there.
+    resources: dict | None = None
 
     def to_line(self) -> str:
         return json.dumps(asdict(self)) + "\n"

@@ -39,6 +39,13 @@ def _promote_args(p: argparse.ArgumentParser) -> None:
                         "names with loss/error/time/mem/latency, else maximize)")
     p.add_argument("--dry-run", action="store_true", help="print what would happen; write nothing")
     p.add_argument("--force", action="store_true", help="move the alias even to a worse model than its holder")
+    p.add_argument("--where", default=None, help="pick only trials meeting these conditions, e.g. "
+                                                 "\"onnx_latency_ms<=2, params<1e6\" (with several objectives: "
+                                                 "from the Pareto front)")
+    best = p.add_mutually_exclusive_group()
+    best.add_argument("--maximize", metavar="METRIC", default=None, help="pick the highest METRIC "
+                                                                         "(= --metric METRIC --direction maximize)")
+    best.add_argument("--minimize", metavar="METRIC", default=None, help="pick the lowest METRIC")
 
 
 def cmd_promote(a: argparse.Namespace) -> int:
@@ -50,8 +57,14 @@ def cmd_promote(a: argparse.Namespace) -> int:
         from sweeps.moved_store import follow_moved_store
 
         follow_moved_store(spec.tracking_store_uri(), err_console)
-    return promote(spec, alias=a.alias, model_name=a.model_name, metric=a.metric, direction=a.direction,
-                   dry_run=a.dry_run, force=a.force, console=console)
+    metric, direction = a.metric, a.direction
+    if a.maximize or a.minimize:
+        if metric or direction:
+            raise UsageError("--maximize/--minimize METRIC already name the metric and its direction; "
+                             "drop --metric and --direction")
+        metric, direction = (a.maximize, "maximize") if a.maximize else (a.minimize, "minimize")
+    return promote(spec, alias=a.alias, model_name=a.model_name, metric=metric, direction=direction,
+                   dry_run=a.dry_run, force=a.force, console=console, where=a.where)
 
 
 # ---- rerun -----------------------------------------------------------------------------------
@@ -70,6 +83,9 @@ def _rerun_args(p: argparse.ArgumentParser) -> None:
                         "(its sweeps.device tag; the rerun warns when they differ) for a bitwise reproduction")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else "
                                                         "$MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
+    p.add_argument("--profile", action="store_true",
+                   help="run torch.profiler over a few steps (train.profile's defaults unless the trial set it) "
+                        "and log the Chrome trace and top-operator table under profile/")
 
 
 def _positive_int(text: str) -> int:
@@ -102,7 +118,7 @@ def cmd_rerun(a: argparse.Namespace) -> int:
     if a.seeds:
         print_seed_summary(rerun_seeds(tracker, run_id, a.seeds, console=console, threads=a.threads), console)
         return 0
-    outcome = rerun_once(tracker, run_id, seed=a.seed, console=console, threads=a.threads)
+    outcome = rerun_once(tracker, run_id, seed=a.seed, console=console, threads=a.threads, profile=a.profile)
     print_outcome(outcome, console)
     return 1 if outcome.comparison.nothing_to_compare else 0  # not a check that passed
 

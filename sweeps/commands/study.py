@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
@@ -55,21 +54,36 @@ def cmd_run(a: argparse.Namespace) -> int:
     # runs/ moved: a resumed study's new trial runs must write where the artifacts are now.
     follow_moved_store(spec.tracking_store_uri(), err_console)
     result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet)
+    if result.exit_code == 0 and result.finished() and all(t.rejected for t in result.finished()) \
+            and not any(t.state == "COMPLETE" for t in result.trials):
+        # The budget was spent, yet no model trained: nothing to compare or promote.
+        err_console.print(f"error: every trial of study {spec.name!r} was rejected before training by the "
+                          f"constraints ({', '.join(f'{k} {b.describe()}' for k, b in spec.constraints.items())}); "
+                          f"loosen them (see the rejected figures with: sweeps status {a.spec})",
+                          markup=False, highlight=False)
+        return 1
     return result.exit_code
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="study spec YAML file whose storage is a shared RDB URL (postgresql://...)")
+    p.add_argument("--devices", default=None, metavar="auto|cpu|0,1,...",
+                   help="fan out over this machine's devices as `sweeps run` does: one worker process per slot, "
+                        "each pinned with CUDA_VISIBLE_DEVICES (overrides resources.devices; auto: every visible "
+                        "GPU). Without --devices or --gpus-per-trial: one trial at a time in this process")
+    p.add_argument("--gpus-per-trial", type=float, default=None, metavar="K",
+                   help="GPUs per trial for the fan-out (overrides resources.gpus_per_trial: 1, 2, ... or "
+                        "0.5, 0.25, ... to share a GPU)")
     p.add_argument("--slot", type=int, default=None,
-                   help="the worker's slot, tagged on its trial runs (default: from the pid)")
+                   help="the single worker's slot number, tagged on its trial runs as sweeps.worker_slot "
+                        "(default 0; the worker itself is named host:boot-id:pid). Not with --devices")
     p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for `sweeps run SPEC` to create the study and its MLflow parent run "
                         "when the worker starts first (default: 600; 0: fail at once)")
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from sweeps.backends.optuna_worker import run_worker
-    from sweeps.errors import StudyStateError
+    from sweeps.errors import StudyStateError, UsageError
 
     spec = load_spec_file(a.spec)
     if spec.backend != "optuna":
@@ -78,8 +92,21 @@ def cmd_worker(a: argparse.Namespace) -> int:
     if not spec.is_rdb_storage():
         raise StudyStateError(f"{a.spec}: storage: {spec.storage_url()!r} is a local journal file; workers on "
                               "several machines need a shared RDB URL such as postgresql://user@host/db")
-    slot = a.slot if a.slot is not None else os.getpid() % 10_000
-    return run_worker(spec, worker_index=slot, wait_s=a.wait)
+    if a.devices is None and a.gpus_per_trial is None:
+        from sweeps.backends.optuna_worker import run_worker
+
+        return run_worker(spec, worker_index=a.slot if a.slot is not None else 0, wait_s=a.wait)
+    if a.slot is not None:
+        raise UsageError(f"--slot {a.slot} cannot be combined with --devices / --gpus-per-trial: the fan-out "
+                         "numbers its workers' slots itself (0, 1, ...); leave --slot out")
+    from sweeps.backends.worker_pool import parse_devices_flag, run_worker_pool
+
+    overrides: dict = {}
+    if a.devices is not None:
+        overrides["devices"] = parse_devices_flag(a.devices)
+    if a.gpus_per_trial is not None:
+        overrides["gpus_per_trial"] = a.gpus_per_trial
+    return run_worker_pool(spec, overrides, wait_s=a.wait)
 
 
 # ---- status ----------------------------------------------------------------------------------
@@ -113,7 +140,8 @@ def status_text(spec, result, fmt: str) -> str:
     """The study's trials as ``sweeps status --format csv|json`` prints them: the trials table of
     :func:`dashboards.tables.trials_table` (the one the HTML report shows), completed trials best
     first, then the rest by number. JSON is one object: study, backend, metric, direction,
-    budget, counts, best (number or null), trials (one record per row, NaN as null)."""
+    budget, counts, best (number or null), trials (one record per row, NaN as null); with several
+    objectives also objectives and front (the Pareto front's trial numbers)."""
     from dashboards.tables import ranked_trials, table_records, trials_table
 
     df = ranked_trials(trials_table(result, spec.search), result.direction)
@@ -125,6 +153,9 @@ def status_text(spec, result, fmt: str) -> str:
                "direction": result.direction, "budget": spec.budget.n_trials, "counts": result.counts(),
                "best": None if best is None else best.number,
                "trials": table_records(df)}
+        if len(result.objectives()) > 1:  # the front of the stored values (sweeps.pareto), by trial number
+            doc["objectives"] = [{"metric": m, "direction": d} for m, d in result.objectives()]
+            doc["front"] = sorted(t.number for t in result.front())
         return json.dumps(doc, indent=2) + "\n"
     raise ValueError(f"format {fmt!r} is not one of {', '.join(STATUS_FORMATS)}")
 

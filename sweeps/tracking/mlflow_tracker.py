@@ -1,11 +1,7 @@
-"""The Tracker on MLflow: explicit run ids through ``MlflowClient``, batched metrics, and
-a local spool so an MLflow outage never loses points nor stops training.
-
-Never uses ``mlflow.start_run`` or any fluent "active run": several trials in one
-process (threads) or many processes write to different runs through handles. Every
-process that trains writes through its own MlflowTracker, in the trainer's process: the
-only tracking path (a writer process and writes served over a pipe were removed for
-simplicity; benchmarks/README.md, tracking overhead).
+"""The Tracker on MLflow: explicit run ids through ``MlflowClient``, batched metrics, and a
+local spool so an MLflow outage never loses points nor stops training (runs made during one:
+``local_runs``). Never the fluent "active run": threads and processes write to their runs through
+handles, each process through its own MlflowTracker (benchmarks/README.md, tracking overhead).
 """
 from __future__ import annotations
 
@@ -19,18 +15,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sweeps.errors import TrackingError
-from sweeps.safe_names import safe_component, safe_subpath
+from sweeps.errors import SweepsError, TrackingError
+from sweeps.safe_names import safe_subpath
 from sweeps.tracking.base import RunHandle, RunStatus, check_status
+from sweeps.tracking.experiments import experiment_id_of
 from sweeps.tracking.layout import PARENT_TAG
+from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, known_store_id, new_client_id, new_run_record
 from sweeps.tracking.send import drain, is_transient, send_records
 from sweeps.tracking.spool import Spool
-from sweeps.tracking.store_errors import disk_full_error, disk_full_raised, short_reason, store_folder
+from sweeps.tracking.store_errors import call_error, disk_full_error, disk_full_raised, short_reason, store_folder
 from sweeps.tracking.sync import (
     apply_fast_fail_http_defaults,
     artifact_root_uri,
     check_store,
     is_http_uri,
+    retry_seconds,
     sync_command,
 )
 from sweeps.tracking.values import clean_key, param_values, tag_values
@@ -48,7 +47,8 @@ class MlflowTracker:
     is this old or holds this many points. ``spool_dir``: where writes the store could
     not take wait (one file per run). ``artifact_root``: where experiments created here
     keep artifacts (``<root>/<experiment name>``); None lets the store decide.
-    ``retry_interval_s``: after a failure, how long to spool without trying the store.
+    ``retry_interval_s``: after a failure, how long to spool without trying the store
+    (None: ``SWEEPS_TRACKING_RETRY_S``, default 30).
     ``client``: an ``MlflowClient`` (or a wrapper around one) to use instead of a new one.
 
     Besides the five Tracker calls, its owner (the code that made it) calls
@@ -59,16 +59,9 @@ class MlflowTracker:
     between processes, not the tracker).
     """
 
-    def __init__(
-        self,
-        tracking_uri: str,
-        flush_every_s: float = 5.0,
-        flush_every_points: int = 2000,
-        spool_dir: str | Path = DEFAULT_SPOOL_DIR,
-        artifact_root: str | Path | None = None,
-        retry_interval_s: float = 30.0,
-        client: Any = None,
-    ) -> None:
+    def __init__(self, tracking_uri: str, flush_every_s: float = 5.0, flush_every_points: int = 2000,
+                 spool_dir: str | Path = DEFAULT_SPOOL_DIR, artifact_root: str | Path | None = None,
+                 retry_interval_s: float | None = None, client: Any = None) -> None:
         self.tracking_uri = str(tracking_uri)
         if is_http_uri(self.tracking_uri):
             apply_fast_fail_http_defaults()
@@ -76,8 +69,8 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.flush_every_s = float(flush_every_s)
         self.flush_every_points = int(flush_every_points)
-        self.retry_interval_s = float(retry_interval_s)
-        self.spool = Spool(spool_dir)
+        self.retry_interval_s = retry_seconds() if retry_interval_s is None else float(retry_interval_s)
+        self.spool = Spool(spool_dir, store=self.tracking_uri)
         self._store_dir = store_folder(self.tracking_uri, spool_dir)  # where a full disk would be
         self.artifact_root = artifact_root_uri(artifact_root)
         # Built on first use: MLflow opens (and for SQL stores migrates or retries for
@@ -97,6 +90,7 @@ class MlflowTracker:
         # Runs this tracker spooled for: sent as soon as the store answers again, even
         # those that ended meanwhile and will not flush again.
         self._spooled: set[str] = set()
+        self._store_ids: dict[str, str] = {}  # local run id -> the store's, once created
 
     @property
     def _client(self) -> Any:
@@ -119,6 +113,7 @@ class MlflowTracker:
     def check_connection(self) -> None:
         """Before training: raise TrackingError (URI + fix) unless the store answers."""
         check_store(self.tracking_uri, lambda: self._client)
+        self._drain_waiting()  # what any process left for this store (an outage, a crash) goes first
 
     def flush(self, run: RunHandle | None = None) -> None:
         """Before its owner reads a run back (and by log_metrics when due): send the buffered
@@ -167,32 +162,39 @@ class MlflowTracker:
         all_tags = {k: v for k, v in tag_values(tags or {}).items() if v is not None}
         if parent is not None:
             all_tags[PARENT_TAG] = parent.run_id  # what makes the MLflow UI nest the run
-        made = self._call("create run", run, self._client.create_run, experiment_id, tags=all_tags, run_name=run)
-        return RunHandle(made.info.run_id, made.info.experiment_id, made.info.run_name or run)
+        all_tags[TAG_CLIENT_ID] = client_id = new_client_id()  # makes a replayed creation exactly-once
+        if not self.store_down:
+            try:
+                made = self._client.create_run(experiment_id, tags=all_tags, run_name=run)
+                return RunHandle(made.info.run_id, made.info.experiment_id, made.info.run_name or run)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise self._error("create run", run, exc) from exc
+                self._mark_down(exc)
+        # The store is down: the trial goes on under its client id; the run is made when the
+        # store answers again, everything written meanwhile queued behind (local_runs).
+        self._spool(client_id, [new_run_record(experiment_id, run, all_tags)])
+        return RunHandle(client_id, experiment_id, run)
+
+    def store_run_id(self, run_id: str) -> str:
+        """The store's id of ``run_id``: itself, or for a run made during an outage the id the
+        store gave it once created (until then the local id)."""
+        if not is_local(run_id):
+            return run_id
+        if run_id not in self._store_ids and not self.spool.has_pending(run_id):
+            known = known_store_id(self.spool.directory, run_id)
+            if known is not None:
+                self._store_ids[run_id] = known
+        return self._store_ids.get(run_id, run_id)
 
     def _experiment_id(self, name: str) -> str:
-        """The id of experiment ``name``, created if missing (a parallel worker may win)."""
-        from mlflow.exceptions import MlflowException
-
-        exp = self._call("look up experiment", name, self._client.get_experiment_by_name, name)
-        if exp is None:
-            location = None
-            if self.artifact_root is not None:
-                location = f"{self.artifact_root}/{safe_component(name, 'experiment name')}"
-            try:
-                return self._client.create_experiment(name, artifact_location=location)
-            except MlflowException as exc:
-                # RESOURCE_ALREADY_EXISTS: a parallel worker created it first; use theirs.
-                if exc.error_code != "RESOURCE_ALREADY_EXISTS":
-                    raise self._error("create experiment", name, exc) from exc
-            exp = self._call("look up experiment", name, self._client.get_experiment_by_name, name)
-        if exp.lifecycle_stage == "deleted":
-            raise TrackingError(
-                f"MLflow experiment {name!r} (id {exp.experiment_id}) at {self.tracking_uri} is "
-                f"deleted. Restore it (`mlflow experiments restore --experiment-id "
-                f"{exp.experiment_id}`) or name the study's experiment differently."
-            )
-        return exp.experiment_id
+        """The id of experiment ``name``, created if missing."""
+        try:
+            return experiment_id_of(self._client, name, self.artifact_root, self.tracking_uri)
+        except SweepsError:  # a deleted experiment, an unsafe name: said already
+            raise
+        except Exception as exc:
+            raise self._error("look up experiment", name, exc) from exc
 
     def log(self, run: RunHandle, *, params: Mapping[str, Any] | None = None,
             tags: Mapping[str, Any] | None = None) -> None:
@@ -298,8 +300,8 @@ class MlflowTracker:
         if pending:
             log.warning(
                 "MLflow tracking store %s is unreachable (%s): %d writes of run %s (%s, status %s) "
-                "are kept in %s. This process sends them if the store comes back while it runs; "
-                "otherwise send them with: %s",
+                "are kept in %s. This process, or the next sweeps process that reaches the store, sends "
+                "them; or send them with: %s",
                 self.tracking_uri, self._down_reason or "see above", self.spool.pending_count(run.run_id),
                 run.run_id, run.name, status, self.spool.path(run.run_id),
                 sync_command(self.tracking_uri, self.spool.directory),
@@ -313,8 +315,10 @@ class MlflowTracker:
         if not records:
             return
         with self._send_lock:
+            run_id = self.store_run_id(run_id)
             down = time.monotonic() < self._down_until and not force
-            if down or self.spool.has_pending(run_id):
+            # A local run not yet created on the store queues behind its own creation.
+            if down or self.spool.has_pending(run_id) or is_local(run_id):
                 # Older writes wait in the spool: queue behind them to keep the order.
                 self._spool(run_id, records)
                 if not down:
@@ -375,26 +379,20 @@ class MlflowTracker:
         was_down = bool(self._down_reason)
         self._down_reason = ""
         self._down_until = 0.0
-        if not was_down:
-            return
-        for run_id in sorted(self._spooled):
+        if was_down:
+            self._drain_waiting()
+
+    def _drain_waiting(self) -> None:
+        """Send every spool waiting for this store: this tracker's, then any other process's
+        (one that ended or died during an outage), so no one has to run the sync by hand."""
+        for run_id in dict.fromkeys([*sorted(self._spooled), *self.spool.run_ids(store=self.tracking_uri)]):
             if self._down_reason:  # it went away again while we were catching up
                 break
             try:
-                self._drain(run_id)
+                with self._send_lock:
+                    self._drain(run_id)
             except TrackingError as exc:  # a refusal in another run: report, don't fail this call
                 log.error("%s", exc)
 
-    def _call(self, what: str, subject: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            raise self._error(what, subject, exc) from exc
-
     def _error(self, what: str, subject: str, exc: BaseException) -> TrackingError:
-        hint = (
-            "The store is unreachable: start it or fix the tracking URI, then resume the study."
-            if is_transient(exc) else "The store refused the request: see the reason above."
-        )
-        return (disk_full_error(exc, f"MLflow {what} for {subject!r} at {self.tracking_uri}", self._store_dir)
-                or TrackingError(f"MLflow {what} failed for {subject!r} at {self.tracking_uri}: {exc}. {hint}"))
+        return call_error(what, subject, self.tracking_uri, exc, self._store_dir)

@@ -15,6 +15,7 @@ from typing import Any
 from sweeps.errors import RunLookupError
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.layout import PARENT_TAG
+from sweeps.tracking.local_runs import find_by_client_id, is_local
 from sweeps.tracking.values import tag_values
 
 
@@ -26,6 +27,7 @@ class TrackingReader:
         self.tracking_uri = str(tracking_uri)
         self._made_client = client
         self._lock = threading.Lock()
+        self._store_ids: dict[str, str] = {}  # local run id -> the store's (sweeps.tracking.local_runs)
 
     @property
     def _client(self) -> Any:
@@ -44,6 +46,21 @@ class TrackingReader:
         methods below."""
         return self._client
 
+    def store_id(self, run_id: str) -> str:
+        """The store's id of ``run_id``. A run made while the store was down has a local id in the
+        study's records (``local-...``) until its writes reach the store, which tags the run with
+        it; RunLookupError (exit 2) while they still wait in a spool."""
+        if not is_local(run_id):
+            return run_id
+        if run_id not in self._store_ids:
+            found = find_by_client_id(self._client, run_id)
+            if found is None:
+                raise RunLookupError(f"MLflow run {run_id!r} was made while the tracking store was unreachable and is "
+                                     f"not at {self.tracking_uri} yet: its writes wait in the spool of the machine "
+                                     "that ran it, sent by the next sweeps process there or by `sweeps sync-tracking`.")
+            self._store_ids[run_id] = found
+        return self._store_ids[run_id]
+
     # -- experiments and runs ------------------------------------------------------------
     def experiment_id(self, name: str) -> str | None:
         """The id of experiment ``name``; None when there is none, or it is deleted."""
@@ -59,7 +76,7 @@ class TrackingReader:
         from mlflow.exceptions import MlflowException
 
         try:
-            run = self._client.get_run(run_id)
+            run = self._client.get_run(self.store_id(run_id))
         except MlflowException as exc:
             raise RunLookupError(f"MLflow run {run_id!r} not found at {self.tracking_uri}: {str(exc).splitlines()[0]}. "
                                  "Check the id (`mlflow ui`) or the tracking URI.") from exc
@@ -114,18 +131,19 @@ class TrackingReader:
 
     def children(self, parent_run_id: str, tags: Mapping[str, Any] | None = None, **kwargs: Any) -> list[Any]:
         """Runs nested under ``parent_run_id`` (in its experiment), as :meth:`find_runs` selects them."""
+        parent_run_id = self.store_id(parent_run_id)
         experiment_id = self._client.get_run(parent_run_id).info.experiment_id
         return self.find_runs(experiment_id, {PARENT_TAG: parent_run_id, **(tags or {})}, **kwargs)
 
     # -- metrics and artifacts -----------------------------------------------------------
     def metric_history(self, run_id: str, key: str) -> list[Any]:
         """Every point of metric ``key`` (``.step``, ``.value``, ``.timestamp``), in no set order."""
-        return self._client.get_metric_history(run_id, key)
+        return self._client.get_metric_history(self.store_id(run_id), key)
 
     def list_artifacts(self, run_id: str, path: str | None = None) -> list[str]:
         """Paths of the artifacts in the folder ``path`` of the run (its root when None)."""
-        return [a.path for a in self._client.list_artifacts(run_id, path)]
+        return [a.path for a in self._client.list_artifacts(self.store_id(run_id), path)]
 
     def download_artifact(self, run_id: str, path: str, dest: str | Path) -> Path:
         """The artifact ``path`` of the run, copied into the folder ``dest``."""
-        return Path(self._client.download_artifacts(run_id, path, str(dest)))
+        return Path(self._client.download_artifacts(self.store_id(run_id), path, str(dest)))

@@ -7,12 +7,16 @@ Used by ``MlflowTracker`` for every write, and by ``drain`` for what waited in t
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, store_id_for
 from sweeps.tracking.spool import Spool
+
+log = logging.getLogger(__name__)
 
 # MLflow's log_batch limits (mlflow.utils.validation): 1000 metrics, 100 params, 100 tags,
 # 1000 entities, and a 1 MB request. We stay under the byte limit with a margin for
@@ -48,7 +52,7 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-_ONE_CALL = ("a", "dt", "open", "end", "in")  # records that are one store call each, never batched
+_ONE_CALL = ("a", "dt", "open", "end", "in", "new")  # records that are one store call each, never batched
 
 
 @dataclass
@@ -137,6 +141,8 @@ def send_records(
             elif op.kind == "in":
                 client.log_inputs(run_id, datasets=dataset_inputs(chunk[0][1]))
                 counts["inputs"] = counts.get("inputs", 0) + 1
+            elif op.kind == "new":  # drain() creates the run from its spool's head; a copy later is inert
+                pass
             elif op.kind == "dt":
                 _delete_tag(client, run_id, chunk[0][1])
                 counts["tags"] += 1
@@ -231,12 +237,26 @@ def drain(spool: Spool, client: Any, run_id: str) -> tuple[dict[str, int], list[
         if not spool.has_pending(run_id):
             return {}, [], True
         entries, end = spool.read_pending(run_id)
+        target = run_id
+        if is_local(run_id):  # made while the store was down: create it first (exactly once)
+            head = entries[0][1] if entries and entries[0][1][0] == "new" else None
+            found = store_id_for(spool.directory, client, run_id, head)
+            if found is None:
+                # Writes of another machine's local run (its trial failed from here) wait until that
+                # machine sends the creation; or this is not the sweep's store. Kept, not refused.
+                log.warning("run %s is not on the store yet (no run tagged %s=%s, and this spool does not create "
+                            "it); its %d writes are kept", run_id, TAG_CLIENT_ID, run_id, len(entries))
+                return {}, [], False
+            target = found
+            if head is not None:
+                spool.commit(run_id, entries[0][0])
+                entries = entries[1:]
 
         def on_done(n: int) -> None:
             spool.commit(run_id, entries[n - 1][0])
 
         records = [rec for _, rec in entries]
-        counts, refusals = send_records(client, run_id, records, on_done, spool.discard_staged)
+        counts, refusals = send_records(client, target, records, on_done, spool.discard_staged)
         # Everything readable is in; move past unreadable lines too so the file can go.
         spool.commit(run_id, end)
         return counts, refusals, spool.finish_if_drained(run_id)

@@ -13,6 +13,11 @@ list (compact, order-preserving)::
     ["open"]                                     run RUNNING again (it continues)
     ["end", status, end_time_ms]                 terminal status
     ["in", [{name, digest, source, profile, context}]]  dataset inputs (training, validation)
+    ["new", experiment_id, run_name, tags]        create the run (first record of a run made
+                                                 while the store was down: sweeps.tracking.local_runs)
+
+A spool made by a tracker names its store in ``<run_id>.store`` (the URI, password masked), so
+a process draining everything waiting for its store never sends another store's runs to it.
 
 Progress is a byte offset in ``<run_id>.offset``, replaced atomically (tmp + fsync +
 ``os.replace``) after every batch the store accepted; a record is dropped (the file
@@ -47,8 +52,9 @@ log = logging.getLogger(__name__)
 class Spool:
     """The spool folder. Thread-safe; process-safe through ``flock``."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, store: str | None = None) -> None:
         self.directory = Path(directory)
+        self.store = store_key(store) if store else None  # stamped on the runs spooled here
         self._thread_lock = threading.RLock()
 
     # -- paths -------------------------------------------------------------------------
@@ -61,15 +67,29 @@ class Spool:
     def _files_dir(self, run_id: str) -> Path:
         return self.directory / f"{safe_component(run_id, 'run id')}.files"
 
-    def run_ids(self) -> list[str]:
-        """Runs with a spool file, oldest file first (the order they were spooled)."""
+    def _store_path(self, run_id: str) -> Path:
+        return self.directory / f"{safe_component(run_id, 'run id')}.store"
+
+    def run_ids(self, store: str | None = None) -> list[str]:
+        """Runs with a spool file, oldest file first (the order they were spooled); with
+        ``store``, only those a tracker of that store spooled."""
         if not self.directory.is_dir():
             return []
         stamped = []
         for p in self.directory.glob("*.jsonl"):
             with contextlib.suppress(FileNotFoundError):  # drained by another process meanwhile
                 stamped.append((p.stat().st_mtime, p.stem))
-        return [run_id for _, run_id in sorted(stamped)]
+        ids = [run_id for _, run_id in sorted(stamped)]
+        if store is None:
+            return ids
+        wanted = store_key(store)
+        return [r for r in ids if self.store_of(r) == wanted]
+
+    def store_of(self, run_id: str) -> str | None:
+        """The store (password masked) whose tracker spooled the run; None if not recorded."""
+        with contextlib.suppress(FileNotFoundError):
+            return self._store_path(run_id).read_text(encoding="utf-8").strip() or None
+        return None
 
     def has_pending(self, run_id: str) -> bool:
         """True while records for ``run_id`` wait to be sent. One ``stat``: called on
@@ -111,6 +131,8 @@ class Spool:
                 fh.flush()
                 os.fsync(fh.fileno())
             if created:
+                if self.store:
+                    self._store_path(run_id).write_text(self.store, encoding="utf-8")
                 _fsync_dir(self.directory)
 
     def stage_file(self, run_id: str, rel_path: str, text: str) -> Path:
@@ -181,8 +203,9 @@ class Spool:
         if self._read_offset(run_id) < path.stat().st_size:
             return False
         path.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            self._offset_path(run_id).unlink()
+        for done in (self._offset_path(run_id), self._store_path(run_id)):
+            with contextlib.suppress(FileNotFoundError):
+                done.unlink()
         return True
 
     def pending_count(self, run_id: str) -> int:
@@ -195,6 +218,13 @@ class Spool:
             return int(self._offset_path(run_id).read_text(encoding="ascii").strip() or 0)
         except FileNotFoundError:
             return 0
+
+
+def store_key(uri: str) -> str:
+    """How a spool names its store: the URI with any password masked (never on disk in clear)."""
+    from sweeps.spec import redact_url  # sweeps.spec imports the tracking package
+
+    return redact_url(str(uri))
 
 
 def _fsync_dir(directory: Path) -> None:

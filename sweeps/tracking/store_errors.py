@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from core.diskfull import describe_disk_full
-from sweeps.errors import TrackingDiskFullError
+from sweeps.errors import TrackingDiskFullError, TrackingError
 from sweeps.tracking.sync import sqlite_path
 
 
@@ -72,3 +72,15 @@ def quiet_mlflow_db_errors() -> None:
 
 
 quiet_mlflow_db_errors()  # on import: every process with a tracker reports store errors itself
+
+
+def call_error(what: str, subject: str, tracking_uri: str, exc: BaseException,
+               store_dir: str | Path) -> TrackingError:
+    """The error to raise for the store call ``what`` on ``subject`` that failed with ``exc``: a
+    full disk named, else the reason and whether to start the store or fix the request."""
+    from sweeps.tracking.send import is_transient  # it imports the spool, which must not import this at load
+
+    hint = ("The store is unreachable: start it or fix the tracking URI, then resume the study."
+            if is_transient(exc) else "The store refused the request: see the reason above.")
+    return (disk_full_error(exc, f"MLflow {what} for {subject!r} at {tracking_uri}", store_dir)
+            or TrackingError(f"MLflow {what} failed for {subject!r} at {tracking_uri}: {exc}. {hint}"))

@@ -23,7 +23,9 @@ class TrackingAuthError(TrackingError):
 
     exit_code = 2
 
-_CHECK_TIMEOUT_S = (3.0, 5.0)  # (connect, read): an unreachable server fails in seconds
+# (connect, read): an unreachable server fails in seconds. A server that accepted the connection is
+# up; its first answer (on a database store, after a cold start, on a loaded machine) took over 5 s here.
+_CHECK_TIMEOUT_S = (3.0, 30.0)
 # With credentials the server hashes the password (MLflow basic auth: PBKDF2, slow on purpose),
 # which took 10-13 s per request on a busy 2-core test machine; a 5 s read timeout would call a
 # live, authenticating server "unreachable". Connecting still fails in seconds.
@@ -63,6 +65,17 @@ def apply_fast_fail_http_defaults() -> None:
     keeps any value the user set explicitly."""
     for name, value in _FAST_FAIL_HTTP_ENV.items():
         os.environ.setdefault(name, value)
+
+
+ENV_RETRY_S = "SWEEPS_TRACKING_RETRY_S"
+RETRY_S = 30.0  # after a failed write, how long a tracker spools without trying the store
+
+
+def retry_seconds() -> float:
+    """How long a tracker leaves an unreachable store alone (``SWEEPS_TRACKING_RETRY_S``, default 30)."""
+    from sweeps.durations import env_seconds
+
+    return env_seconds(ENV_RETRY_S, RETRY_S)
 
 
 def sync_command(tracking_uri: str, spool_dir: str | Path) -> str:
@@ -263,11 +276,22 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
     client = get_client()
     totals = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
     result: dict[str, Any] = {"runs": {}, "totals": totals, "refused": [], "failed": {}}
+    from sweeps.tracking.local_runs import is_local
+    from sweeps.tracking.spool import store_key
+
     for run_id in spool.run_ids():
+        stamped = spool.store_of(run_id)
+        if is_local(run_id) and stamped is not None and stamped != store_key(tracking_uri):
+            # Not yet on any store: only the store it was made for can say it is the wrong one.
+            result["failed"][run_id] = f"run {run_id} was made for the store {stamped}, not {store_key(tracking_uri)}"
+            log.error("%s; its spool is kept (sync it with --uri set to that store)", result["failed"][run_id])
+            continue
         try:
             # A run the store does not know means the wrong --uri: every write would be
-            # refused and dropped, so keep the spool and say so instead.
-            client.get_run(run_id)
+            # refused and dropped, so keep the spool and say so instead. A run made during an
+            # outage (a local id) is created by the drain, exactly once.
+            if not is_local(run_id):
+                client.get_run(run_id)
         except Exception as exc:  # noqa: BLE001 - whatever the store answers, this run cannot be synced there
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             reason = f"run {run_id} not found at {tracking_uri} ({first}): is --uri the store the sweep used?"

@@ -52,7 +52,8 @@ class TrialExtras:
         if not self.continued or self.mlflow is None:
             return 0
         try:
-            points = self.mlflow.client.get_metric_history(self.run.run_id, "system/cpu_utilization_percentage")
+            points = self.mlflow.client.get_metric_history(self.mlflow.store_run_id(self.run.run_id),
+                                                           "system/cpu_utilization_percentage")
             return max((p.step for p in points), default=-1) + 1
         except Exception:  # noqa: BLE001 - the store is down: steps start again at 0, the samples still count
             return 0

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
+from sweeps.tracking.local_runs import is_local
 
 if TYPE_CHECKING:
     from core.results import TrainResult
@@ -65,7 +66,9 @@ def log_trial_model(tracker: MlflowTracker, run: RunHandle, number: int, params:
 
     tracker.flush(run)  # the best epoch's points are in the store: their timestamps are reused
     down = tracker.store_down
-    if down or tracker.spool.has_pending(run.run_id):
+    # A run made during an outage is known to the store by another id once its spool is sent.
+    run = RunHandle(tracker.store_run_id(run.run_id), run.experiment_id, run.name)
+    if down or tracker.spool.has_pending(run.run_id) or is_local(run.run_id):
         raise RuntimeError(f"the tracking store is unreachable ({down or 'writes still spooled'}); "
                            "no logged model for this trial")
     client = tracker.client

@@ -92,6 +92,17 @@ def test_trainer_overhead_quick_measures_in_lockstep_and_whole_runs(tmp_path):
     assert details["step_ms"]["hand"]["n"] == 2 * details["step_ms"]["tracked"]["n"]  # a hand step per core step
     assert "grad norm: StepGradients.norm() (pooled small gradients + per-tensor large ones)" in \
         whole["details"]["breakdown"]["per_step_costs_us"]
+    assert any("The training diagnostics are off" in note for note in result["notes"])
+
+
+def test_trainer_overhead_measures_core_with_every_diagnostic_off(tmp_path):
+    from benchmarks import bench_trainer_overhead as bench
+    from benchmarks.common import Context
+
+    for case in bench.cases(Context(quick=False, workdir=tmp_path)).values():
+        cfg = bench.train_config(case)
+        assert (cfg.profile, cfg.export_torchscript, cfg.detect_anomaly) == (None, None, False)
+        assert not bench.make_task(case["task"]).checkpoint_blocks
 
 
 def test_run_all_writes_results_and_markdown(tmp_path):
@@ -110,7 +121,7 @@ def test_stats_and_unknown_benchmark():
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 4.0, 4)
     assert s["q1"] <= s["median"] <= s["q3"]
     assert set(BENCHMARKS) == {"trainer_overhead", "tracking_overhead", "orchestration", "parallel",
-                               "search_efficiency", "lr_finder", "onnx_latency", "gpu"}
+                               "search_efficiency", "lr_finder", "onnx_latency", "gpu", "peers"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--only", "nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown benchmark" in proc.stderr

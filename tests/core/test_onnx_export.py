@@ -37,6 +37,7 @@ def test_digits_cnn_parity_on_real_val_inputs(tmp_path):
     assert report.passed and report.max_abs_diff <= 1e-4
     assert report.n_inputs_checked == len(inputs)
     assert report.opset >= 18
+    assert report.exporter == "torchscript"  # the fast exporter, where its trace is faithful
     assert report.torch_latency_ms > 0 and report.ort_latency_ms > 0
     assert model.training, "export must not switch the caller's model to eval mode"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -145,8 +146,8 @@ def test_exports_in_one_process_build_the_exporters_registry_once(tmp_path, regi
     # Different ops in each model: the shared registry must serve them all.
     models = [DigitsCNN(), nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.GELU(), nn.LayerNorm(16),
                                          nn.Linear(16, 10)), DigitsCNN()]
-    reports = [export_and_verify(m, torch.randn(8, 1, 8, 8), tmp_path / f"m{i}.onnx", latency_runs=1)
-               for i, m in enumerate(models)]
+    reports = [export_and_verify(m, torch.randn(8, 1, 8, 8), tmp_path / f"m{i}.onnx", latency_runs=1,
+                                 exporter="dynamo") for i, m in enumerate(models)]
     assert [r.passed for r in reports] == [True, True, True]
     assert len(registry_builds) == 1
     assert _registration.ONNXRegistry.__dict__["from_torchlib"] is wrapped  # torch's own, back in place
@@ -193,10 +194,39 @@ class _DataDependent(nn.Module):
         return -self.fc(x)
 
 
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
-def test_falls_back_to_torchscript_exporter_when_capture_fails(tmp_path, caplog):
+def test_a_model_neither_exporter_captures_whole_is_exported_as_its_trace_and_verified(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="core.onnx_export"):
         report = export_and_verify(_DataDependent(), torch.randn(8, 4), tmp_path / "m.onnx", latency_runs=1)
-    assert report.passed
-    assert "TorchScript exporter" in caplog.text
+    assert report.passed and report.exporter == "torchscript"
+    assert "follows one path through data-dependent code" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+class _LogAddExp(nn.Module):
+    """``torch.logaddexp``: the TorchScript exporter has no translation for it, the dynamo one has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.logaddexp(y, 2 * y)
+
+
+def test_a_model_the_torchscript_exporter_cannot_handle_goes_to_the_dynamo_exporter(tmp_path):
+    torch.manual_seed(0)
+    model = _LogAddExp()
+    report = export_and_verify(model, torch.randn(8, 4), tmp_path / "m.onnx", latency_runs=1)
+    assert report.passed and report.exporter == "dynamo"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    session = ort.InferenceSession(str(report.path), providers=["CPUExecutionProvider"])
+    x = torch.randn(5, 4)
+    (out,) = session.run(["logits"], {"input": x.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(out, model(x).numpy(), atol=1e-5)
+
+
+def test_an_unknown_exporter_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="exporter must be one of"):
+        export_and_verify(nn.Linear(4, 2), torch.randn(4, 4), tmp_path / "m.onnx", exporter="fast")

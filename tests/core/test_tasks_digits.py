@@ -105,3 +105,24 @@ def test_a_worker_with_the_cache_never_imports_scikit_learn(tmp_path):
     assert cold.returncode == 0 and cold.stdout.split() == ["datasets", "True"], cold.stderr
     warm = _fresh_process(code, tmp_path / "cache")
     assert warm.returncode == 0 and warm.stdout.split() == ["datasets", "False"], warm.stderr
+
+
+def test_cnn_depth_adds_conv_blocks_and_depth_two_is_the_original_model():
+    shallow, base, deep = (DigitsTask("cnn", width=8, depth=d).build_model() for d in (1, 2, 3))
+    convs = [sum(isinstance(m, torch.nn.Conv2d) for m in net.modules()) for net in (shallow, base, deep)]
+    assert convs == [1, 2, 3]
+    # Depth 2 keeps the layer names and shapes of the model before depth existed: old checkpoints load.
+    assert {k: tuple(v.shape) for k, v in base.state_dict().items() if k.startswith("features")} == {
+        "features.0.weight": (8, 1, 3, 3), "features.0.bias": (8,), "features.1.weight": (8,), "features.1.bias": (8,),
+        "features.1.running_mean": (8,), "features.1.running_var": (8,), "features.1.num_batches_tracked": (),
+        "features.3.weight": (16, 8, 3, 3), "features.3.bias": (16,), "features.4.weight": (16,),
+        "features.4.bias": (16,), "features.4.running_mean": (16,), "features.4.running_var": (16,),
+        "features.4.num_batches_tracked": ()}
+    x = torch.zeros(2, 1, 8, 8)
+    assert [tuple(net.eval()(x).shape) for net in (shallow, base, deep)] == [(2, 10)] * 3
+    count = [sum(p.numel() for p in net.parameters()) for net in (shallow, base, deep)]
+    assert count[0] < count[1] < count[2]
+    with pytest.raises(ValueError, match="task.args.depth: 0 is not allowed"):
+        DigitsTask("cnn", depth=0)
+    with pytest.raises(ValueError, match="use depth >= 1 with model cnn"):
+        DigitsTask("mlp", depth=3)

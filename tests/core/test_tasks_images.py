@@ -39,7 +39,7 @@ def test_resnet18_cifar_shapes():
 
 
 def test_cifar10_registered_and_constructor_touches_no_files(tmp_path):
-    assert factory_arg_names(resolve_factory("cifar10")) == ["model", "root", "augment"]
+    assert factory_arg_names(resolve_factory("cifar10")) == ["model", "root", "augment", "checkpoint_blocks"]
     task = make_task("cifar10", args={"root": str(tmp_path / "nowhere")})  # no data: still fine
     assert isinstance(task, CIFAR10Task)
     assert task.input_shape == (3, 32, 32) and task.num_classes == 10

@@ -20,7 +20,6 @@ VAR_RE = re.compile(r"(?<!\$)\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 # Values with no default anywhere: .env.example leaves them empty, compose refuses to start without.
 SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY", "RAY_AUTH_TOKEN",
            "MINIO_ROOT_PASSWORD")
-WORKER_SCRIPT = "docker/worker-per-gpu.sh"  # runs `sweeps worker "$@"` once per GPU
 # The programs a service may run, and how to ask each for its flags.
 HELP = {
     ("mlflow", "server"): [str(BIN / "mlflow"), "server", "--help"],
@@ -66,15 +65,12 @@ def flags_of(program: tuple[str, str]) -> frozenset[str]:
 
 
 def commands_of(service: dict, env: dict[str, str]) -> list[list[str]]:
-    """The service's command as argument lists: one, or each part of an `sh -c "a && b"`; the
-    per-GPU worker script as the `sweeps worker` command it runs."""
+    """The service's command as argument lists: one, or each part of an `sh -c "a && b"`."""
     command = resolve(service["command"], env)
     if isinstance(command, str):
         command = shlex.split(command)
     if command[:2] in (["sh", "-c"], ["bash", "-c"]):
         return [shlex.split(part) for part in re.split(r"&&|;", command[2])]
-    if command[:2] == ["sh", WORKER_SCRIPT]:
-        return [["sweeps", "worker", *command[2:]]]
     return [command]
 
 

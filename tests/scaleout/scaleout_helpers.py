@@ -39,6 +39,11 @@ def stop_group(proc: subprocess.Popen, grace: float = 15) -> None:
     proc.wait(timeout=30)
 
 
+# MLflow's SQL store holds up to 5 + 10 connections per server by default; tests on two xdist
+# workers start several servers beside multi-process studies on the one PostgreSQL (100 connections).
+_SMALL_POOL = {"MLFLOW_SQLALCHEMYSTORE_POOL_SIZE": "2", "MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW": "3"}
+
+
 def start_mlflow_server(folder: Path, store: str, port: int, *args: str, env: dict | None = None,
                         timeout: float = 300):
     """Start ``mlflow server`` on ``store`` and 127.0.0.1:``port``, artifacts proxied into
@@ -56,7 +61,7 @@ def start_mlflow_server(folder: Path, store: str, port: int, *args: str, env: di
     with open(log, "w") as out:
         # Its own session: teardown stops the server and the uvicorn / job-runner children it starts.
         proc = subprocess.Popen(cmd, cwd=folder, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**base_env, **(env or {})})
+                                env={**base_env, **_SMALL_POOL, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/health", timeout=timeout, proc=proc, log=log)
@@ -109,13 +114,17 @@ class Output:
 
 
 def pg_study(url: str, name: str):
-    """The study as Optuna stores it (a plain read-only view: no heartbeat, no callbacks)."""
+    """The study as Optuna stores it (a plain read-only view: no heartbeat, no callbacks). A
+    connection only while a call runs: tests poll this every fraction of a second, and a pooled
+    engine per call held a connection each until garbage collection (PostgreSQL's 100 ran out)."""
     import optuna
     from optuna.storages import RDBStorage
+    from sqlalchemy.pool import NullPool
 
     from sweeps.backends.optuna_study import sqlalchemy_url
 
-    return optuna.load_study(study_name=name, storage=RDBStorage(sqlalchemy_url(url), skip_table_creation=True))
+    storage = RDBStorage(sqlalchemy_url(url), skip_table_creation=True, engine_kwargs={"poolclass": NullPool})
+    return optuna.load_study(study_name=name, storage=storage)
 
 
 def running_trials(url: str) -> list[dict]:

@@ -218,3 +218,11 @@ def test_images_are_built_from_the_dockerfile_in_docker(compose):
         if line.startswith("COPY "):
             for source in line.split()[1:-1]:
                 assert any(source.rstrip("/") == p.lstrip("!").rstrip("/") for p in patterns), line
+
+
+def test_services_that_start_processes_run_under_an_init_that_reaps(compose):
+    """Drivers, workers and Ray nodes leave orphans when one of them is killed (their guardian or
+    supervisor kills the rest, whose parent is gone); pid 1 must reap them, or they stay zombies."""
+    sweeps_image = {name for name, s in compose["services"].items() if s.get("image", "").startswith("sweeps:")}
+    assert {"sweeps", "sweeps-worker", "ray-head", "ray-worker", "sweeps-ray"} <= sweeps_image
+    assert [name for name in sorted(sweeps_image) if compose["services"][name].get("init") is not True] == []

@@ -1,12 +1,11 @@
 """docker-compose.yml against the Compose schema, and what keeps the stack to its users: secrets
-without defaults, loopback for what needs no remote access, one GPU holder per GPU, MinIO wired
-to the MLflow server as .env.example says, and the per-GPU worker script run for real."""
+without defaults, loopback for what needs no remote access, one GPU holder per GPU (also for every
+`docker compose up` the docs suggest), MinIO wired to the MLflow server as .env.example says, and
+a slim MLflow image."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -18,7 +17,6 @@ from tests.scaleout.compose_helpers import (
     ROOT,
     SECRETS,
     VAR_RE,
-    WORKER_SCRIPT,
     resolve,
 )
 
@@ -115,7 +113,10 @@ def test_what_needs_no_remote_access_is_published_on_loopback_only(compose, env_
     ((), ("minio",)),
 ])
 def test_each_gpu_of_a_host_has_one_holder(compose, named, profiles):
-    started = services_started(compose, *named, profiles=profiles)
+    assert_one_holder_per_gpu(compose, services_started(compose, *named, profiles=profiles))
+
+
+def assert_one_holder_per_gpu(compose: dict, started: set[str]) -> None:
     holders = {n: gpu_devices(compose["services"][n]) for n in started if gpu_devices(compose["services"][n])}
     assert holders, started
     everything = [n for n, devices in holders.items() for d in devices if d.get("count") == "all"]
@@ -134,30 +135,26 @@ def test_each_gpu_of_a_host_has_one_holder(compose, named, profiles):
     assert len(ids) == len(set(ids)), f"a GPU id reserved twice: {ids}"
 
 
-def test_the_worker_service_runs_one_pinned_sweeps_worker_per_gpu(tmp_path):
-    """docker/worker-per-gpu.sh for real, with a `sweeps` stand-in that records its GPU and arguments."""
-    fake = tmp_path / "bin" / "sweeps"
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" >> "$RECORD"\n'
-                    '[ "$CUDA_VISIBLE_DEVICES" = "$FAIL_ON" ] && exit 3\nexit 0\n')
-    fake.chmod(0o755)
-    record = tmp_path / "record"
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "RECORD": str(record)}
+# `docker compose [--profile P]... up [-d|--build|--no-deps]... [SERVICE]...` as the docs spell it.
+UP_RE = re.compile(r"docker compose((?: --profile [\w-]+)*) up((?: --?[\w-]+)*)((?: [a-z][\w-]*)*)")
 
-    def run(count: str, fail_on: str = "none"):
-        record.unlink(missing_ok=True)
-        return subprocess.run(["sh", str(ROOT / WORKER_SCRIPT), "spec.yaml", "--wait", "900"], capture_output=True,
-                              text=True, timeout=120, env={**env, "SWEEPS_GPU_COUNT": count, "FAIL_ON": fail_on})
 
-    done = run("3")
-    assert done.returncode == 0, done.stderr
-    assert sorted(record.read_text().splitlines()) == [f"{i} worker spec.yaml --wait 900" for i in range(3)]
-    failed = run("2", fail_on="1")
-    assert failed.returncode == 3 and len(record.read_text().splitlines()) == 2  # the other still ran
-    for bad in ("0", "two"):
-        refused = run(bad)
-        assert refused.returncode == 2 and not record.exists(), refused.stderr
-        assert "GPU" in refused.stderr
+def test_every_up_command_the_docs_suggest_keeps_one_holder_per_gpu(compose):
+    texts = {"docker-compose.yml": COMPOSE.read_text(), "SCALE_OUT.md": (ROOT / "docs" / "SCALE_OUT.md").read_text()}
+    seen = 0
+    for where, text in texts.items():
+        for found in UP_RE.finditer(text):
+            profiles = tuple(found.group(1).split()[1::2])
+            named = tuple(found.group(3).split())
+            started = set(named) if "--no-deps" in found.group(2) else services_started(
+                compose, *named, profiles=profiles)
+            if any(gpu_devices(compose["services"][n]) for n in started):
+                seen += 1
+                try:
+                    assert_one_holder_per_gpu(compose, started)
+                except AssertionError as exc:
+                    raise AssertionError(f"{where}: `{found.group(0)}`: {exc}") from None
+    assert seen >= 4, seen  # the pattern still finds the documented commands
 
 
 # ---- MinIO ----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def test_sqlalchemy_opens_a_bare_postgresql_url_with_psycopg3():
     dialect = sqlalchemy.engine.make_url("postgresql://u@h/db").get_dialect()
     assert dialect.driver == "psycopg", dialect.driver  # what SQLAlchemy 2.1 picks by itself
     assert importlib.util.find_spec("psycopg") is not None, (
-        "psycopg 3 is not installed: `pip install 'psycopg[binary]'` (a dependency in pyproject.toml)")
+        "psycopg 3 is not installed: it is a dependency in pyproject.toml, which `make install` installs")
 
 
 def test_optuna_creates_and_loads_a_study_on_a_plain_postgresql_url(fresh_db):

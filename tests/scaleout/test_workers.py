@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from sweeps.worker_identity import worker_identity
 from tests.scaleout.scaleout_helpers import Output, pg_study, running_trials, wait_for
 from tests.sweeps.study_helpers import empty_mlflow_db, run_cli, start_cli, write_spec
 
@@ -31,7 +31,7 @@ def _spec(tmp_path: Path, url: str, name: str, **overrides) -> Path:
 
 
 def _worker_id(proc) -> str:
-    return f"{socket.gethostname()}:{proc.pid}"
+    return worker_identity(proc.pid)  # host:boot-id:pid, as the worker names itself
 
 
 def _start_waiting_worker(tmp_path: Path, spec: Path, spawned: list, **env) -> Output:

@@ -123,12 +123,31 @@ def test_cpu_threads_available_matches_affinity():
         assert n == len(os.sched_getaffinity(0))
 
 
-@pytest.mark.parametrize("cores, workers, threads", [(2, 1, 2), (8, 4, 2), (1, 1, 1), (3, 1, 3)])
-def test_plan_workers_cpu_auto(cores, workers, threads):
+@pytest.mark.parametrize("cores, workers, threads", [(2, 2, 1), (8, 8, 1), (1, 1, 1), (3, 3, 1)])
+def test_plan_workers_cpu_auto(cores, workers, threads, monkeypatch):
+    monkeypatch.setattr(pool_mod, "_workers_memory_holds", lambda: 64)  # memory is not the limit here
     slots = plan_workers([], 1, "auto", cores)
     assert len(slots) == workers
     assert all(s.devices == () and s.threads == threads for s in slots)
     assert sum(s.threads for s in slots) <= cores
+
+
+def test_plan_workers_cpu_auto_runs_no_more_workers_than_memory_holds(monkeypatch):
+    monkeypatch.setattr(pool_mod, "_workers_memory_holds", lambda: 3)
+    slots = plan_workers([], 1, "auto", 8)
+    assert [s.threads for s in slots] == [2, 2, 2]  # the threads are shared among the 3 that fit
+
+
+def test_memory_holds_at_least_one_worker_and_counts_what_is_available(monkeypatch):
+    import psutil
+
+    class Memory:
+        available = 5 * pool_mod.WORKER_MEMORY_BYTES + 1
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory())
+    assert pool_mod._workers_memory_holds() == 5
+    Memory.available = 10
+    assert pool_mod._workers_memory_holds() == 1
 
 
 def test_plan_workers_cpu_explicit():

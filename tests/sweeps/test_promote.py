@@ -194,13 +194,18 @@ def test_dry_run_writes_nothing(in_study, capsys):
 
 
 def test_metric_option_and_refused_names(in_study, capsys):
+    from sweeps.errors import UsageError
     from sweeps.registry import metric_direction
     from sweeps.spec import load_spec
 
     spec = load_spec(in_study.spec)
     assert metric_direction("val_acc", spec) == "maximize"
     assert metric_direction("val_loss", spec) == "minimize"
-    assert metric_direction("val_acc", spec, "minimize") == "minimize"
+    with pytest.raises(UsageError, match="would pick the worst trial; use --maximize val_acc"):
+        metric_direction("val_acc", spec, "minimize")  # --minimize val_acc: the worst model
+    with pytest.raises(UsageError, match="use --minimize val_loss"):
+        metric_direction("val_loss", spec, "maximize")
+    assert metric_direction("my_score", spec, "minimize") == "minimize"  # a metric of unknown sense: as asked
     # not the objective: the task's declared direction, not a guess from the name
     diabetes = spec.model_copy(update={"task": spec.task.model_copy(update={"name": "diabetes", "model": "mlp",
                                                                                "args": {}})})

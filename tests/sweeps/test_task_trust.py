@@ -106,9 +106,9 @@ def test_declared_targets_validate_and_a_declared_factory_runs_end_to_end(tmp_pa
     assert proc.returncode == 0, proc.stderr
     # A declared task is still checked: the name given with @task("...") labels it in messages.
     bad = write_spec(tmp_path, name="bad", seed_store=False,
-                     task={"name": None, "model": "mlp", "target": "user_tasks:TinyDigits", "args": {"depth": 2}})
+                     task={"name": None, "model": "mlp", "target": "user_tasks:TinyDigits", "args": {"colour": 2}})
     proc = run_cli(tmp_path, "validate", str(bad), **env)
-    assert proc.returncode == 2 and "task.args.depth: task 'tiny digits' has no argument 'depth'" in proc.stderr
+    assert proc.returncode == 2 and "task.args.colour: task 'tiny digits' has no argument 'colour'" in proc.stderr
 
     spec = write_spec(tmp_path, name="mine", budget={"n_trials": 1}, train={"epochs": 1},
                       task={"name": None, "model": "mlp", "target": "user_tasks:make_tiny", "args": {"width": 16}})

@@ -1,6 +1,7 @@
 """The contract every backend keeps: the same study through `sweeps run` gives the same
 MLflow layout, the same status mapping, and a `Backend.load` / `sweeps status` view that
-matches MLflow, whichever backend ran it.
+matches MLflow, whichever backend ran it; and the same guarantees when every trial fails,
+a trial hangs, or the driver is interrupted or killed mid-trial (issue 30).
 
 One tiny digits study per backend: a grid over three learning rates, one of which
 diverges (non-finite loss: PRUNED, MLflow KILLED + sweeps.pruned), two epochs, ONNX export.
@@ -8,10 +9,21 @@ diverges (non-finite loss: PRUNED, MLflow KILLED + sweeps.pruned), two epochs, O
 from __future__ import annotations
 
 import math
+import os
+import select
+import signal
+from pathlib import Path
 
 import pytest
 
-from tests.sweeps.backends.conftest import artifact_paths, mlflow_client, run_cli, study_runs, write_spec
+from tests.sweeps.backends.conftest import (
+    _pids_using,
+    artifact_paths,
+    mlflow_client,
+    run_cli,
+    study_runs,
+    write_spec,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -103,3 +115,214 @@ def test_same_mlflow_layout_status_mapping_and_load(finished_study, tmp_path):
     lines = status.stdout.splitlines()
     for t in result.trials:
         assert any(f" {t.number} " in line and t.state in line for line in lines), status.stdout
+
+
+# ---- trust: the same guarantees when trials fail, hang, or the driver is hit (issue 30) ----------
+TRUST_TASK = "tests.sweeps.backends.ray_trust_tasks:make_task"
+HANG_TASK = "tests.reliability.fault_tasks:make_hang_task"
+
+
+@pytest.fixture(params=["optuna", pytest.param("ray", marks=pytest.mark.ray)])
+def backend(request):
+    """Each trust case once per backend; a Ray study gets a private Ray temp folder."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_tmp")
+    return request.param
+
+
+def _trust_spec(tmp_path, backend, name, **overrides):
+    return write_spec(tmp_path, name=f"{name}_{backend}", backend=backend, **overrides)
+
+
+def _processes_left(backend: str, tmp_path) -> list[int]:
+    """Live processes the study started: Ray's (found by the test's private RAY_TMPDIR) or
+    the Optuna workers (their command line, working in the study's folder)."""
+    if backend == "ray":
+        return _pids_using(os.environ["RAY_TMPDIR"])
+    return [pid for pid in _pids_using("sweeps.backends.optuna_worker")
+            if os.path.realpath(f"/proc/{pid}/cwd") == os.path.realpath(tmp_path)]
+
+
+def _wait_until_gone(pids: list[int]) -> None:
+    """Wait for each process to exit (a pidfd turns readable): an event, not a time."""
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, ProcessLookupError):
+            continue  # already gone
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+
+
+def _after_a_driver_kill(backend: str, tmp_path) -> None:
+    """What a SIGKILLed driver leaves dies on its own (Optuna workers by their parent-death
+    signal; Ray's processes by the driver's guardian, which exits once they are killed)."""
+    if backend == "ray":
+        ray_tmp = os.environ["RAY_TMPDIR"]
+        _wait_until_gone([p for p in _pids_using(ray_tmp)
+                          if b"sweeps.backends.ray_guardian" in Path(f"/proc/{p}/cmdline").read_bytes()])
+    else:
+        _wait_until_gone(_processes_left(backend, tmp_path))
+
+
+def _repeated_steps(client, run) -> dict[str, list[int]]:
+    out = {}
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        if len(steps) != len(set(steps)):
+            out[key] = sorted(steps)
+    return out
+
+
+def _no_run_running_and_no_step_twice(tmp_path, name) -> list:
+    """The trial runs of a finished study: none RUNNING, no metric with a step twice."""
+    parents, children = study_runs(tmp_path, name)
+    assert all(p.info.status != "RUNNING" for p in parents)
+    assert [c.info.status for c in children if c.info.status == "RUNNING"] == []
+    client = mlflow_client(tmp_path)
+    for child in children:
+        assert not _repeated_steps(client, child), child.data.tags["sweeps.trial_number"]
+    return children
+
+
+@pytest.mark.slow
+def test_a_study_whose_trials_all_fail_exits_non_zero_naming_each_cause(tmp_path, backend):
+    """Every trial fails (one task raises, one calls sys.exit(0)): budget.max_failures in a
+    row stop the study with one message and exit 1; the reasons name the exception and the
+    SystemExit; failed trials show the time they took."""
+    from tests.sweeps.backends.ray_trust_tasks import EXIT_WIDTH, RAISE_WIDTH
+
+    name = f"allfail_{backend}"
+    spec_path = _trust_spec(tmp_path, backend, "allfail",
+                            task={"name": None, "target": TRUST_TASK, "model": "mlp", "args": {}},
+                            search={"task.width": {"type": "categorical", "choices": [EXIT_WIDTH, RAISE_WIDTH]}},
+                            sampler={"name": "grid"}, budget={"n_trials": 2, "max_failures": 2},
+                            resources={"devices": "cpu", "workers": 2 if backend == "ray" else 1})
+    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "stopped: 2 trials failed in a row (budget.max_failures)" in out, out[-4000:]
+    assert "in 0.0s" not in out and "Should not have reached here" not in out, out[-4000:]
+    parents, children = study_runs(tmp_path, name)
+    assert parents[0].info.status == "FAILED"
+    errors = {int(c.data.params["search.task.width"]): (c.info.status, c.data.tags.get("sweeps.error", ""))
+              for c in children}
+    assert errors[EXIT_WIDTH] == ("FAILED", "the task called sys.exit(0)"), errors
+    assert errors[RAISE_WIDTH][0] == "FAILED" and "always fails" in errors[RAISE_WIDTH][1], errors
+    status = run_cli(tmp_path, "status", str(spec_path))
+    assert "sys.exit(0)" in status.stdout and "always fails" in status.stdout, status.stdout + status.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_driver_alone_mid_trial_exits_128_plus_it_and_the_study_resumes(tmp_path, backend, signum):
+    """`kill -INT` or `kill -TERM` of the driver (not of its process group) while a trial
+    trains: exit 130 or 143 with the budget unmet, no run RUNNING, no process left; the same
+    command then finishes the budget with no step logged twice."""
+    from sweeps.backends.driver_faults import DRIVER_SIGINT_MID_TRIAL, DRIVER_SIGTERM_MID_TRIAL
+
+    name = f"signal_{backend}"
+    fault = DRIVER_SIGINT_MID_TRIAL if signum == signal.SIGINT else DRIVER_SIGTERM_MID_TRIAL
+    spec_path = _trust_spec(tmp_path, backend, "signal", train={"epochs": 3, "batch_size": 16},
+                            budget={"n_trials": 2}, resources={"devices": "cpu", "workers": 1})
+    stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
+    assert stopped.returncode == 128 + signum, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert f"stopped by {signal.Signals(signum).name}" in stopped.stdout
+    assert not _processes_left(backend, tmp_path), "a stopped driver left processes behind"
+    parents, children = study_runs(tmp_path, name)
+    assert parents[0].info.status == "KILLED"
+    assert len([c for c in children if c.data.tags.get("sweeps.state") == "COMPLETE"]) < 2
+    assert not [c for c in children if c.info.status == "RUNNING"]
+
+    done = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    children = _no_run_running_and_no_step_twice(tmp_path, name)
+    assert len([c for c in children if c.data.tags["sweeps.state"] == "COMPLETE"]) == 2
+
+
+@pytest.mark.slow
+def test_a_study_resumed_after_a_driver_sigkill_mid_trial_logs_no_step_twice(tmp_path, backend):
+    """The driver SIGKILLs itself once a trial has reported (and checkpointed) an epoch and
+    trains on; what it started dies with it; the same command then finishes the budget: no
+    run RUNNING, no metric with a repeated step, every completed run with all its epochs."""
+    from sweeps.backends.driver_faults import DRIVER_KILL_MID_TRIAL
+
+    name = f"killed_{backend}"
+    spec_path = _trust_spec(tmp_path, backend, "killed", train={"epochs": 3, "batch_size": 16},
+                            budget={"n_trials": 2}, resources={"devices": "cpu", "workers": 1})
+    killed = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=DRIVER_KILL_MID_TRIAL)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
+    _after_a_driver_kill(backend, tmp_path)
+    assert not _processes_left(backend, tmp_path), "a killed driver left processes behind"
+
+    done = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    children = _no_run_running_and_no_step_twice(tmp_path, name)
+    complete = [c for c in children if c.data.tags["sweeps.state"] == "COMPLETE"]
+    assert len(complete) == 2 and all(c.info.status == "FINISHED" for c in complete)
+    client = mlflow_client(tmp_path)
+    for child in complete:
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "val_acc")] == [1, 2, 3]
+
+
+# A hung trial fails; what the budget does next is each backend's meaning of n_trials: Optuna
+# counts finished trials (a third trial replaces the failed one), Ray Tune draws n_trials samples.
+HANG_EXIT = {"optuna": 0, "ray": 1}
+
+
+@pytest.mark.slow
+def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed_into_the_hang(tmp_path, backend):
+    """The first trial hangs mid-epoch (tests/reliability/fault_tasks.py): budget.trial_timeout
+    stops it and fails it with the reason; the other trials complete; the next run of the
+    same command does not retry the hung trial into its hang."""
+    name = f"hang_{backend}"
+    hang_task = {"name": None, "target": HANG_TASK, "model": "mlp", "args": {}}
+    spec_path = _trust_spec(tmp_path, backend, "hang", task=hang_task,
+                            budget={"n_trials": 2, "max_failures": 2, "trial_timeout": "30s"},
+                            resources={"devices": "cpu", "workers": 1})
+    env = {"HANG_MARKER": str(tmp_path / "hung-once")}
+    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet", **env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == HANG_EXIT[backend], out[-4000:]
+    children = _no_run_running_and_no_step_twice(tmp_path, name)
+    [failed] = [c for c in children if c.data.tags["sweeps.state"] == "FAIL"]
+    assert failed.info.status == "FAILED"
+    assert failed.data.tags["sweeps.error"].startswith("hung: no progress for"), failed.data.tags
+    assert "budget.trial_timeout=30s" in failed.data.tags["sweeps.error"]
+    assert (tmp_path / "hung-once").exists()
+
+    again = run_cli(tmp_path, "run", str(spec_path), "--quiet", **env)
+    assert again.returncode == HANG_EXIT[backend], again.stdout[-3000:] + again.stderr[-3000:]
+    _, after = study_runs(tmp_path, name)
+    [still] = [c for c in after if c.info.run_id == failed.info.run_id]
+    assert still.info.status == "FAILED" and still.data.tags["sweeps.state"] == "FAIL"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["start", "end"])
+def test_a_sigterm_while_the_driver_starts_or_ends_is_a_clean_stop(tmp_path, backend, when):
+    """SIGTERM outside the trials (the study run made, Ray just initialised with its own exit-15
+    handler; or every trial done, before the summary and the tags): exit 143 saying so, the study
+    run KILLED, never left RUNNING; the same command then finishes the study."""
+    from sweeps.backends.driver_faults import DRIVER_SIGTERM_AT_END, DRIVER_SIGTERM_AT_START
+
+    name = f"{when}_{backend}"
+    spec_path = _trust_spec(tmp_path, backend, when, budget={"n_trials": 1}, resources={"devices": "cpu", "workers": 1})
+    fault = DRIVER_SIGTERM_AT_START if when == "start" else DRIVER_SIGTERM_AT_END
+    stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "stopped by SIGTERM" in stopped.stdout
+    parents, children = study_runs(tmp_path, name)
+    assert [p.info.status for p in parents] == ["KILLED"]
+    assert [c.data.tags["sweeps.state"] for c in children] == ([] if when == "start" else ["COMPLETE"])
+    if when == "end":  # the summary was written before the study run was closed
+        assert "summary/summary.json" in artifact_paths(mlflow_client(tmp_path), parents[0].info.run_id)
+
+    done = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parents, children = study_runs(tmp_path, name)
+    assert "RUNNING" not in [p.info.status for p in parents]
+    assert max(parents, key=lambda p: p.info.start_time).info.status == "FINISHED"
+    assert [c.data.tags["sweeps.state"] for c in children] == ["COMPLETE"]

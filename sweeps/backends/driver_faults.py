@@ -1,0 +1,55 @@
+"""Fault points where a study's driver (``sweeps run``) hits itself, with the same names on both
+backends, so that the shared contract suite (tests/sweeps/backends/test_backend_contract.py)
+interrupts an Optuna study and a Ray study at the same moment without racing either.
+
+The moment is the one a user's ``kill`` is most likely to hit: a trial has reported (and
+checkpointed) an epoch and trains on. The driver then gets SIGINT or SIGTERM, as from
+``kill`` to it alone (not to its process group), or SIGKILLs itself. Each point fires once per
+process: the signal handlers' "second signal" path is not what these points test.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+from sweeps.faults import armed
+
+DRIVER_SIGINT_MID_TRIAL = "driver_sigint_mid_trial"
+DRIVER_SIGTERM_MID_TRIAL = "driver_sigterm_mid_trial"
+DRIVER_KILL_MID_TRIAL = "driver_kill_mid_trial"
+# While the driver starts (its study run made; on Ray right after ray.init, whose own SIGTERM
+# handler is then in place), and while it ends (every trial done, before the summary and tags).
+DRIVER_SIGTERM_AT_START = "driver_sigterm_at_start"
+DRIVER_SIGTERM_AT_END = "driver_sigterm_at_end"
+_SIGNAL_OF = {DRIVER_SIGINT_MID_TRIAL: signal.SIGINT, DRIVER_SIGTERM_MID_TRIAL: signal.SIGTERM,
+              DRIVER_KILL_MID_TRIAL: signal.SIGKILL}
+_fired: set[str] = set()
+
+
+def any_armed() -> bool:
+    """Whether a driver fault is asked for (the driver skips the work of noticing the moment otherwise)."""
+    return any(armed(point) for point in _SIGNAL_OF)
+
+
+def starting() -> None:
+    """Called by the driver while it starts, before any trial runs."""
+    _sigterm_once(DRIVER_SIGTERM_AT_START)
+
+
+def ending() -> None:
+    """Called by the driver once its trials are done, before it writes the summary."""
+    _sigterm_once(DRIVER_SIGTERM_AT_END)
+
+
+def _sigterm_once(point: str) -> None:
+    if armed(point) and point not in _fired:
+        _fired.add(point)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def trial_mid_way() -> None:
+    """Called by the driver when it learns that a running trial reported an epoch."""
+    for point, signum in _SIGNAL_OF.items():
+        if armed(point) and point not in _fired:
+            _fired.add(point)
+            os.kill(os.getpid(), signum)

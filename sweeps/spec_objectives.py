@@ -1,0 +1,211 @@
+"""Several objectives, constraints and deployment figures in a study spec (issue 28).
+
+``objectives: [{metric: val_acc, direction: maximize}, {metric: onnx_latency_ms, direction: minimize}]``
+replaces the single ``objective`` (which keeps working and reads as a one-element list);
+``constraints: {onnx_latency_ms: {max: 2.0}, params: {max: 1e6}}`` bounds deployment figures;
+``deploy:`` says how they are measured (``core.deploy_metrics``). The section models live here
+(sweeps/spec.py holds the study model); :func:`objective_problems` holds the rules that span
+objectives, constraints, backend, sampler and pruner, called by sweeps/spec_checks.py.
+
+A deployment metric is measured from the exported ONNX model, the same way for every trial; it
+depends on the architecture only (never on training), which is why a constraint on one can
+reject a trial before its first epoch.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Lower is better for every one of them. gpu_latency_ms exists only where onnxruntime has CUDA.
+DEPLOY_METRICS = ("onnx_latency_ms", "onnx_latency_p95_ms", "onnx_latency_spread_ms", "params",
+                  "onnx_size_mb", "onnx_size_bytes", "gpu_latency_ms")
+_BATCH_METRIC = re.compile(r"^onnx_latency_b(\d+)(_p95|_spread)?_ms$")
+
+
+class _Strict(BaseModel):
+    # As sweeps.spec._Section: YAML gives real types, and an unknown key is an error.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ObjectiveSection(_Strict):
+    metric: str = "val_acc"
+    direction: Literal["maximize", "minimize"] = "maximize"
+
+
+class Bound(_Strict):
+    """``{max: 2.0}``, ``{min: 10}`` or both: the feasible range of one deployment metric."""
+
+    min: float | None = None
+    max: float | None = None
+
+    @field_validator("min", "max", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        # strict would refuse the int 1000000 for a float bound, and YAML 1.2 reads 1e6 as a float
+        # but 1000000 as an int: both are the same bound.
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{v!r} is not allowed; use a finite number")
+        return v
+
+    def violation(self, value: float) -> float:
+        """How far ``value`` is outside the range (0 inside): Optuna's constraint value, > 0 infeasible."""
+        over = value - self.max if self.max is not None else -math.inf
+        under = self.min - value if self.min is not None else -math.inf
+        return max(0.0, over, under)
+
+    def describe(self) -> str:
+        parts = ([f">= {self.min:g}"] if self.min is not None else []) + \
+                ([f"<= {self.max:g}"] if self.max is not None else [])
+        return " and ".join(parts)
+
+
+class DeploySection(_Strict):
+    """How the deployment figures are measured (core.deploy_metrics): latency at batch 1 and at
+    ``batch``, ``runs`` timed calls after a warm-up, on ``threads`` pinned intra-op threads."""
+
+    batch: int = Field(32, ge=1)
+    threads: int = Field(1, ge=1)
+    runs: int = Field(50, ge=5)
+
+
+def is_deploy_metric(metric: str) -> bool:
+    return metric in DEPLOY_METRICS or _BATCH_METRIC.match(metric) is not None
+
+
+def deploy_metric_names(batch: int) -> list[str]:
+    """Every figure a trial measures with ``deploy.batch`` = ``batch`` (gpu_latency_ms only on a GPU)."""
+    extra = [] if batch == 1 else [f"onnx_latency_b{batch}_ms", f"onnx_latency_b{batch}_p95_ms",
+                                   f"onnx_latency_b{batch}_spread_ms"]
+    return [*DEPLOY_METRICS, *extra]
+
+
+def objective_list(objective: ObjectiveSection, objectives: list[ObjectiveSection] | None) -> list[ObjectiveSection]:
+    return list(objectives) if objectives else [objective]
+
+
+def primary_objective(objectives: list[ObjectiveSection]) -> ObjectiveSection | None:
+    """The objective training follows (best checkpoint, pruning): the first that training reports."""
+    return next((o for o in objectives if not is_deploy_metric(o.metric)), None)
+
+
+def settle_objectives(spec: Any) -> Any:
+    """A loaded StudySpec's ``objective`` becomes the primary one of ``objectives`` (training follows
+    it: best checkpoint, monitor), so every one-objective path reads it unchanged; with several
+    objectives an unset pruner is ``none`` (a pruner stops trials by one number)."""
+    primary = primary_objective(spec.objectives or [])
+    if primary is not None and "objective" not in spec.model_fields_set:
+        spec.objective = primary
+        spec.__pydantic_fields_set__.discard("objective")
+    if len(spec.objectives or []) > 1 and "pruner" not in spec.model_fields_set:
+        spec.pruner = spec.pruner.model_copy(update={"name": "none"})
+        spec.__pydantic_fields_set__.discard("pruner")
+    return spec
+
+
+Problem = tuple[tuple[Any, ...], str]
+# Optuna samplers that optimise several objectives (CMA-ES optimises one).
+_MULTI_SAMPLERS = {"optuna": ("tpe", "gp", "random", "grid", "qmc"), "ray": ("tpe", "random", "grid")}
+
+
+def objective_problems(s: dict[str, Any], fields_set: set[str], out: list[Problem]) -> None:
+    """The rules of ``objectives`` / ``constraints`` / ``deploy`` that span sections. ``s``: the
+    sections that validated (None where one did not); ``fields_set``: the keys the file sets."""
+    objectives, constraints, deploy = s.get("objectives"), s.get("constraints") or {}, s.get("deploy")
+    batch = deploy.batch if deploy is not None else DeploySection().batch
+    if objectives is not None:
+        # The loaded spec's objective is its primary one (sweeps.spec), so a dumped spec holds both, agreeing.
+        if "objective" in fields_set and s.get("objective") not in (None, primary_objective(objectives)):
+            out.append((("objective",), "set together with objectives; keep one: objectives: [{metric: ..., "
+                                        "direction: ...}, ...] (objective is the one-objective form)"))
+        if not objectives:
+            out.append((("objectives",), "[] is empty; list at least one {metric: ..., direction: ...}"))
+        seen: set[str] = set()
+        for i, o in enumerate(objectives):
+            if o.metric in seen:
+                out.append((("objectives", i, "metric"), f"{o.metric!r} is listed twice; list each metric once"))
+            seen.add(o.metric)
+            if is_deploy_metric(o.metric) and o.direction != "minimize":
+                out.append((("objectives", i, "direction"), f"{o.direction} but {o.metric} is a deployment cost "
+                                                            "(lower is better); use direction: minimize"))
+            _unknown_deploy(o.metric, batch, ("objectives", i, "metric"), out)
+        if objectives and primary_objective(objectives) is None:
+            out.append((("objectives",), f"only deployment metrics ({', '.join(o.metric for o in objectives)}): "
+                                         "nothing training reports; add one such as {metric: val_acc, "
+                                         "direction: maximize}, or bound them with constraints"))
+    for metric, bound in constraints.items():
+        at = ("constraints", metric)
+        if not is_deploy_metric(metric):
+            out.append((at, f"{metric!r} is not a deployment metric, and only those are known before training; "
+                            f"constrain one of {', '.join(deploy_metric_names(batch))}, or pick by a trained "
+                            f"metric afterwards with sweeps promote --where \"{metric}>=...\""))
+            continue
+        _unknown_deploy(metric, batch, at, out)
+        if bound.min is None and bound.max is None:
+            out.append((at, "no bound; give max (e.g. {max: 2.0}), min, or both"))
+        elif bound.min is not None and bound.max is not None and bound.min > bound.max:
+            out.append((at + ("min",), f"{bound.min:g} is above max {bound.max:g}; use min <= max"))
+        elif bound.max is not None and bound.max <= 0:  # every deployment figure is a positive size or time
+            out.append((at + ("max",), f"{bound.max:g} rejects every model ({metric} is above 0 for any model); "
+                                       "use a bound above 0"))
+    resources = s.get("resources")
+    if resources is not None and resources.devices == "cpu":
+        named: list[tuple[Any, ...]] = [("objectives", i, "metric") for i, o in enumerate(objectives or [])
+                                        if o.metric == "gpu_latency_ms"]
+        named += [("constraints", "gpu_latency_ms")] if "gpu_latency_ms" in constraints else []
+        for at in named:
+            out.append((at, "gpu_latency_ms needs a GPU, but resources.devices is cpu; use onnx_latency_ms, or "
+                            "run on GPUs (devices: auto)"))
+    _multi_problems(s, fields_set, objectives or [], bool(constraints), out)
+
+
+def _unknown_deploy(metric: str, batch: int, at: tuple[Any, ...], out: list[Problem]) -> None:
+    match = _BATCH_METRIC.match(metric)
+    if match and int(match.group(1)) != batch and int(match.group(1)) != 1:
+        out.append((at, f"{metric!r} is measured at batch {match.group(1)} but deploy.batch is {batch}; "
+                        f"set deploy: {{batch: {match.group(1)}}} or use onnx_latency_b{batch}_ms"))
+
+
+def _multi_problems(s: dict[str, Any], fields_set: set[str], objectives: list[ObjectiveSection],
+                    constrained: bool, out: list[Problem]) -> None:
+    """Combinations a backend cannot run with several objectives or with constraints."""
+    backend, sampler, pruner = s.get("backend") or "optuna", s.get("sampler"), s.get("pruner")
+    n = len(objectives)
+    if n > 1 and pruner is not None and pruner.name != "none" and "pruner" in fields_set:
+        out.append((("pruner", "name"), f"{pruner.name} stops trials by one number, but the study has {n} "
+                                        "objectives (a trial behind on one may lead on another); use pruner: "
+                                        "{name: none}, or one objective with a pruner and the others as "
+                                        "constraints"))
+    if n > 1 and sampler is not None and sampler.name not in _MULTI_SAMPLERS[backend]:
+        out.append((("sampler", "name"), f"{sampler.name} optimises one objective, the study has {n}; use one "
+                                         f"of {', '.join(_MULTI_SAMPLERS[backend])} on backend {backend}"))
+    if backend == "ray" and constrained:
+        out.append((("constraints",), "not supported on backend ray (its searcher would not learn from a trial "
+                                      "rejected before training); use backend: optuna, or drop constraints and "
+                                      "pick with sweeps promote --where"))
+
+
+def judged_by(spec: Any) -> dict[str, Any]:
+    """What a study's trials are judged by: its objectives (metric and direction, in order), its
+    constraints and how the deployment figures are measured. Stored when a study starts and
+    compared when it resumes (both backends): trials of one study must be comparable, or the
+    Pareto front, the best trial and promote would mix values of different metrics under one name."""
+    return {"objectives": [[o.metric, o.direction] for o in spec.objective_list()],
+            "constraints": {k: b.model_dump() for k, b in sorted(spec.constraints.items())},
+            "deploy": spec.deploy.model_dump() if spec.deploy_metrics_needed() else None}
+
+
+def judged_by_changes(stored: dict[str, Any], wanted: dict[str, Any], study: str, spec_path: Any) -> str:
+    """The message refusing a resumed study whose objectives, constraints or deployment
+    measurement changed ("" when none did)."""
+    changed = sorted(k for k in wanted if stored.get(k) != wanted[k])
+    if not changed:
+        return ""
+    return (f"{' and '.join(changed)} of study {study!r} changed since it started (stored "
+            f"{[stored.get(k) for k in changed]}, spec {[wanted[k] for k in changed]}): its trials were judged "
+            f"differently, so the front, the best trial and promote would mix them. Restore the spec, or start "
+            f"a new study with: sweeps run {spec_path or '<spec>'} --fresh")

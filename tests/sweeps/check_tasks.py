@@ -1,0 +1,113 @@
+"""Tasks with one planted bug each, for ``sweeps check`` (tests/sweeps/test_check_command.py),
+named by specs as ``task.target: tests.sweeps.check_tasks:<factory>``."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from core.tasks import task
+from core.tasks.base import TaskError
+from core.tasks.digits import DigitsTask
+
+
+class _Shifted(Dataset):
+    """Labels 1..10 for a 10-class task: the off-by-one of 1-based class ids."""
+
+    def __init__(self, inner: Dataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):
+        x, y = self.inner[i]
+        return x, y + 1
+
+
+class _Noisy(Dataset):
+    """Random noise added on every read: training augmentation applied to validation."""
+
+    def __init__(self, inner: Dataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):
+        x, y = self.inner[i]
+        return x + 0.1 * torch.randn_like(x), y
+
+
+class _IgnoresInput(nn.Module):
+    """Trains (its Linear gets gradients) but feeds it ones instead of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(torch.ones_like(x.flatten(1)))
+
+
+class LabelsOutOfRange(DigitsTask):
+    def datasets(self):
+        train, val = super().datasets()
+        return _Shifted(train), _Shifted(val)
+
+
+class ValidationLabelsOutOfRange(DigitsTask):
+    def datasets(self):
+        train, val = super().datasets()
+        return train, _Shifted(val)
+
+
+class AugmentedValidation(DigitsTask):
+    def datasets(self):
+        train, val = super().datasets()
+        return train, _Noisy(val)
+
+
+class IgnoresInput(DigitsTask):
+    def build_model(self):
+        return _IgnoresInput()
+
+
+@task
+def labels_out_of_range(model: str = "mlp") -> DigitsTask:
+    return LabelsOutOfRange(model)
+
+
+@task
+def validation_labels_out_of_range(model: str = "mlp") -> DigitsTask:
+    return ValidationLabelsOutOfRange(model)
+
+
+@task
+def augmented_validation(model: str = "mlp") -> DigitsTask:
+    return AugmentedValidation(model)
+
+
+@task
+def ignores_input(model: str = "mlp") -> DigitsTask:
+    return IgnoresInput(model)
+
+
+class NoData(DigitsTask):
+    def datasets(self):
+        raise TaskError("task 'no_data': no data at /nowhere; put the files there or set task.args.root")
+
+
+class ModelTypo(DigitsTask):
+    def build_model(self):
+        return nn.Linera(64, 10)  # type: ignore[attr-defined]  # the typo is the planted bug
+
+
+@task
+def no_data(model: str = "mlp") -> DigitsTask:
+    return NoData(model)
+
+
+@task
+def model_typo(model: str = "mlp") -> DigitsTask:
+    return ModelTypo(model)
