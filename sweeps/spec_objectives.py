@@ -13,6 +13,7 @@ reject a trial before its first epoch.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Literal
@@ -189,23 +190,58 @@ def _multi_problems(s: dict[str, Any], fields_set: set[str], objectives: list[Ob
                                       "pick with sweeps promote --where"))
 
 
+# Train settings that change how a trial runs or what it writes, not the values it reaches:
+# changing them between runs of one study is fine (a loader's workers, the device, the exports).
+_OPERATIONAL_TRAIN_KEYS = frozenset({
+    "num_workers", "prefetch_factor", "pin_memory", "device", "save_checkpoints", "export_onnx",
+    "onnx_tolerance", "export_torchscript", "profile", "detect_anomaly", "compile"})
+
+
+def trained_by(spec: Any) -> dict[str, Any]:
+    """What a trial's value depends on besides its drawn parameters: the task (name or target,
+    model, args), the train settings other than the operational ones, and the LR range test."""
+    train = {k: v for k, v in sorted(spec.train.items()) if k not in _OPERATIONAL_TRAIN_KEYS}
+    return {"task": spec.task.model_dump(mode="json"), "train": json.loads(json.dumps(train, default=str)),
+            "lr_finder": spec.lr_finder.model_dump(mode="json")}
+
+
 def judged_by(spec: Any) -> dict[str, Any]:
-    """What a study's trials are judged by: its objectives (metric and direction, in order), its
-    constraints and how the deployment figures are measured. Stored when a study starts and
-    compared when it resumes (both backends): trials of one study must be comparable, or the
-    Pareto front, the best trial and promote would mix values of different metrics under one name."""
+    """What makes a study's trials comparable: how each was trained (:func:`trained_by`), its
+    objectives (metric and direction, in order), its constraints and how the deployment figures
+    are measured. Stored when a study starts and compared when it resumes or a worker joins (both
+    backends): otherwise the sampler, the Pareto front, the best trial and promote would mix
+    values of different trainings or metrics under one name."""
     return {"objectives": [[o.metric, o.direction] for o in spec.objective_list()],
             "constraints": {k: b.model_dump() for k, b in sorted(spec.constraints.items())},
-            "deploy": spec.deploy.model_dump() if spec.deploy_metrics_needed() else None}
+            "deploy": spec.deploy.model_dump() if spec.deploy_metrics_needed() else None,
+            "training": trained_by(spec)}
 
 
 def judged_by_changes(stored: dict[str, Any], wanted: dict[str, Any], study: str, spec_path: Any) -> str:
-    """The message refusing a resumed study whose objectives, constraints or deployment
-    measurement changed ("" when none did)."""
-    changed = sorted(k for k in wanted if stored.get(k) != wanted[k])
+    """The message refusing a resumed study whose training, objectives, constraints or
+    deployment measurement changed ("" when none did). A part a study stored nothing for (it
+    started before that part was stored) is not compared."""
+    changed = sorted(k for k in wanted if k in stored and stored[k] != wanted[k])
     if not changed:
         return ""
-    return (f"{' and '.join(changed)} of study {study!r} changed since it started (stored "
-            f"{[stored.get(k) for k in changed]}, spec {[wanted[k] for k in changed]}): its trials were judged "
-            f"differently, so the front, the best trial and promote would mix them. Restore the spec, or start "
-            f"a new study with: sweeps run {spec_path or '<spec>'} --fresh")
+    what = []
+    for k in changed:
+        if k == "training":
+            parts = sorted(p for p in wanted[k] if stored[k].get(p) != wanted[k][p])
+            what.append(f"training ({', '.join(_training_differences(stored[k], wanted[k], parts))})")
+        else:
+            what.append(f"{k} (stored {stored[k]}, spec {wanted[k]})")
+    return (f"study {study!r} changed since it started: {'; '.join(what)}. Its earlier trials were trained or "
+            f"judged differently, so the sampler, the front, the best trial and promote would mix them. "
+            f"Restore the spec, or start a new study with: sweeps run {spec_path or '<spec>'} --fresh")
+
+
+def _training_differences(stored: dict[str, Any], wanted: dict[str, Any], parts: list[str]) -> list[str]:
+    """``train.epochs: 8 -> 2`` for each key that differs, section by section."""
+    out = []
+    for part in parts:
+        old, new = stored.get(part) or {}, wanted.get(part) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                out.append(f"{part}.{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}")
+    return out

@@ -48,7 +48,7 @@ ATTR_RUN_ID = "mlflow_run_id"
 ATTR_WORKER = "worker"
 ATTR_REASON = "fail_reason"
 ATTR_BATCH_OVERRIDES = "train_overrides"
-ATTR_JUDGED_BY = "judged_by"  # objectives, constraints, deploy (sweeps.spec_objectives.judged_by)
+ATTR_JUDGED_BY = "judged_by"  # training, objectives, constraints, deploy (sweeps.spec_objectives.judged_by)
 ATTR_STUDY_UID = "study_uid"  # a UUID made when the study is created: its identity beyond its name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -275,12 +275,11 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
             f"(stored {[stored.get(k) for k in changed]}, spec {[wanted.get(k) for k in changed]}). "
             f"Its trials would not be comparable: restore the search section, or start a new study "
             f"with: sweeps run {spec.path} --fresh")
-    judged = judged_by(spec)
-    if ATTR_JUDGED_BY not in study.user_attrs:
-        if create:  # new (or made before this was stored: from now on)
-            study.set_user_attr(ATTR_JUDGED_BY, judged)
-    elif message := judged_by_changes(study.user_attrs[ATTR_JUDGED_BY], judged, name, spec.path):
+    judged, stored_judged = judged_by(spec), study.user_attrs.get(ATTR_JUDGED_BY, {})
+    if message := judged_by_changes(stored_judged, judged, name, spec.path):
         raise StudyStateError(message)
+    if create and set(judged) - set(stored_judged):  # new (or made before a part was stored: from now on)
+        study.set_user_attr(ATTR_JUDGED_BY, {**judged, **stored_judged})
     stored_dirs = [d.name.lower() for d in study.directions]
     if stored_dirs != directions:
         field = "objective.direction" if len(directions) == 1 == len(stored_dirs) else "objectives"

@@ -149,9 +149,10 @@ class RayBackend:
             # run and trial folders are its own, never the old study's (sweeps.trial_folder).
             return {**wanted, "spec_hash": spec.spec_hash(), "created": time.time(), "study_uid": uuid.uuid4().hex,
                     "judged_by": judged_by(spec), "joined": False}
-        judged = judged_by(spec)
-        if message := judged_by_changes(stored.get("judged_by", judged), judged, study_name, spec.path):
+        judged, stored_judged = judged_by(spec), stored.get("judged_by", {})
+        if message := judged_by_changes(stored_judged, judged, study_name, spec.path):
             raise StudyStateError(message)
+        stored = {**stored, "judged_by": {**judged, **stored_judged}}  # a part stored from now on
         changed = sorted(k for k in wanted if stored.get(k) != wanted[k])
         if changed:
             raise StudyStateError(

@@ -108,7 +108,7 @@ def test_two_objective_study_tells_optuna_both_values(mo_study):
                                    "tracking": {"uri": f"sqlite:///{tmp_path}/runs/mlflow.db"}}))
     changed = run_cli(tmp_path, "status", str(one))
     assert changed.returncode == 2 and "Traceback" not in changed.stderr
-    assert "objectives of study 'mo' changed since it started" in changed.stderr and "--fresh" in changed.stderr
+    assert "study 'mo' changed since it started: objectives" in " ".join(changed.stderr.split()) and "--fresh" in changed.stderr
     # Bad specs for several objectives stop before anything runs, exit 2.
     bad = mo_spec(tmp_path, "bad", pruner={"name": "asha"})
     refused = run_cli(tmp_path, "run", str(bad))

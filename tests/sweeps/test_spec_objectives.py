@@ -177,7 +177,7 @@ def test_a_ray_study_resumed_with_other_objectives_is_refused(tmp_path, monkeypa
     (rr.ray_root() / "judged").mkdir(parents=True)
     rr.write_meta("judged", meta)
     assert backend._checked_meta(_judged_spec(tmp_path, backend="ray"), "judged") == meta
-    with pytest.raises(StudyStateError, match="objectives of study 'judged' changed since it started"):
+    with pytest.raises(StudyStateError, match="study 'judged' changed since it started: objectives"):
         backend._checked_meta(_judged_spec(tmp_path, second="params", backend="ray"), "judged")
 
 
