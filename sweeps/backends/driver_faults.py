@@ -21,6 +21,9 @@ DRIVER_KILL_MID_TRIAL = "driver_kill_mid_trial"
 # handler is then in place), and while it ends (every trial done, before the summary and tags).
 DRIVER_SIGTERM_AT_START = "driver_sigterm_at_start"
 DRIVER_SIGTERM_AT_END = "driver_sigterm_at_end"
+# The Optuna driver, between its last look for a signal while starting and its supervisor taking
+# the signals over: a Ctrl-C there must stop the study as one mid-study does.
+DRIVER_SIGINT_AT_HANDOVER = "driver_sigint_at_handover"
 _SIGNAL_OF = {DRIVER_SIGINT_MID_TRIAL: signal.SIGINT, DRIVER_SIGTERM_MID_TRIAL: signal.SIGTERM,
               DRIVER_KILL_MID_TRIAL: signal.SIGKILL}
 _fired: set[str] = set()
@@ -41,10 +44,19 @@ def ending() -> None:
     _sigterm_once(DRIVER_SIGTERM_AT_END)
 
 
+def handing_over() -> None:
+    """Called by the Optuna driver right before its supervisor takes SIGINT and SIGTERM."""
+    _signal_once(DRIVER_SIGINT_AT_HANDOVER, signal.SIGINT)
+
+
 def _sigterm_once(point: str) -> None:
+    _signal_once(point, signal.SIGTERM)
+
+
+def _signal_once(point: str, signum: int) -> None:
     if armed(point) and point not in _fired:
         _fired.add(point)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
 
 def trial_mid_way() -> None:

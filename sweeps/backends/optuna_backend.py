@@ -103,7 +103,9 @@ class OptunaBackend:
             elif signals.signum:  # while it started: no worker is started
                 stopped, code = _stopped_while(signals.signum, "the study started")
             else:
-                stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker, early)
+                driver_faults.handing_over()
+                stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker,
+                                                early, signals)
             result = optuna_study.study_result(spec, optuna.load_study(
                 study_name=study.study_name, storage=optuna_study.open_storage(spec)))
             result.stopped_reason = stopped
@@ -117,7 +119,8 @@ class OptunaBackend:
         result.exit_code = code
         return result
 
-    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker, early) -> tuple[str, int]:
+    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker, early,
+                   signals: DriverSignals) -> tuple[str, int]:
         """Run the workers under a :class:`Supervisor`; the live view and the parent run's
         best-so-far are kept current from the study (every worker's trials, in order)."""
         uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
@@ -140,7 +143,7 @@ class OptunaBackend:
 
         tracker.log(parent, tags={"sweeps.workers": len(slots)})  # this invocation's local workers
         supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), started, deadline, on_progress,
-                                early=early)
+                                early=early, driver_signals=signals)
         stopped, code = supervisor.run(slots)
         view.update(study)
         return stopped, code

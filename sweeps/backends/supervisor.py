@@ -27,6 +27,7 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
 from sweeps.backends.budget_outcome import max_failures_stop
+from sweeps.backends.driver_signals import DriverSignals
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import env_seconds
@@ -150,6 +151,7 @@ class Supervisor:
     early_deaths: int = 0
     max_failures_code: int = 1  # the exit code for budget.max_failures (`sweeps worker` says 3)
     early: EarlyWorkers | None = None  # processes started before the study was ready, one per slot
+    driver_signals: DriverSignals | None = None  # what took the signals before this (sweeps run's driver)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
@@ -161,7 +163,12 @@ class Supervisor:
             # Dead workers' trials (another machine's, or one of ours that the heartbeat finds
             # first) are failed on a timer, also while every worker here is busy in a long trial.
             monitor = StaleTrialMonitor.start_for(self.spec, self.study)
+            if self.driver_signals is not None and self.driver_signals.signum:
+                # It came after the driver's last look and before the handlers above took over.
+                self._on_signal(self.driver_signals.signum, None)
             for slot in slots:
+                if self.stopping:  # a signal while the workers start: no more of them
+                    break
                 self._start(slot)
             while True:
                 for w in list(self.workers):

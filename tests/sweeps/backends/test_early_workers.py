@@ -52,3 +52,24 @@ def test_a_ctrl_c_before_the_go_ends_the_worker_quietly(tmp_path, command, point
     assert proc.returncode == 128 + signal.SIGINT
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert out == ""
+
+
+def test_a_ctrl_c_as_the_supervisor_takes_over_from_the_driver_stops_the_study(tmp_path):
+    """SIGINT after the driver's last look for a signal while starting, before its supervisor's
+    handlers are in place (the driver's own records it): obeyed as mid-study, exit 130 with the
+    study run KILLED and no trial run; the same command then finishes the study. Before, the
+    supervisor started its workers and ran the whole study, and only the exit code said 130."""
+    from sweeps.backends.driver_faults import DRIVER_SIGINT_AT_HANDOVER
+    from tests.sweeps.backends.conftest import study_runs
+    from tests.sweeps.study_helpers import run_cli, write_spec
+
+    spec = write_spec(tmp_path, "handover", budget={"n_trials": 1})
+    stopped = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT=DRIVER_SIGINT_AT_HANDOVER)
+    assert stopped.returncode == 128 + signal.SIGINT, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "stopped by SIGINT" in stopped.stdout and "Traceback" not in stopped.stderr
+    parents, children = study_runs(tmp_path, "handover")
+    assert [p.info.status for p in parents] == ["KILLED"] and children == []
+    done = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _, children = study_runs(tmp_path, "handover")
+    assert [c.data.tags["sweeps.state"] for c in children] == ["COMPLETE"]
