@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 from sweeps.faults import armed
 
@@ -57,6 +58,15 @@ def _signal_once(point: str, signum: int) -> None:
     if armed(point) and point not in _fired:
         _fired.add(point)
         os.kill(os.getpid(), signum)
+
+
+def hold_mid_trial(stop: threading.Event) -> None:
+    """Called by an Optuna worker once its trial has reported an epoch: with a mid-trial driver
+    fault armed, the trial waits there for the stop the driver's signal brings (or dies with a
+    SIGKILLed driver), so the fault never races the trial's end (a short trial could finish
+    between the driver's look and its signal reaching the worker)."""
+    if any_armed():
+        stop.wait()
 
 
 def trial_mid_way() -> None:

