@@ -16,7 +16,7 @@ from sweeps.backends.stale_monitor import StaleTrialMonitor, check_interval_seco
 from sweeps.spec import spec_from_dict
 from sweeps.worker_identity import worker_identity
 from tests.scaleout import conftest as scaleout_fixtures
-from tests.scaleout.scaleout_helpers import Output, pg_study, running_trials, wait_for
+from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for
 from tests.sweeps.study_helpers import empty_mlflow_db, sqlite_rdb_spec, start_cli, write_spec
 
 ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
@@ -118,14 +118,6 @@ def _check_the_end(tmp_path, url: str, dead, survivors: set[str], n_trials: int)
     assert not [r for r in runs if r.info.status == "RUNNING"]
 
 
-def _stop_all(outputs: list[Output]) -> None:
-    for out in outputs:
-        if out.proc.poll() is None:
-            os.kill(out.proc.pid, signal.SIGCONT)
-            out.proc.kill()
-            out.proc.wait(timeout=30)
-
-
 @pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.timeout(900)
@@ -146,7 +138,7 @@ def test_sweeps_run_requeues_a_killed_workers_trial_while_its_own_worker_is_stil
         code, out = run.finish(timeout=400)
         assert code == 0, out
     finally:
-        _stop_all([victim, run])
+        kill_all([victim, run])
     _check_the_end(tmp_path, url, dead, {held["worker"]}, n_trials=2)
 
 
@@ -178,5 +170,5 @@ def test_a_lone_sweeps_worker_requeues_a_killed_workers_trial_while_it_is_still_
         code, out = survivor.finish(timeout=120)
         assert code == 0, out
     finally:
-        _stop_all([victim, survivor, run])
+        kill_all([victim, survivor, run])
     _check_the_end(tmp_path, url, dead, set(held) - {worker_identity(victim.proc.pid)}, n_trials=3)

@@ -14,7 +14,7 @@ import pytest
 from sweeps.backends.supervisor import WORKER_MODULE
 from sweeps.worker_identity import worker_identity
 from tests.scaleout import conftest as scaleout_fixtures
-from tests.scaleout.scaleout_helpers import Output, pg_study, running_trials, wait_for
+from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for
 from tests.sweeps.study_helpers import empty_mlflow_db, run_cli, save_spec, start_cli, tiny_spec
 
 ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
@@ -107,10 +107,7 @@ def test_each_slot_runs_one_trial_pinned_to_its_devices(tmp_path, fresh_db):
         code, out = pool.finish(timeout=120)
         assert code == 0, out
     finally:
-        for proc in (pool.proc, run.proc):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        kill_all([pool, run])
     assert "with 2 worker(s) on this machine: slot 0 on GPUs 0,1, slot 1 on GPUs 2,3" in out, out
 
     trials = pg_study(url, "devs").trials
@@ -150,10 +147,7 @@ def test_sigterm_stops_every_worker_of_the_pool_and_their_trials_are_requeued(tm
         code, run_out = run.finish(timeout=600)
         assert code == 0, run_out
     finally:
-        for proc in (pool.proc, run.proc):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        kill_all([pool, run])
     trials = pg_study(url, "term").trials
     stopped = [t for t in trials if t.state.name == "FAIL"]
     assert stopped and all("SIGTERM" in t.user_attrs["fail_reason"] or t.user_attrs.get("interrupted")

@@ -113,6 +113,15 @@ class Output:
         return self.proc.returncode, self.text()
 
 
+def kill_all(outputs: list[Output]) -> None:
+    """A test's end: every process still there is killed (continued first, if a test stopped it)."""
+    for out in outputs:
+        if out.proc.poll() is None:
+            os.kill(out.proc.pid, signal.SIGCONT)
+            out.proc.kill()
+            out.proc.wait(timeout=30)
+
+
 def pg_study(url: str, name: str):
     """The study as Optuna stores it (a plain read-only view: no heartbeat, no callbacks). A
     connection only while a call runs: tests poll this every fraction of a second, and a pooled
