@@ -199,8 +199,16 @@ _OPERATIONAL_TRAIN_KEYS = frozenset({
 
 def trained_by(spec: Any) -> dict[str, Any]:
     """What a trial's value depends on besides its drawn parameters: the task (name or target,
-    model, args), the train settings other than the operational ones, and the LR range test."""
-    train = {k: v for k, v in sorted(spec.train.items()) if k not in _OPERATIONAL_TRAIN_KEYS}
+    model, args), the train settings other than the operational ones, and the LR range test.
+    A train setting written at its default counts as unset, so spelling a default out (or a new
+    setting arriving with a new version at its default) changes nothing."""
+    import dataclasses
+
+    from core.config import TrainConfig
+
+    defaults = dataclasses.asdict(TrainConfig())
+    train = {k: v for k, v in sorted(spec.train.items())
+             if k not in _OPERATIONAL_TRAIN_KEYS and not (k in defaults and v == defaults[k])}
     return {"task": spec.task.model_dump(mode="json"), "train": json.loads(json.dumps(train, default=str)),
             "lr_finder": spec.lr_finder.model_dump(mode="json")}
 
@@ -243,5 +251,5 @@ def _training_differences(stored: dict[str, Any], wanted: dict[str, Any], parts:
         old, new = stored.get(part) or {}, wanted.get(part) or {}
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
-                out.append(f"{part}.{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}")
+                out.append(f"{part}.{key}: {old.get(key, '(default)')!r} -> {new.get(key, '(default)')!r}")
     return out

@@ -24,8 +24,8 @@ def _spec(tmp_path, **overrides):
 
 @pytest.mark.parametrize("changed, named", [
     ({"train": {"epochs": 3}}, "train.epochs: 2 -> 3"),
-    ({"train": {"optimizer": "adam"}}, "train.optimizer: 'sgd' -> 'adam'"),
-    ({"train": {"label_smoothing": 0.1}}, "train.label_smoothing: '(unset)' -> 0.1"),
+    ({"train": {"optimizer": "adam"}}, "train.optimizer: '(default)' -> 'adam'"),
+    ({"train": {"label_smoothing": 0.1}}, "train.label_smoothing: '(default)' -> 0.1"),
     ({"task": {"args": {"width": 64}}}, "task.args: {'width': 32} -> {'width': 64}"),
     ({"task": {"model": "cnn", "args": {}}}, "task.model: 'mlp' -> 'cnn'"),
     ({"lr_finder": {"enabled": True}}, "lr_finder.enabled: False -> True"),
@@ -45,12 +45,13 @@ def test_a_resume_that_trains_differently_is_refused_naming_the_change(tmp_path,
         optuna_study.open_study(_spec(tmp_path))  # the newest version trains the changed way
 
 
-def test_operational_settings_may_change_between_runs(tmp_path):
+def test_operational_settings_and_spelt_out_defaults_may_change_between_runs(tmp_path):
     from sweeps.backends import optuna_study
 
     optuna_study.open_study(_spec(tmp_path))
     same = _spec(tmp_path, train={"num_workers": 2, "export_onnx": True, "save_checkpoints": False,
-                                  "device": "cpu", "pin_memory": False, "onnx_tolerance": 1e-3},
+                                  "device": "cpu", "pin_memory": False, "onnx_tolerance": 1e-3,
+                                  "momentum": 0.9, "grad_accum_steps": 1, "epochs": 2.0},  # defaults, 2 as 2.0
                  resources={"workers": 2}, budget={"n_trials": 9})
     assert optuna_study.open_study(same).study_name == "trained"
 
