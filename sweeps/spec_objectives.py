@@ -199,18 +199,32 @@ _OPERATIONAL_TRAIN_KEYS = frozenset({
 
 def trained_by(spec: Any) -> dict[str, Any]:
     """What a trial's value depends on besides its drawn parameters: the task (name or target,
-    model, args), the train settings other than the operational ones, and the LR range test.
-    A train setting written at its default counts as unset, so spelling a default out (or a new
-    setting arriving with a new version at its default) changes nothing."""
+    model, args), the train settings other than the operational ones, and the LR range test when
+    it is on."""
+    train = json.loads(json.dumps(dict(sorted(spec.train.items())), default=str))
+    return {"task": spec.task.model_dump(mode="json"), "train": _without_defaults(train),
+            "lr_finder": spec.lr_finder.model_dump(mode="json") if spec.lr_finder.enabled else None}
+
+
+def _without_defaults(train: dict[str, Any]) -> dict[str, Any]:
+    """``train`` less its operational settings and those at their defaults (a nested section
+    such as ``distributed`` counts as default when what it sets is): spelling a default out, or
+    a new setting arriving at its default with a new version, changes nothing."""
     import dataclasses
 
     from core.config import TrainConfig
 
     defaults = dataclasses.asdict(TrainConfig())
-    train = {k: v for k, v in sorted(spec.train.items())
-             if k not in _OPERATIONAL_TRAIN_KEYS and not (k in defaults and v == defaults[k])}
-    return {"task": spec.task.model_dump(mode="json"), "train": json.loads(json.dumps(train, default=str)),
-            "lr_finder": spec.lr_finder.model_dump(mode="json")}
+
+    def at_default(key: str, value: Any) -> bool:
+        if key not in defaults:
+            return False
+        default = defaults[key]
+        if isinstance(value, dict) and isinstance(default, dict):
+            return {**default, **value} == default
+        return value == default
+
+    return {k: v for k, v in train.items() if k not in _OPERATIONAL_TRAIN_KEYS and not at_default(k, v)}
 
 
 def judged_by(spec: Any) -> dict[str, Any]:
@@ -229,6 +243,8 @@ def judged_by_changes(stored: dict[str, Any], wanted: dict[str, Any], study: str
     """The message refusing a resumed study whose training, objectives, constraints or
     deployment measurement changed ("" when none did). A part a study stored nothing for (it
     started before that part was stored) is not compared."""
+    if isinstance((stored.get("training") or {}).get("train"), dict):  # as stored by any version
+        stored = {**stored, "training": {**stored["training"], "train": _without_defaults(stored["training"]["train"])}}
     changed = sorted(k for k in wanted if k in stored and stored[k] != wanted[k])
     if not changed:
         return ""
@@ -248,7 +264,10 @@ def _training_differences(stored: dict[str, Any], wanted: dict[str, Any], parts:
     """``train.epochs: 8 -> 2`` for each key that differs, section by section."""
     out = []
     for part in parts:
-        old, new = stored.get(part) or {}, wanted.get(part) or {}
+        old, new = stored.get(part), wanted.get(part)
+        if old is None or new is None:  # a section stored only while on (lr_finder)
+            out.append(f"{part}: {'off' if old is None else 'on'} -> {'off' if new is None else 'on'}")
+            continue
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 out.append(f"{part}.{key}: {old.get(key, '(default)')!r} -> {new.get(key, '(default)')!r}")

@@ -28,7 +28,7 @@ def _spec(tmp_path, **overrides):
     ({"train": {"label_smoothing": 0.1}}, "train.label_smoothing: '(default)' -> 0.1"),
     ({"task": {"args": {"width": 64}}}, "task.args: {'width': 32} -> {'width': 64}"),
     ({"task": {"model": "cnn", "args": {}}}, "task.model: 'mlp' -> 'cnn'"),
-    ({"lr_finder": {"enabled": True}}, "lr_finder.enabled: False -> True"),
+    ({"lr_finder": {"enabled": True}}, "lr_finder: off -> on"),
 ])
 def test_a_resume_that_trains_differently_is_refused_naming_the_change(tmp_path, changed, named):
     from sweeps.backends import optuna_study
@@ -51,7 +51,9 @@ def test_operational_settings_and_spelt_out_defaults_may_change_between_runs(tmp
     optuna_study.open_study(_spec(tmp_path))
     same = _spec(tmp_path, train={"num_workers": 2, "export_onnx": True, "save_checkpoints": False,
                                   "device": "cpu", "pin_memory": False, "onnx_tolerance": 1e-3,
-                                  "momentum": 0.9, "grad_accum_steps": 1, "epochs": 2.0},  # defaults, 2 as 2.0
+                                  "momentum": 0.9, "grad_accum_steps": 1, "epochs": 2.0,  # defaults, 2 as 2.0
+                                  "distributed": {"nproc": 1}},  # a nested section at its default
+                 lr_finder={"enabled": False, "rule": "steepest", "num_steps": 50},  # off: its settings unused
                  resources={"workers": 2}, budget={"n_trials": 9})
     assert optuna_study.open_study(same).study_name == "trained"
 
@@ -67,6 +69,18 @@ def test_a_study_that_stored_no_training_resumes_and_stores_it_from_then_on(tmp_
     assert stored.user_attrs[optuna_study.ATTR_JUDGED_BY]["training"]["train"]["epochs"] == 5
     with pytest.raises(StudyStateError, match=r"train.epochs: 5 -> 2"):
         optuna_study.open_study(_spec(tmp_path))
+
+
+def test_a_study_that_stored_its_defaults_spelt_out_resumes_with_the_same_spec(tmp_path):
+    """A study whose stored train settings hold defaults (as the first version of this check
+    stored them) is compared the same way: the unchanged spec resumes."""
+    from sweeps.backends import optuna_study
+
+    study = optuna_study.open_study(_spec(tmp_path))
+    stored = study.user_attrs[optuna_study.ATTR_JUDGED_BY]
+    raw = _spec(tmp_path).train  # optimizer sgd, scheduler constant, seed 0: defaults, kept raw
+    study.set_user_attr(optuna_study.ATTR_JUDGED_BY, {**stored, "training": {**stored["training"], "train": raw}})
+    assert optuna_study.open_study(_spec(tmp_path)).study_name == "trained"
 
 
 def test_a_ray_study_resumed_with_other_training_is_refused(tmp_path, monkeypatch):
