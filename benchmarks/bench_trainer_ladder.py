@@ -9,8 +9,9 @@ measures each variant in lockstep with the hand loop (``benchmarks/hand_loop.py`
   core                  core.train() + TrialReporter on an MlflowTracker (as in benchmark 1)
   - reporter            a NullReporter instead of the TrialReporter
   - grad norm           ... and StepGradients.norm (core/gradients.py) replaced by a constant
-  - DistributedSampler  ... and core.data's loader (DistributedSampler, per-batch data seeds)
-                        replaced by a plain DataLoader on the hand loop's RandomSampler
+  - DistributedSampler  ... and core.data's batches (an in-memory dataset's gathered batches, or
+                        the DistributedSampler with per-batch data seeds) replaced by a plain
+                        DataLoader on the hand loop's RandomSampler
 
 Variants alternate run by run (ABCD ABCD ...); each run's ratio is the hand loop's summed step
 time over the variant's, step for step. What remains between the last variant and 1.0 is the

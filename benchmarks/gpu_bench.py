@@ -6,9 +6,11 @@
 Imports only ``core`` (torch, torchvision, numpy), so it runs on a bare GPU image without the
 sweeps stack. Every figure is a ratio against a baseline measured in the same run:
 
-* ``trainer``: samples/s of ``core.train()`` against a minimal hand-written CUDA loop (same
-  ResNet-18 at 32x32, bf16 autocast, batch, data, steps), alternating hand, core, hand, core;
-  core's per-step ``.item()`` syncs, grad norm and bookkeeping are what the ratio measures.
+* ``trainer``: samples/s of ``core.train()`` against minimal hand-written CUDA loops (same
+  ResNet-18 at 32x32, bf16 autocast, batch, data, steps), arms alternated, with the GPU
+  utilisation NVML reports for each: the usual hand loop (pinned DataLoader, a copy per step)
+  and the device-resident one (tensors on the GPU once, batches sliced there), which is how
+  core feeds an in-memory dataset; against the latter the ratio measures core's own per-step work.
 * ``dataloader``: ImageFolder on PNGs this script writes (decode + RandomResizedCrop + flip per
   sample, the CPU work a real image task has) for each ``num_workers`` x ``pin_memory``:
   samples/s and the mean GPU utilisation NVML reports while the second epoch trains.
@@ -122,9 +124,12 @@ def synthetic_task(n_train: int):
 # --------------------------------------------------------------------------- sections
 
 
-def hand_loop(task, cfg: TrainConfig, syncs: bool = False) -> float:
+def hand_loop(task, cfg: TrainConfig, sampler: UtilSampler, syncs: bool = False, resident: bool = False) -> dict:
     """The minimal CUDA loop: pinned DataLoader -> non-blocking copy -> autocast forward ->
-    loss -> zero_grad -> backward -> step, no per-step sync. Steady-state samples/s.
+    loss -> zero_grad -> backward -> step, no per-step sync. Steady-state samples/s and the GPU
+    utilisation over those epochs.
+    ``resident``: the fastest a hand loop feeds the GPU: the tensors moved to the device once,
+    each batch sliced from them by a device-side permutation (no DataLoader, no copy per step).
     ``syncs``: also read loss, accuracy and grad norm every step with ``.item()`` (what core did
     before it read each step's numbers one step late): the price of three syncs per step."""
     from torch import nn
@@ -134,17 +139,26 @@ def hand_loop(task, cfg: TrainConfig, syncs: bool = False) -> float:
     torch.manual_seed(cfg.seed)
     model = task.build_model().to(device)
     train_ds, _ = task.datasets()
-    loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, num_workers=0,
-                        pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed))
+    if resident:
+        x_all, y_all = train_ds.x.to(device), train_ds.y.to(device)
+
+        def batches():
+            return ((x_all[i], y_all[i]) for i in torch.randperm(len(x_all), device=device).split(cfg.batch_size))
+    else:
+        loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, num_workers=0,
+                            pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed))
+
+        def batches():
+            return iter(loader)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     criterion = nn.CrossEntropyLoss()
     dtype = torch.bfloat16 if cfg.precision == "bf16" else None
-    rates = []
+    rates, windows = [], []
     for _ in range(cfg.epochs):
         model.train()
         _sync(device)
         t0, seen = time.perf_counter(), 0
-        for x, y in loader:
+        for x, y in batches():
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 logits = model(x)
@@ -157,8 +171,20 @@ def hand_loop(task, cfg: TrainConfig, syncs: bool = False) -> float:
             opt.step()
             seen += y.shape[0]
         _sync(device)
-        rates.append(seen / (time.perf_counter() - t0))
-    return statistics.fmean(rates[1:] or rates)
+        t1 = time.perf_counter()
+        rates.append(seen / (t1 - t0))
+        windows.append((t0, t1))
+    steady = windows[1:] or windows  # the first epoch pays for cuDNN autotuning
+    return {"samples_per_s": statistics.fmean(rates[1:] or rates),
+            "gpu_util_pct": sampler.mean(steady[0][0], steady[-1][1])}
+
+
+def core_arm(task, cfg: TrainConfig, sampler: UtilSampler) -> dict:
+    """``core.train()`` on the same run: its steady samples/s and the GPU utilisation over those epochs."""
+    clock = EpochClock()
+    history = train(task, cfg, reporter=clock).history
+    return {"samples_per_s": steady_samples_per_s(history),
+            "gpu_util_pct": sampler.mean(clock.ends[0], clock.ends[-1]) if len(clock.ends) > 1 else None}
 
 
 def _sync(device: torch.device) -> None:
@@ -166,21 +192,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def section_trainer(size: dict, on_gpu: bool) -> dict:
+def section_trainer(size: dict, on_gpu: bool, sampler: UtilSampler) -> dict:
+    """core.train() against two hand loops: the DataLoader one (pinned memory, a copy per step) and
+    the device-resident one (what core does for an in-memory dataset, ``core.in_memory``)."""
     task = synthetic_task(size["n_train"])
     cfg = config(on_gpu, epochs=size["epochs"], batch_size=size["batch"])
-    pairs = []
-    for _ in range(size["repeats"]):  # ABAB: hand, core, hand+syncs, hand, core, hand+syncs
-        hand = hand_loop(task, cfg)
-        core = steady_samples_per_s(train(task, cfg).history)
-        synced = hand_loop(task, cfg, syncs=True)
-        pairs.append({"hand_samples_per_s": hand, "core_samples_per_s": core, "ratio": core / hand,
-                      "hand_with_3_syncs_samples_per_s": synced, "syncs_ratio": synced / hand})
-    ratios = [p["ratio"] for p in pairs]
+    arms = {"hand": lambda: hand_loop(task, cfg, sampler),
+            "hand_resident": lambda: hand_loop(task, cfg, sampler, resident=True),
+            "core": lambda: core_arm(task, cfg, sampler),
+            "hand_with_3_syncs": lambda: hand_loop(task, cfg, sampler, syncs=True)}
+    rounds = [{name: arm() for name, arm in arms.items()} for _ in range(size["repeats"])]  # arms alternated
+    for r in rounds:
+        r["ratio"] = r["core"]["samples_per_s"] / r["hand"]["samples_per_s"]
+        r["ratio_resident"] = r["core"]["samples_per_s"] / r["hand_resident"]["samples_per_s"]
+        r["syncs_ratio"] = r["hand_with_3_syncs"]["samples_per_s"] / r["hand"]["samples_per_s"]
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    utils = {name: [r[name]["gpu_util_pct"] for r in rounds if r[name]["gpu_util_pct"] is not None] for name in arms}
     return {"what": "core.train() / hand loop samples/s, ResNet-18 32x32, "
                     f"{cfg.precision}, batch {cfg.batch_size}, {size['n_train']} samples x {cfg.epochs} epochs",
-            "pairs": pairs, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "syncs_ratio_median": statistics.median(p["syncs_ratio"] for p in pairs)}
+            "rounds": rounds, "ratio_median": median("ratio"), "ratio_min": min(r["ratio"] for r in rounds),
+            "ratio_max": max(r["ratio"] for r in rounds), "ratio_resident_median": median("ratio_resident"),
+            "ratio_resident_min": min(r["ratio_resident"] for r in rounds),
+            "ratio_resident_max": max(r["ratio_resident"] for r in rounds),
+            "syncs_ratio_median": median("syncs_ratio"),
+            "gpu_util_pct_median": {name: statistics.median(u) if u else None for name, u in utils.items()}}
 
 
 def write_images(root: Path, n: int, px: int, classes: int = 10) -> None:
@@ -316,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"dry_run": not on_gpu, "environment": environment(on_gpu), "sizes": size, "sections": {}}
     sampler = UtilSampler()
-    sections = {"trainer": lambda: section_trainer(size, on_gpu),
+    sections = {"trainer": lambda: section_trainer(size, on_gpu, sampler),
                 "dataloader": lambda: section_dataloader(size, on_gpu, sampler),
                 "trials_per_gpu": lambda: section_trials_per_gpu(size, on_gpu, sampler),
                 "optimizer": lambda: section_optimizer(size, on_gpu)}

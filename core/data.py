@@ -17,6 +17,9 @@ stream (dropout, mixup), which the checkpoint saves.
   stream ends. Workers start afresh each epoch, with a fresh copy of the stream. A run resumed
   mid-epoch replays the epoch's stream from its start and drops the batches trained before the
   interrupt: they are fetched (and augmented) again, the cost of exactness for a stream.
+- Datasets that are only tensors (``TensorPairDataset``, ``TensorDataset``) skip the DataLoader:
+  :class:`core.in_memory.InMemoryBatches` gathers each batch by ``KeyedBatches``' indices from
+  tensors placed on the device once, bitwise the same batches.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from core.config import TrainConfig
 from core.distributed import DistContext
+from core.in_memory import InMemoryBatches, dataset_tensors, place
 from core.seeding import data_rngs, data_seed
 from core.tasks.base import Task, TaskError
 
@@ -97,9 +101,13 @@ class KeyedBatches(Sampler[list[Key]]):
         return max(0, self.batches - self.start)
 
     def __iter__(self) -> Iterator[list[Key]]:
+        return self._keys(self.epoch, self.start, self.indices(self.epoch))
+
+    def indices(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s sample indices, in order (batch b is ``batch_size`` of them from ``b * batch_size``)."""
         if isinstance(self.order, DistributedSampler):
-            self.order.set_epoch(self.epoch)
-        return self._keys(self.epoch, self.start, list(self.order))
+            self.order.set_epoch(epoch)
+        return list(self.order)
 
     def _keys(self, epoch: int, start: int, indices: list[int]) -> Iterator[list[Key]]:
         size = self.batch_size
@@ -177,11 +185,12 @@ class TrainBatches:
 
 
 def make_train_loader(ds: Dataset, cfg: TrainConfig, device: torch.device, ctx: DistContext,
-                      collate_fn: Callable | None = None) -> TrainBatches:
+                      collate_fn: Callable | None = None) -> TrainBatches | InMemoryBatches:
     """Shuffling comes from a DistributedSampler seeded with ``cfg.seed`` and re-keyed each epoch,
     in single-process runs too: the order of epoch k depends only on (seed, k), which makes
     resume exact and keeps one code path for DDP. A stream is read as it comes (it shards
-    itself under DDP, see ``Task``)."""
+    itself under DDP, see ``Task``). A dataset that is only tensors is gathered batch by batch
+    on the device, in the same order, without a DataLoader (``core.in_memory``)."""
     if isinstance(ds, IterableDataset):
         if cfg.max_steps_per_epoch is None and not _has_len(ds):
             raise ValueError("an iterable train dataset with no length needs train.max_steps_per_epoch")
@@ -191,18 +200,24 @@ def make_train_loader(ds: Dataset, cfg: TrainConfig, device: torch.device, ctx: 
     order: DistributedSampler[int] = DistributedSampler(ds, num_replicas=ctx.world_size, rank=ctx.rank,
                                                         shuffle=True, seed=cfg.seed, drop_last=False)
     keys = KeyedBatches(order, cfg.batch_size, cfg.max_steps_per_epoch)
+    tensors = dataset_tensors(ds, collate_fn)
+    if tensors is not None:
+        return InMemoryBatches(place(tensors, device), keys)
     loader = _loader(SeededItems(ds, cfg.seed, TRAIN, ctx.rank), cfg, device, collate_fn, keys)
     return TrainBatches(loader, keys.batches, keys=keys)
 
 
 def make_val_loader(ds: Dataset, cfg: TrainConfig, device: torch.device, ctx: DistContext,
-                    collate_fn: Callable | None = None) -> DataLoader:
+                    collate_fn: Callable | None = None) -> DataLoader | InMemoryBatches:
     """Each rank validates a strided shard with no padding (a stream shards itself), so summed
     metrics count every sample once; a stream is read to its end. Randomness in the validation
     data, if any, is seeded per batch as in training, the same every epoch."""
     if isinstance(ds, IterableDataset):
         return _loader(SeededStream(ds, cfg.seed, VAL, ctx.rank, cfg.batch_size), cfg, device, collate_fn, None)
     keys = KeyedBatches(range(ctx.rank, len(ds), ctx.world_size), cfg.batch_size)  # type: ignore[arg-type]
+    tensors = dataset_tensors(ds, collate_fn)
+    if tensors is not None:
+        return InMemoryBatches(place(tensors, device), keys)
     return _loader(SeededItems(ds, cfg.seed, VAL, ctx.rank), cfg, device, collate_fn, keys)
 
 

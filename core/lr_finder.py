@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from core.config import TrainConfig
 from core.data import TrainBatches, check_datasets, make_train_loader
 from core.distributed import DistContext
+from core.in_memory import InMemoryBatches
 from core.optim import build_optimizer, param_groups
 from core.precision import Precision
 from core.seeding import seed_everything
@@ -109,7 +110,7 @@ def lr_range_test(task: Task, cfg: TrainConfig, start_lr: float = 1e-7, end_lr: 
                           epochs_cost=len(lrs) / steps_per_epoch)
 
 
-def _cycle(loader: TrainBatches):
+def _cycle(loader: TrainBatches | InMemoryBatches):
     epoch = 0
     while True:
         for _, batch in loader.epoch(epoch):

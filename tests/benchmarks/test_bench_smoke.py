@@ -216,3 +216,24 @@ def test_a_benchmark_stopped_at_its_time_limit_keeps_the_rows_it_had_measured(tm
     assert result["rows"][0]["ratio"]["median"] == pytest.approx((2.0 / 1.0 + 2.2 / 1.2) / 2)
     assert "measured before the stall" in result["summary"] and "stopped after 8 s" in result["summary"]
     assert job.proc.returncode is not None  # the process is gone
+
+
+def test_gpu_trainer_rows_compare_core_with_each_hand_loop_and_give_each_arms_utilisation():
+    """gpu_bench's trainer section (its rounds): a row per hand loop, ratio and target from that
+    loop, the GPU utilisation of core and of that loop in the headline."""
+    from benchmarks.bench_gpu import trainer_rows
+
+    def arm(rate, util):
+        return {"samples_per_s": rate, "gpu_util_pct": util}
+
+    rounds = [{"hand": arm(100.0, 40.0), "hand_resident": arm(200.0, 90.0), "core": arm(190.0, 88.0),
+               "hand_with_3_syncs": arm(75.0, 30.0), "ratio": 1.9, "ratio_resident": 0.95, "syncs_ratio": 0.75}]
+    t = {"what": "ResNet-18", "rounds": rounds, "ratio_median": 1.9, "ratio_resident_median": 0.95,
+         "syncs_ratio_median": 0.75,
+         "gpu_util_pct_median": {"hand": 40.0, "hand_resident": 90.0, "core": 88.0, "hand_with_3_syncs": 30.0}}
+    loader, resident = trainer_rows(t)
+    assert loader["ratio"]["median"] == 1.9 and loader["meets_target"] is True
+    assert resident["ratio"]["median"] == 0.95 and resident["meets_target"] is False
+    assert "GPU util 88.0% (core) vs 40.0% (hand)" in loader["headline"]
+    assert "GPU util 88.0% (core) vs 90.0% (hand)" in resident["headline"]
+    assert resident["baseline"]["median"] == 200.0 and resident["candidate"]["median"] == 190.0
