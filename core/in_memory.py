@@ -24,24 +24,36 @@ from core.tasks.tensor_data import TensorPairDataset
 if TYPE_CHECKING:
     from core.data import KeyedBatches
 
-# The most of the device's free memory a dataset may take there; a larger one stays on the host
-# and each batch is gathered there, then copied (still no per-sample Python work).
+# The most of the device's free memory a dataset may take there, measured as each one (train, then
+# validation) is placed; a larger one stays on the host and each batch is gathered there, then
+# copied (still no per-sample Python work). Under DDP each rank places the whole dataset.
 DEVICE_SHARE = 0.25
 
 
 def dataset_tensors(ds: Dataset, collate_fn: object) -> tuple[torch.Tensor, ...] | None:
-    """The tensors a batch is gathered from when ``ds`` is only tensors, else None.
+    """The tensors a batch is gathered from when ``ds`` is only tensors (all on one device), else
+    None: the DataLoader then fetches and collates it as before.
 
     A ``TensorPairDataset`` item's label is ``int(y[i])``, which the loader's collate turns into an
-    int64 tensor: its labels are converted once, the same way (``int()`` truncates toward zero, as
-    the conversion does)."""
+    int64 tensor of shape (B,): integer or boolean labels of one element each are converted the same
+    way once. Float labels keep the loader, where ``int()`` truncates and refuses NaN and infinity
+    with a clear error (a bulk conversion would turn them into INT64_MIN silently)."""
     if collate_fn is not None:
         return None
     if type(ds) is TensorPairDataset:
-        return ds.x, ds.y.to(torch.int64)
-    if type(ds) is TensorDataset:
-        return tuple(ds.tensors)
-    return None
+        x, y = ds.x, ds.y
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or len(y) != len(x):
+            return None  # e.g. numpy arrays, which the loader's collate turns into tensors
+        if y.is_floating_point() or y.is_complex() or (len(y) and y[0].numel() != 1):
+            return None
+        tensors: tuple[torch.Tensor, ...] = (x, y.reshape(len(y)).to(torch.int64))
+    elif type(ds) is TensorDataset:
+        tensors = tuple(ds.tensors)
+    else:
+        return None
+    if not tensors or len({t.device for t in tensors}) != 1:
+        return None  # the batch's indices live on one device
+    return tensors
 
 
 def place(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -3,6 +3,7 @@
 through the loader; anything else still goes through the loader."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -21,6 +22,10 @@ TIMINGS = ("samples_per_s", "epoch_time_s", "peak_mem_mb")
 
 class ThroughLoader(TensorPairDataset):
     """The same data, but a subclass (which may override __getitem__): it goes through the DataLoader."""
+
+
+class TensorsThroughLoader(TensorDataset):
+    """Likewise for a TensorDataset."""
 
 
 class DigitsThroughLoader(DigitsTask):
@@ -44,28 +49,40 @@ def test_tensor_datasets_skip_the_loader_and_anything_else_keeps_it():
     with_collate = make_train_loader(TensorDataset(x, y), cfg, CPU, DistContext(), collate_fn=lambda b: b)
     assert isinstance(with_collate, TrainBatches)
     assert isinstance(make_val_loader(ThroughLoader(x, y), cfg, CPU, DistContext()), DataLoader)
+    # What the loader's per-sample int(y[i]) and collate decide keeps the loader: float labels (int()
+    # truncates, and refuses NaN and infinity by name), several labels per sample, numpy arrays
+    # (collate makes them tensors), tensors on different devices.
+    for kept in (TensorPairDataset(x, y.float()), TensorPairDataset(x, y.reshape(-1, 1).repeat(1, 2)),
+                 TensorPairDataset(x.numpy(), y.numpy()), TensorDataset(x, torch.empty(25, device="meta"))):
+        assert isinstance(make_train_loader(kept, cfg, CPU, DistContext()), TrainBatches)
+    with pytest.raises(ValueError, match="cannot convert float NaN to integer"):
+        nan = TensorPairDataset(x, torch.full((25,), float("nan")))
+        list(make_train_loader(nan, cfg, CPU, DistContext()).epoch(0))
 
 
-def test_every_epochs_batches_equal_the_loaders_values_dtypes_and_order_also_from_a_mid_epoch_start():
+@pytest.mark.parametrize("labels", [torch.randint(0, 7, (23,), dtype=torch.int32),  # collate makes int() int64
+                                    torch.randint(0, 7, (23, 1)),  # a label column: int() flattens it
+                                    torch.rand(23) > 0.5])
+def test_every_epochs_batches_equal_the_loaders_values_dtypes_and_order_also_from_a_mid_epoch_start(labels):
     cfg = fast_config(batch_size=4, seed=3, max_steps_per_epoch=5)
     x = torch.randn(23, 2, 3)
-    labels = torch.randint(0, 7, (23,), dtype=torch.int32)  # the loader's collate makes int() labels int64
     gathered = make_train_loader(TensorPairDataset(x, labels), cfg, CPU, DistContext())
     loaded = make_train_loader(ThroughLoader(x, labels), cfg, CPU, DistContext())
-    assert len(gathered) == len(loaded) == 5
+    assert isinstance(gathered, InMemoryBatches) and len(gathered) == len(loaded) == 5
     for epoch, start in ((1, 0), (2, 0), (2, 3)):
         ours, theirs = list(gathered.epoch(epoch, start)), list(loaded.epoch(epoch, start))
         assert [i for i, _ in ours] == [i for i, _ in theirs] == list(range(start, 5))
         for (_, (xa, ya)), (_, (xb, yb)) in zip(ours, theirs, strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb) and ya.dtype == yb.dtype == torch.int64
+            assert ya.shape == yb.shape == (len(xa),)
     first, second = (torch.cat([b[1] for _, b in gathered.epoch(e)]) for e in (1, 2))
     assert not torch.equal(first, second)  # reshuffled each epoch
 
     val_ours = list(make_val_loader(TensorDataset(x, labels), cfg, CPU, DistContext()))
-    val_theirs = list(make_val_loader(ThroughLoader(x, labels), cfg, CPU, DistContext()))
+    val_theirs = list(make_val_loader(TensorsThroughLoader(x, labels), cfg, CPU, DistContext()))
     assert len(val_ours) == len(val_theirs) == 6
     for (xa, ya), (xb, yb) in zip(val_ours, val_theirs, strict=True):
-        assert torch.equal(xa, xb) and torch.equal(ya.long(), yb)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and ya.dtype == yb.dtype == labels.dtype
 
 
 def test_a_rank_gathers_its_own_shard_as_the_distributed_sampler_gives_it():
