@@ -34,7 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from core.config import TrainConfig
 from core.distributed import DistContext
-from core.in_memory import InMemoryBatches, dataset_tensors, place
+from core.in_memory import InMemoryBatches
 from core.seeding import data_rngs, data_seed
 from core.tasks.base import Task, TaskError
 
@@ -200,9 +200,9 @@ def make_train_loader(ds: Dataset, cfg: TrainConfig, device: torch.device, ctx: 
     order: DistributedSampler[int] = DistributedSampler(ds, num_replicas=ctx.world_size, rank=ctx.rank,
                                                         shuffle=True, seed=cfg.seed, drop_last=False)
     keys = KeyedBatches(order, cfg.batch_size, cfg.max_steps_per_epoch)
-    tensors = dataset_tensors(ds, collate_fn)
-    if tensors is not None:
-        return InMemoryBatches(place(tensors, device), keys)
+    gathered = InMemoryBatches.of(ds, collate_fn, device, keys)
+    if gathered is not None:
+        return gathered
     loader = _loader(SeededItems(ds, cfg.seed, TRAIN, ctx.rank), cfg, device, collate_fn, keys)
     return TrainBatches(loader, keys.batches, keys=keys)
 
@@ -215,9 +215,9 @@ def make_val_loader(ds: Dataset, cfg: TrainConfig, device: torch.device, ctx: Di
     if isinstance(ds, IterableDataset):
         return _loader(SeededStream(ds, cfg.seed, VAL, ctx.rank, cfg.batch_size), cfg, device, collate_fn, None)
     keys = KeyedBatches(range(ctx.rank, len(ds), ctx.world_size), cfg.batch_size)  # type: ignore[arg-type]
-    tensors = dataset_tensors(ds, collate_fn)
-    if tensors is not None:
-        return InMemoryBatches(place(tensors, device), keys)
+    gathered = InMemoryBatches.of(ds, collate_fn, device, keys)
+    if gathered is not None:
+        return gathered
     return _loader(SeededItems(ds, cfg.seed, VAL, ctx.rank), cfg, device, collate_fn, keys)
 
 

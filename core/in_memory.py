@@ -42,7 +42,7 @@ def dataset_tensors(ds: Dataset, collate_fn: object) -> tuple[torch.Tensor, ...]
         return None
     if type(ds) is TensorPairDataset:
         x, y = ds.x, ds.y
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or len(y) != len(x):
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return None  # e.g. numpy arrays, which the loader's collate turns into tensors
         if y.is_floating_point() or y.is_complex() or (len(y) and y[0].numel() != 1):
             return None
@@ -51,7 +51,7 @@ def dataset_tensors(ds: Dataset, collate_fn: object) -> tuple[torch.Tensor, ...]
         tensors = tuple(ds.tensors)
     else:
         return None
-    if not tensors or len({t.device for t in tensors}) != 1:
+    if len({t.device for t in tensors}) != 1:
         return None  # the batch's indices live on one device
     return tensors
 
@@ -75,6 +75,13 @@ class InMemoryBatches:
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], keys: KeyedBatches) -> None:
         self.tensors, self.keys = tensors, keys
+
+    @classmethod
+    def of(cls, ds: Dataset, collate_fn: object, device: torch.device, keys: KeyedBatches) -> InMemoryBatches | None:
+        """``ds``'s batches in ``keys``' order, its tensors placed on ``device``; None when ``ds`` is
+        not only tensors (:func:`dataset_tensors`) and the DataLoader fetches it."""
+        tensors = dataset_tensors(ds, collate_fn)
+        return None if tensors is None else cls(place(tensors, device), keys)
 
     def __len__(self) -> int:
         return self.keys.batches
