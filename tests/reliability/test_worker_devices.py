@@ -74,11 +74,20 @@ def test_the_flags_reach_the_workers_so_a_two_gpu_trial_runs_two_ddp_ranks(tmp_p
 
 
 def _pool_workers(pool: Output) -> set[str]:
-    """The trial-side names (host:boot:pid) of the worker processes the pool started."""
+    """The trial-side names (host:boot:pid) of the worker processes the pool started and that are
+    still running. Any child that has exited (a worker, or a short-lived helper process) may be a
+    zombie until it is reaped, or gone between listing and reading it: psutil then refuses its
+    command line (one full run failed on a zombie child)."""
     import psutil
 
-    return {worker_identity(p.pid) for p in psutil.Process(pool.proc.pid).children(recursive=True)
-            if WORKER_MODULE in " ".join(p.cmdline())}
+    names = set()
+    for p in psutil.Process(pool.proc.pid).children(recursive=True):
+        try:
+            if WORKER_MODULE in " ".join(p.cmdline()):
+                names.add(worker_identity(p.pid))
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return names
 
 
 def _start_pool(tmp_path: Path, spec: Path, *flags: str, **env) -> Output:
