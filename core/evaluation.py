@@ -5,18 +5,17 @@ evaluation result can import both from here.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from core.io_utils import save_json_atomic
 
 __all__ = ["confusion_matrix", "save_json_atomic"]
 
 
-def confusion_matrix(model: nn.Module, loader: DataLoader, num_classes: int, device: torch.device | str,
+def confusion_matrix(model: nn.Module, loader: Iterable, num_classes: int, device: torch.device | str,
                      postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
                      ) -> tuple[list[list[int]], list[float]]:
     """Count predictions of ``model`` over every batch of ``loader``: for each target element (a

@@ -15,7 +15,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from core import checkpoint as ckpt
 from core.config import TrainConfig
+from core.data import KeyedBatches
 from core.evaluation import confusion_matrix
+from core.in_memory import InMemoryBatches, dataset_tensors, place
 from core.io_utils import save_json_atomic
 from core.onnx_export import OnnxParityError, export_and_verify, write_report_json
 from core.reporting import Reporter
@@ -41,7 +43,7 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
         reporter.log_artifact(result.checkpoint_best, "checkpoint_best")
 
     batch = max(cfg.batch_size, 64)
-    loader = DataLoader(val_ds, batch_size=batch, shuffle=False, collate_fn=task.collate_fn)
+    loader = batches_in_order(val_ds, batch, task, device)
     if task.num_classes > 0:  # classes to count (classification, segmentation); not for regression
         matrix, per_class = confusion_matrix(model, loader, task.num_classes, device, task.postprocess)
         result.confusion_matrix, result.per_class_acc = matrix, per_class
@@ -57,6 +59,15 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
         _export_onnx(model, sample, cfg, out, reporter, result)
     if cfg.export_torchscript:
         _export_torchscript(model, sample, cfg, out, reporter, result)
+
+
+def batches_in_order(ds: Dataset, batch: int, task: Task, device: torch.device) -> DataLoader | InMemoryBatches:
+    """``ds``'s batches in order; an in-memory tensor dataset is gathered as training gathers it
+    (one index_select a batch, not a __getitem__ a sample)."""
+    tensors = dataset_tensors(ds, task.collate_fn)
+    if tensors is None:
+        return DataLoader(ds, batch_size=batch, shuffle=False, collate_fn=task.collate_fn)
+    return InMemoryBatches(place(tensors, device), KeyedBatches(range(len(tensors[0])), batch))
 
 
 def _export_onnx(model: nn.Module, sample: torch.Tensor, cfg: TrainConfig, out: Path, reporter: Reporter,

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from core.data import TrainBatches, make_train_loader, make_val_loader
 from core.distributed import DistContext
+from core.finalize import batches_in_order
 from core.in_memory import InMemoryBatches
 from core.reporting import RecordingReporter
 from core.tasks.digits import DigitsTask
@@ -102,6 +103,21 @@ def test_a_run_trains_bitwise_the_same_with_or_without_the_loader_dropout_and_mi
     b = train(DigitsThroughLoader("cnn", dropout=0.2), cfg, theirs)
     assert a.steps_completed == b.steps_completed == 46
     assert _curves(ours) == _curves(theirs)
+
+
+def test_the_finished_runs_confusion_matrix_and_onnx_check_see_the_loaders_validation_batches(tmp_path):
+    """finalize_run gathers the validation set in memory too: the same matrix, and the ONNX check
+    compares the same first 256 inputs (so the same largest difference)."""
+    cfg = fast_config(epochs=1, batch_size=64, save_checkpoints=True, export_onnx=True)
+    a = train(DigitsTask("cnn"), cfg, RecordingReporter(), tmp_path / "in_memory")
+    b = train(DigitsThroughLoader("cnn"), cfg, RecordingReporter(), tmp_path / "loader")
+    assert a.onnx is not None and b.onnx is not None and a.onnx.passed
+    assert a.confusion_matrix == b.confusion_matrix and sum(map(sum, a.confusion_matrix)) == 360
+    assert (a.onnx.n_inputs_checked, a.onnx.max_abs_diff) == (b.onnx.n_inputs_checked, b.onnx.max_abs_diff)
+    assert a.onnx.n_inputs_checked == 256
+    task = DigitsTask("cnn")
+    assert isinstance(batches_in_order(task.datasets()[1], 64, task, CPU), InMemoryBatches)
+    assert isinstance(batches_in_order(DigitsThroughLoader("cnn").datasets()[1], 64, task, CPU), DataLoader)
 
 
 def test_an_in_memory_run_resumed_mid_epoch_gives_the_straight_runs_curves(tmp_path):
