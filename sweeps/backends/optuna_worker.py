@@ -89,6 +89,10 @@ def run_worker(spec: StudySpec, worker_index: int = 0, go: WorkerGo | None = Non
 def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s: float, tracker) -> int:
     signals = _Signals()
     if go is None:
+        # As `sweeps run` and `sweeps worker --devices` do, before any wait: an MLflow store that does
+        # not answer now (wrong URI, server down, refused credentials) is an error, not trials that
+        # train through an outage that was there from the start.
+        tracker.check_connection()
         study = join_study(spec, worker_index, wait_s, signals.event)
         if study is None:
             return signals.exit_code()

@@ -138,3 +138,12 @@ def test_worker_without_a_study_says_what_to_run(tmp_path, fresh_db):
     proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", timeout=120, **ENV)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sweeps run" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_worker_with_an_unreachable_tracking_server_fails_before_waiting_or_training(tmp_path, fresh_db, free_port):
+    spec = write_spec(tmp_path, name="nosrv", storage=fresh_db(), tracking={"uri": f"http://127.0.0.1:{free_port}"})
+    # --wait 300: it would wait for the study if it got that far; the check comes first.
+    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "300", timeout=120, **ENV)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a TrackingError, as `sweeps run` exits
+    assert f"127.0.0.1:{free_port}" in proc.stderr and "mlflow server" in proc.stderr, proc.stderr
+    assert "waiting" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
