@@ -13,7 +13,10 @@ from sweeps.backends import driver_faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
 from sweeps.backends.budget_outcome import failures_in_a_row
-from sweeps.study_run import update_parent_best
+from sweeps.backends.ray_hang import TAG_HUNG
+from sweeps.backends.ray_trainable import TAG_RAY_TRIAL_ID
+from sweeps.study_run import reader_for, update_parent_best
+from sweeps.tracking import layout
 
 log = logging.getLogger("sweeps")
 # The running driver's view: spec, study, tracker, parent, view, history (trial id -> results),
@@ -49,11 +52,15 @@ class DriverCallback(_Callback):
         self._finished(trials, trial, "ERROR")
 
     def on_trial_recover(self, iteration, trials, trial, **info):
-        if LIVE:
-            number = rr.trial_number(trial)
-            LIVE["view"].console.print(f"trial {number} failed ({rr.error_reason(trial) or 'see its error.txt'}); "
-                                       f"retry {trial.num_failures} of {LIVE['spec'].budget.max_failures} "
-                                       "from its last checkpoint", markup=False, highlight=False)
+        if not LIVE:
+            return
+        number, hung = rr.trial_number(trial), _recorded_hang(trial)
+        if hung:  # budget.trial_timeout's watchdog killed its actor: Ray's retry fails at once with this
+            line = f"trial {number} failed: {hung}; it is not resumed into the same hang"
+        else:
+            line = (f"trial {number} failed ({rr.error_reason(trial) or 'see its error.txt'}); retry "
+                    f"{trial.num_failures} of {LIVE['spec'].budget.max_failures} from its last checkpoint")
+        LIVE["view"].console.print(line, markup=False, highlight=False)
 
     def _finished(self, trials, trial, status) -> None:
         if not LIVE:
@@ -89,3 +96,16 @@ class StatusView:
 
     def __getattr__(self, name):
         return getattr(self._trial, name)
+
+
+def _recorded_hang(trial) -> str:
+    """The reason the hang watchdog wrote on the trial's run before it killed the actor (Ray then
+    reports only that the actor died); "" when it did not hang or the store cannot say."""
+    parent = LIVE["parent"]
+    try:
+        reader = reader_for(LIVE["spec"])
+        tags = {layout.PARENT_TAG: parent.run_id, TAG_RAY_TRIAL_ID: trial.trial_id}
+        run = reader.find_run(parent.experiment_id, tags)
+        return reader.get_run(run.run_id).data.tags.get(TAG_HUNG, "") if run is not None else ""
+    except Exception:  # noqa: BLE001 - only the wording of a live line depends on it: Ray's reason is shown instead
+        return ""

@@ -292,6 +292,10 @@ def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed
     assert failed.data.tags["sweeps.error"].startswith("hung: no progress for"), failed.data.tags
     assert "budget.trial_timeout=30s" in failed.data.tags["sweeps.error"]
     assert (tmp_path / "hung-once").exists()
+    # What the user reads says why, on both: not Ray's "actor died" with a promise of a retry from
+    # its checkpoint (Ray's retry fails at once with the recorded reason).
+    assert "trial 0 failed: hung: no progress for" in out, out[-4000:]
+    assert "retry 1 of" not in out, out[-4000:]
 
     again = run_cli(tmp_path, "run", str(spec_path), "--quiet", **env)
     assert again.returncode == HANG_EXIT[backend], again.stdout[-3000:] + again.stderr[-3000:]
