@@ -79,7 +79,8 @@ class OptunaBackend:
         slots = self._plan(spec)
         tracker = tracker_for(spec)
         # The workers start first: their imports take seconds, on the cores this set-up leaves idle.
-        with EarlyWorkers(slots) as early, self._run_lock(spec):
+        # After the run lock: a run refused because another holds the study starts none.
+        with self._run_lock(spec), EarlyWorkers(slots) as early:
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
             uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]

@@ -51,6 +51,18 @@ def test_the_optuna_backend_locks_a_journal_study_beside_its_journal(in_tmp):
                 pass
 
 
+def test_a_refused_run_starts_no_worker(in_tmp, monkeypatch):
+    from sweeps.backends import supervisor
+
+    started = []
+    monkeypatch.setattr(supervisor, "spawn_worker", lambda slot: started.append(slot))  # recorded, never run
+    spec = _spec()
+    with OptunaBackend()._run_lock(spec):
+        with pytest.raises(StudyStateError, match="study 'locked' is already being run"):
+            OptunaBackend().run(spec)
+    assert started == []
+
+
 def test_the_optuna_backend_does_not_lock_an_rdb_study(in_tmp):
     spec = _spec(f"sqlite:///{in_tmp}/optuna.db")
     with OptunaBackend()._run_lock(spec), OptunaBackend()._run_lock(spec):  # many runs and workers may share it
