@@ -89,13 +89,10 @@ def run_worker(spec: StudySpec, worker_index: int = 0, go: WorkerGo | None = Non
 def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s: float, tracker) -> int:
     signals = _Signals()
     if go is None:
-        # As `sweeps run` and `sweeps worker --devices` do, before any wait: an MLflow store that does
-        # not answer now (wrong URI, server down, refused credentials) is an error, not trials that
-        # train through an outage that was there from the start.
-        tracker.check_connection()
         study = join_study(spec, worker_index, wait_s, signals.event)
         if study is None:
             return signals.exit_code()
+        check_tracking_before_trials(tracker)
         # A `sweeps worker` on its own: nobody else on this machine fails dead workers' trials on
         # a timer (a worker of `sweeps run` or of `sweeps worker --devices` has its supervisor's).
         monitor = StaleTrialMonitor.start_for(spec, study)
@@ -147,6 +144,14 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
         if code is not None:
             return code
     return signals.exit_code()
+
+
+def check_tracking_before_trials(tracker) -> None:
+    """A joining worker's check of its MLflow store, as ``sweeps run`` checks before training: a store
+    that does not answer from here (wrong URI, server down, refused credentials) is an error, not
+    trials that train through an outage that was there from the start. After the study is found:
+    a worker refused for want of a study writes nothing (a new SQLite store's file included)."""
+    tracker.check_connection()
 
 
 def join_study(spec: StudySpec, worker_index: int, wait_s: float,

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from sweeps.backends import optuna_study
 from sweeps.backends.optuna_backend import plan_local_workers, workers_beat_dir
-from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES, join_study
+from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES, check_tracking_before_trials, join_study
 from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import ResourcesError, UsageError
@@ -82,7 +82,6 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
     # that runs `sweeps run`, not of every machine that joins it.
     spec = with_resources(spec, {**overrides, "workers": "auto"})
     slots = plan_for_flags(spec, overrides)  # before any wait: a wrong flag fails at once
-    tracker_for(spec).check_connection()  # as `sweeps run` does: refused credentials stop it before training
     stop = threading.Event()
     received: list[int] = []
 
@@ -98,6 +97,7 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
             signal.signal(s, handler)
     if study is None:
         return 128 + received[0]
+    check_tracking_before_trials(tracker_for(spec))
     uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
     parent_run_id = study.user_attrs[optuna_study.ATTR_PARENT_RUN]
     since = time.time()

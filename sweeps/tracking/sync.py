@@ -220,6 +220,11 @@ def _check_http(uri: str) -> None:
 
 def _refusal(uri: str, status: int, auth: tuple[str, str] | None, token: bool) -> str:
     """Why the server said no, from what this process sent, and the fix; never the password."""
+    if status == 403 and not (auth or token):
+        return (f"the MLflow tracking server at {uri} refused access (HTTP 403) and no credentials were sent: "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_TOKEN are not set. Set MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment of every `sweeps run` / "
+                "`sweeps worker`.")
     if status == 403:
         who = f"user {auth[0]!r}" if auth else "the token in MLFLOW_TRACKING_TOKEN"
         return (f"the MLflow tracking server at {uri} refused access (HTTP 403): {who} is signed in but "

@@ -140,10 +140,31 @@ def test_worker_without_a_study_says_what_to_run(tmp_path, fresh_db):
     assert "sweeps run" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_worker_with_an_unreachable_tracking_server_fails_before_waiting_or_training(tmp_path, fresh_db, free_port):
-    spec = write_spec(tmp_path, name="nosrv", storage=fresh_db(), tracking={"uri": f"http://127.0.0.1:{free_port}"})
-    # --wait 300: it would wait for the study if it got that far; the check comes first.
-    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "300", timeout=120, **ENV)
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # a TrackingError, as `sweeps run` exits
-    assert f"127.0.0.1:{free_port}" in proc.stderr and "mlflow server" in proc.stderr, proc.stderr
-    assert "waiting" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+@pytest.mark.parametrize("fan_out", [[], ["--devices", "cpu"]], ids=["worker", "worker_devices"])
+def test_a_worker_refused_for_want_of_a_study_writes_no_tracking_store(tmp_path, fresh_db, fan_out):
+    store = tmp_path / "not_yet" / "mlflow.db"  # `sweeps run` would create it
+    spec = write_spec(tmp_path, name="nostudy", storage=fresh_db(), tracking={"uri": f"sqlite:///{store}"})
+    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", *fan_out, timeout=120, **ENV)
+    assert proc.returncode == 2 and "sweeps run" in proc.stderr, proc.stdout + proc.stderr
+    assert not store.parent.exists()
+
+
+def test_a_worker_whose_tracking_server_does_not_answer_fails_before_any_trial(tmp_path, fresh_db, free_port):
+    """`sweeps run` made the study (its store answered it); the workers' spec points at a server that
+    does not answer from here: each fails with the URI and the fix once it finds the study, and trains
+    nothing."""
+    url = fresh_db()
+    spec = _spec(tmp_path, url, "nosrv", budget={"n_trials": 2})
+    run = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=400, **ENV)
+    assert run.returncode == 0, run.stdout + run.stderr
+    write_spec(tmp_path, name="nosrv", storage=url, budget={"n_trials": 4},
+               search={"lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},
+               tracking={"uri": f"http://127.0.0.1:{free_port}"})
+    for fan_out in ([], ["--devices", "cpu"]):
+        proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", *fan_out, timeout=120, **ENV)
+        assert proc.returncode == 1, proc.stdout + proc.stderr  # a TrackingError, as `sweeps run` exits
+        assert f"127.0.0.1:{free_port}" in proc.stderr and "mlflow server" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+    import optuna
+
+    assert len(optuna.load_study(study_name="nosrv", storage=url).trials) == 2  # nothing trained

@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,33 @@ def test_unreachable_tracking_server_fails_before_training(tmp_path, free_port):
     # No worker was started before the check, and nothing was left behind.
     assert not (tmp_path / "runs" / "nosrv").exists()
     assert not _workers_in(tmp_path)
+
+
+class _Forbidden(BaseHTTPRequestHandler):
+    """A server that answers every request with 403 (a proxy or an MLflow that needs a signed-in user)."""
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        self.send_response(403)
+        self.end_headers()
+
+    do_GET = do_POST  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_403_to_a_run_that_sent_no_credentials_says_to_set_them(tmp_path, free_port):
+    server = HTTPServer(("127.0.0.1", free_port), _Forbidden)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        spec = write_spec(tmp_path, name="forbidden", tracking={"uri": f"http://127.0.0.1:{free_port}"})
+        proc = run_cli(tmp_path, "run", str(spec), MLFLOW_TRACKING_USERNAME="", MLFLOW_TRACKING_TOKEN="")
+    finally:
+        server.shutdown()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "HTTP 403" in proc.stderr and "no credentials were sent" in proc.stderr, proc.stderr
+    assert "signed in" not in proc.stderr  # it was said of a token nobody set
+    assert not (tmp_path / "runs" / "forbidden").exists()
 
 
 def _workers_in(folder: Path) -> list[str]:
