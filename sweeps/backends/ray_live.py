@@ -100,8 +100,11 @@ class StatusView:
 
 def _recorded_hang(trial) -> str:
     """The reason the hang watchdog wrote on the trial's run before it killed the actor (Ray then
-    reports only that the actor died); "" when it did not hang or the store cannot say."""
+    reports only that the actor died); "" when it did not hang or the store cannot say. Asked only
+    where a watchdog runs (budget.trial_timeout set): a store in an outage is not waited on otherwise."""
     parent = LIVE["parent"]
+    if not LIVE["spec"].trial_timeout_seconds():
+        return ""
     try:
         reader = reader_for(LIVE["spec"])
         tags = {layout.PARENT_TAG: parent.run_id, TAG_RAY_TRIAL_ID: trial.trial_id}
