@@ -115,3 +115,12 @@ class TrackingDiskFullError(TrackingError, DiskFullError):
 class TrackingPathError(TrackingError, PathError):
     """The MLflow store's local file cannot be used (a file where its folder must be, damaged):
     a TrackingError to the code that handles those, a PathError (exit 2) to the user."""
+
+
+class StoppedBySignal(SweepsError):
+    """SIGINT or SIGTERM ended a wait that had nothing to save (sweeps/interruptible.py); the exit
+    code is 128 + the signal's number, as for a study stopped by it."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sweeps.errors import TrackingError, TrackingPathError
+from sweeps.interruptible import interrupted_by_signals
 from sweeps.tracking.send import drain, is_transient
 from sweeps.tracking.spool import Spool
 
@@ -205,8 +206,9 @@ def _check_http(uri: str) -> None:
     url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search"
     timeout = _CHECK_TIMEOUT_AUTH_S if (auth or headers) else _CHECK_TIMEOUT_S
     try:
-        resp = requests.post(url, json={"max_results": 1}, headers=headers, auth=auth,
-                             verify=verify, timeout=timeout)
+        with interrupted_by_signals(f"waiting for the MLflow tracking server at {uri} to answer"):
+            resp = requests.post(url, json={"max_results": 1}, headers=headers, auth=auth,
+                                 verify=verify, timeout=timeout)
     except requests.exceptions.RequestException as exc:
         raise TrackingError(f"cannot reach the MLflow tracking server at {uri}: {exc}. {_FIX}") from exc
     if resp.status_code in (401, 403):

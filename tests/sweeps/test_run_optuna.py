@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, sweeps_env, write_spec
+from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, start_cli, sweeps_env, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -179,6 +181,27 @@ def test_a_403_to_a_run_that_sent_no_credentials_says_to_set_them(tmp_path, free
     assert "HTTP 403" in proc.stderr and "no credentials were sent" in proc.stderr, proc.stderr
     assert "signed in" not in proc.stderr  # it was said of a token nobody set
     assert not (tmp_path / "runs" / "forbidden").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_tracking_server_keeps_silent_stops_the_run_at_once(tmp_path, free_port, signum):
+    """A server that takes the connection and never answers holds the store's check for its 30 s
+    read timeout; Ctrl-C or SIGTERM there stops the run at once, 128 + n, no study created."""
+    with socket.create_server(("127.0.0.1", free_port)) as server:
+        spec = write_spec(tmp_path, name="silent", tracking={"uri": f"http://127.0.0.1:{free_port}"})
+        proc = start_cli(tmp_path, "run", str(spec))
+        try:
+            server.settimeout(120)
+            conn, _ = server.accept()  # the check has connected: it now waits for an answer
+            with conn:
+                proc.send_signal(signum)
+                out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signum, out
+    assert f"stopped by {signum.name} while waiting for the MLflow tracking server" in out, out
+    assert "Traceback" not in out and "timed out" not in out, out
+    assert not (tmp_path / "runs" / "silent").exists() and not (tmp_path / "runs" / "silent.journal").exists()
 
 
 def _workers_in(folder: Path) -> list[str]:
