@@ -24,10 +24,13 @@ NAME = "orchestration"
 TITLE = "Orchestration overhead per trial: sweeps run, 1 worker, short digits trials (Optuna, Ray)"
 TARGET_S = 0.3
 
-# What a worker imports before its first digits trial (the task module, the trainer), whose
-# split comes from its cache (core/tasks/digits.py) once any run has made it.
-WORKER_IMPORTS = ("import sweeps.backends.optuna_worker, sweeps.objective, mlflow.tracking, "
-                  "torch._dynamo, core.tasks.digits")
+# What a worker imports before its first digits trial: the worker's own preloads (TRIAL_IMPORTS:
+# torch, torchmetrics, MLflow's SQL store, the trainer, onnx, onnxruntime) and the task module,
+# whose split comes from its cache (core/tasks/digits.py) once any run has made it.
+WORKER_IMPORTS = ("import importlib, sweeps.objective, core.tasks.digits\n"
+                  "from sweeps.backends.optuna_worker import TRIAL_IMPORTS\n"
+                  "for module in TRIAL_IMPORTS:\n"
+                  "    importlib.import_module(module)")
 
 
 def one_study(ctx: Context, backend: str, n_trials: int, index: int, timeout_s: float) -> dict:

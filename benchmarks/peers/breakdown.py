@@ -64,6 +64,7 @@ def components(width: int, epochs: int, steps_per_epoch: int) -> dict:
     """Each piece of a trial's work timed alone, in this (fresh) process; seconds."""
     import torch
 
+    from benchmarks.bench_orchestration import WORKER_IMPORTS
     from benchmarks.peers.digits_cnn import load_data
     from core.checkpoint import save_checkpoint, save_last
     from core.onnx_export import export_and_verify
@@ -73,8 +74,7 @@ def components(width: int, epochs: int, steps_per_epoch: int) -> dict:
         "python + import torch": _python_s("import torch"),
         "python + sweeps CLI imports (sweeps.cli, mlflow, optuna, torch)":
             _python_s("import sweeps.cli, mlflow.tracking, optuna, torch"),
-        "python + worker imports": _python_s("import sweeps.backends.optuna_worker, sweeps.objective, "
-                                             "mlflow.tracking, torch._dynamo, core.tasks.digits"),
+        "python + worker imports": _python_s(WORKER_IMPORTS),
     }}
     model = DigitsCNN(width)
     x = load_data(0.2)[2][:256]  # validation images, as the trial's export checks on
