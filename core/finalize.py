@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from core import checkpoint as ckpt
 from core.config import TrainConfig
 from core.data import KeyedBatches
 from core.evaluation import confusion_matrix
-from core.in_memory import InMemoryBatches, dataset_tensors, place
+from core.in_memory import InMemoryBatches
 from core.io_utils import save_json_atomic
 from core.onnx_export import OnnxParityError, export_and_verify, write_report_json
 from core.reporting import Reporter
@@ -64,10 +64,12 @@ def finalize_run(task: Task, cfg: TrainConfig, model: nn.Module, val_ds: Dataset
 def batches_in_order(ds: Dataset, batch: int, task: Task, device: torch.device) -> DataLoader | InMemoryBatches:
     """``ds``'s batches in order; an in-memory tensor dataset is gathered as training gathers it
     (one index_select a batch, not a __getitem__ a sample)."""
-    tensors = dataset_tensors(ds, task.collate_fn)
-    if tensors is None:
-        return DataLoader(ds, batch_size=batch, shuffle=False, collate_fn=task.collate_fn)
-    return InMemoryBatches(place(tensors, device), KeyedBatches(range(len(tensors[0])), batch))
+    if not isinstance(ds, IterableDataset):  # a stream has no length to key batches by
+        keys = KeyedBatches(range(len(ds)), batch)  # type: ignore[arg-type]
+        gathered = InMemoryBatches.of(ds, task.collate_fn, device, keys)
+        if gathered is not None:
+            return gathered
+    return DataLoader(ds, batch_size=batch, shuffle=False, collate_fn=task.collate_fn)
 
 
 def _export_onnx(model: nn.Module, sample: torch.Tensor, cfg: TrainConfig, out: Path, reporter: Reporter,

@@ -20,6 +20,11 @@ from collections.abc import Callable, Iterator
 TAG_HUNG = "sweeps.hung"
 
 
+def recorded_hang(reader, run_id: str) -> str:
+    """The reason the watchdog recorded on a trial's run before it killed the actor ("" if none)."""
+    return reader.get_run(run_id).data.tags.get(TAG_HUNG, "")
+
+
 def hung_reason(idle_s: float, setting: object) -> str:
     """The Optuna backend's words for the same event (supervisor._check_hung)."""
     return f"hung: no progress for {idle_s:.0f} s (budget.trial_timeout={setting})"

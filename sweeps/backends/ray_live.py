@@ -13,10 +13,9 @@ from sweeps.backends import driver_faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
 from sweeps.backends.budget_outcome import failures_in_a_row
-from sweeps.backends.ray_hang import TAG_HUNG
-from sweeps.backends.ray_trainable import TAG_RAY_TRIAL_ID
+from sweeps.backends.ray_hang import recorded_hang
+from sweeps.backends.ray_trainable import find_trial_run
 from sweeps.study_run import reader_for, update_parent_best
-from sweeps.tracking import layout
 
 log = logging.getLogger("sweeps")
 # The running driver's view: spec, study, tracker, parent, view, history (trial id -> results),
@@ -107,8 +106,7 @@ def _recorded_hang(trial) -> str:
         return ""
     try:
         reader = reader_for(LIVE["spec"])
-        tags = {layout.PARENT_TAG: parent.run_id, TAG_RAY_TRIAL_ID: trial.trial_id}
-        run = reader.find_run(parent.experiment_id, tags)
-        return reader.get_run(run.run_id).data.tags.get(TAG_HUNG, "") if run is not None else ""
+        run = find_trial_run(reader, parent, trial.trial_id)
+        return recorded_hang(reader, run.run_id) if run is not None else ""
     except Exception:  # noqa: BLE001 - only the wording of a live line depends on it: Ray's reason is shown instead
         return ""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
 from sweeps.backends.ray_continuing_run import ContinuingTracker, logged_up_to
-from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog
+from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog, recorded_hang
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
@@ -48,6 +48,11 @@ if TYPE_CHECKING:
 
 TAG_RAY_TRIAL_ID = "sweeps.ray_trial_id"
 TAG_RAY_NODE = "sweeps.ray_node"
+
+
+def find_trial_run(reader: TrackingReader, parent: RunHandle, trial_id: str) -> RunHandle | None:
+    """The MLflow run of Ray trial ``trial_id`` under the study run ``parent`` (None before its first start)."""
+    return reader.find_run(parent.experiment_id, {layout.PARENT_TAG: parent.run_id, TAG_RAY_TRIAL_ID: trial_id})
 # Result keys the trainable adds to Ray's results (the driver and `load` read them back).
 R_NUMBER, R_RUN_ID, R_DONE, R_STATE, R_VALUE, R_REASON = (
     "sweeps_number", "sweeps_run_id", "sweeps_done", "sweeps_state", "sweeps_value", "sweeps_reason")
@@ -191,10 +196,9 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     from sweeps.study_run import reader_for
 
     reader = reader_for(spec)
-    existing = reader.find_run(ctx.parent.experiment_id, {layout.PARENT_TAG: ctx.parent.run_id,
-                                                          TAG_RAY_TRIAL_ID: trial_id})
+    existing = find_trial_run(reader, ctx.parent, trial_id)
     if existing is not None:
-        hung = reader.get_run(existing.run_id).data.tags.get(TAG_HUNG)
+        hung = recorded_hang(reader, existing.run_id)
         if hung:  # budget.trial_timeout stopped it: never resumed into the same hang
             raise RuntimeError(f"trial {number} failed: {hung}")
         final = finished_report(reader, existing.run_id, spec.objective.metric, number)
