@@ -1,6 +1,6 @@
 """The model ``sweeps promote`` logs into a trial's run: the pyfunc model of ``sweeps.serving``
 (natural input -> the task's preprocess -> the trial's best weights -> postprocess -> predictions),
-with a signature and an input example in natural units, the PyTorch module itself, and the trial's
+with an input example in natural units, the PyTorch module itself, and the trial's
 ONNX model re-verified against it (onnxruntime vs torch on validation model inputs), stamped with
 what it leaves out, beside the parity report, and its TorchScript file (``train.export_torchscript``)
 re-verified the same way. A logged model left by a crashed promote is found
@@ -187,19 +187,15 @@ def natural_examples(task, console) -> Any:
     return found.numpy() if hasattr(found, "numpy") else found
 
 
-def signature_of(task, example, predictions):
-    """The signature of ``example`` -> ``predictions``, with the task's ``natural_free_dims`` (axes
-    of a natural batch that may have any size, e.g. an image's height and width) marked -1."""
+def signature_of(example, predictions):
+    """The signature of ``example`` -> ``predictions``: the outputs only. An MLflow tensor schema
+    holds one dtype and pyfunc refuses any other (float32 or uint8 images against a float64
+    example), printing the whole array; the task's input contract (``Task.natural_input``: dtype
+    kinds, shape, range, finite) is what the model checks instead (``sweeps.serving.predict``),
+    and the input example still shows a caller what to pass."""
     from mlflow.models import ModelSignature, infer_signature
-    from mlflow.types.schema import Schema, TensorSpec
 
-    signature = infer_signature(example, predictions)
-    free = getattr(task, "natural_free_dims", ())
-    if not free or signature.inputs is None:
-        return signature
-    spec = signature.inputs.inputs[0]
-    shape = tuple(-1 if i in free else d for i, d in enumerate(spec.shape))
-    return ModelSignature(Schema([TensorSpec(spec.type, shape)]), signature.outputs)
+    return ModelSignature(inputs=None, outputs=infer_signature(example, predictions).outputs)
 
 
 def save_pytorch(model, path: Path, inputs, console) -> str:
@@ -246,7 +242,7 @@ def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) 
             example = inputs[:EXAMPLE_ROWS]
             console.print(f"the registered model takes model inputs: task {task.name!r} gives no natural examples",
                           markup=False, highlight=False)
-        signature = signature_of(task, example, serving.predict(task, model, example, natural))
+        signature = signature_of(example, serving.predict(task, model, example, natural))
         contract = serving.contract(task, natural)
         tags = {"sweeps.onnx": "absent", "sweeps.input": "natural" if natural else "model input",
                 "sweeps.input_contract": contract}

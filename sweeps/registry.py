@@ -3,9 +3,9 @@
 The order of the writes is what makes it safe to run again after a crash:
 1. pick the candidate (read only) and compare it with the alias holder (refuse a worse one);
 2. log the model into the candidate's own run (artifact name ``model``): a pyfunc model that
-   takes the task's natural input and returns predictions (``sweeps.serving``), with a
-   signature and an input example in those units, the PyTorch module, and the trial's ONNX
-   model re-verified against it plus the parity report (a logged model left by a crash is reused);
+   takes the task's natural input, checked against the task's input contract, and returns
+   predictions (``sweeps.serving``), with an input example in those units, the PyTorch module,
+   and the trial's ONNX model re-verified against it plus the parity report (a logged model left by a crash is reused);
 3. create the model version with the lineage tags (a version of the same run is reused);
 4. move the alias, LAST: until then the old holder keeps it.
 

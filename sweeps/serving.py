@@ -1,6 +1,8 @@
 """The registered model users call: ``mlflow.pyfunc.load_model(uri).predict(x)`` takes the task's
 natural input (for digits, the raw 8x8 pixels scikit-learn gives) and returns predictions in the
 target's terms (class indices for classification): ``task.postprocess(model(task.preprocess(x)))``.
+Each batch is first checked against the task's input contract (``Task.natural_input``: dtype
+kinds, sample shape, declared range, finite) and refused whole, in one line, when a row is outside it.
 
 What ``sweeps promote`` logs (``sweeps.model_logging``) and :class:`TaskModel` loads, under the
 logged model's ``artifacts/``:
@@ -25,6 +27,8 @@ from typing import Any
 
 import numpy as np
 from mlflow.pyfunc.model import PythonModel
+
+from core.tasks.inputs import InputRefused, InputSpec
 
 ART_TORCH, ART_TASK, ART_ONNX, ART_ONNX_REPORT = "pytorch_model", "task", "onnx_model", "onnx_parity"
 ONNX_FILE, ONNX_REPORT_FILE, TASK_FILE = "model.onnx", "onnx_parity.json", "task.json"
@@ -69,13 +73,23 @@ def model_inputs(task, rows: np.ndarray, natural: bool):
     return task.preprocess(torch.from_numpy(np.ascontiguousarray(rows)))
 
 
+def input_spec(task, natural: bool) -> InputSpec:
+    """What the model answers: the task's natural input, or (a task without natural examples)
+    finite model inputs of its ``input_shape``."""
+    if natural:
+        return task.natural_input
+    return InputSpec(shapes=(tuple(task.input_shape),) if task.input_shape else ())
+
+
 def predict(task, model, model_input: Any, natural: bool = True) -> np.ndarray:
-    """``task.postprocess(model(task.preprocess(x)))`` over ``model_input``, in chunks, on the CPU."""
+    """``task.postprocess(model(task.preprocess(x)))`` over ``model_input``, in chunks, on the CPU.
+    A batch with any row outside the task's input contract is refused whole (``InputRefused``)."""
     import torch
 
     rows = as_array(model_input)
     if rows.ndim == 0 or len(rows) == 0:
-        raise ValueError(f"the model takes a batch of at least one input; got an array shaped {rows.shape}")
+        raise InputRefused(f"the model takes a batch of at least one input; got an array shaped {rows.shape}")
+    input_spec(task, natural).check(rows)
     outs = []
     with torch.inference_mode():
         for start in range(0, len(rows), PREDICT_CHUNK):
@@ -95,8 +109,8 @@ class TaskModel(PythonModel):
         # A torch.export program (pt2) or a pickled module in eval mode, on the CPU, as promote saved it.
         self.model = mlflow.pytorch.load_model(context.artifacts[ART_TORCH])
 
-    # Annotated np.ndarray: MLflow then neither warns nor validates by the hint; the signature
-    # (natural units, from the input example) is what it checks the input against.
+    # Annotated np.ndarray: MLflow then neither warns nor validates by the hint. The signature has
+    # no input schema (sweeps.model_logging.signature_of): the task's input contract is checked here.
     def predict(self, context, model_input: np.ndarray, params: dict[str, Any] | None = None) -> np.ndarray:
         return predict(self.task, self.model, model_input, self.natural)
 

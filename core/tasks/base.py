@@ -15,6 +15,8 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from core.tasks.inputs import InputSpec
+
 if TYPE_CHECKING:  # torch is imported where a model or data is built, not to name or check a task
     import torch
     from torch import nn
@@ -41,6 +43,10 @@ class Task:
     input_shape: tuple[int, ...] = ()  # one sample's model-input shape (e.g. C, H, W); used for ONNX export
     # One sentence for the registered model's description: what a caller passes and gets back.
     input_contract: str = ""
+    # What the registered model answers (core/tasks/inputs.py): the dtype kinds, each sample's shape
+    # and the range of the natural input ``preprocess`` takes; it refuses a batch with any row outside
+    # it, or holding NaN or infinity. Default: any finite floats or integers, of any shape.
+    natural_input: InputSpec = InputSpec()
     # The reported names of ``metrics()`` and their directions ({"val_rmse": "minimize"}), readable
     # without importing torch, so `sweeps validate` can check a study's objective. Optional for a
     # task that overrides ``metrics()`` (then checked when a run starts); train() refuses a mismatch.

@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from core.tasks.base import Task, TaskError, block_names, check_model_name, register
+from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:  # imported where the model is built: checking a task needs no torch
     from torch import nn
@@ -49,6 +50,7 @@ class CIFAR10Task(Task):
     input_contract = ("a uint8 array of RGB images shaped (N, 32, 32, 3) with values 0 to 255 (height, width, "
                       "channel, as PIL or CIFAR-10's python batches give them); returns each image's class index "
                       "0 to 9 in CIFAR-10's label order")
+    natural_input = InputSpec(kinds="iu", shapes=((32, 32, 3),), low=0, high=255)  # integer pixels, as PIL gives
 
     def __init__(self, model: str = "resnet18", root: str = "data", augment: bool = True,
                  checkpoint_blocks: list[str] | tuple[str, ...] = ()) -> None:

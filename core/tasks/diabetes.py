@@ -19,6 +19,7 @@ import numpy as np
 
 from core.tasks.array_cache import cached_arrays, is_split, sklearn_cache_file
 from core.tasks.base import Loss, Task, check_model_name, register
+from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +39,7 @@ class DiabetesTask(Task):
     input_contract = ("float rows (N, 10) of age, sex, bmi, bp, s1..s6 in the units of scikit-learn's "
                       "load_diabetes(scaled=False); returns (N,) predicted disease progression one year later "
                       "(the target's units, about 25 to 346)")
+    natural_input = InputSpec(shapes=((len(FEATURES),),))  # measurements: no declared range, finite
 
     def __init__(self, model: str = "mlp", width: int = 64, depth: int = 2, dropout: float = 0.0,
                  val_fraction: float = 0.2, split_seed: int = 0) -> None:

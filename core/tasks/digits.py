@@ -18,6 +18,7 @@ import numpy as np
 
 from core.tasks.array_cache import cached_arrays, is_split, sklearn_cache_file
 from core.tasks.base import Task, check_model_name, register
+from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -28,8 +29,10 @@ class DigitsTask(Task):
     models = ("cnn", "mlp")
     num_classes = 10
     input_shape = (1, 8, 8)
-    input_contract = ("a float array of raw 8x8 digit images shaped (N, 8, 8) with pixel values 0 to 16, as "
-                      "scikit-learn's load_digits().images gives them; returns each image's digit, 0 to 9")
+    input_contract = ("an array of raw 8x8 digit images shaped (N, 8, 8) or (N, 64), floats or integers, with pixel "
+                      "values 0 to 16, as scikit-learn's load_digits().images gives them; returns each image's "
+                      "digit, 0 to 9")
+    natural_input = InputSpec(shapes=((8, 8), (64,)), low=0, high=16)
 
     def __init__(self, model: str = "cnn", val_fraction: float = 0.2, width: int | None = None,
                  dropout: float = 0.1, split_seed: int = 0, depth: int = 2) -> None:

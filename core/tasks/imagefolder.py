@@ -19,6 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from core.tasks.base import Task, TaskError, register
+from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:  # imported where models and weights are handled: checking a task needs no torch
     import torch
@@ -63,9 +64,8 @@ def head_attr(model: nn.Module) -> str:
 class ImageFolderTask(Task):
     name = "imagefolder"
     models = COMMON_MODELS
-    # Axes of the natural batch (N, H, W, 3) that may have any size: preprocess resizes and crops.
-    # sweeps.model_logging marks them -1 in the registered model's signature.
-    natural_free_dims = (1, 2)
+    # Integer RGB pixels of any height and width: preprocess resizes and crops.
+    natural_input = InputSpec(kinds="iu", shapes=((-1, -1, 3),), low=0, high=255)
 
     def __init__(self, model: str = "resnet18", root: str = "data", image_size: int = 224,
                  pretrained_weights: str | None = None, augment: bool = True) -> None:

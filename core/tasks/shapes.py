@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from core.tasks.base import Task, check_model_name, register
+from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,7 @@ class ShapesTask(Task):
         self.model, self.width, self.size = model, width, size
         self.n_train, self.n_val, self.max_shapes, self.data_seed = n_train, n_val, max_shapes, data_seed
         self.input_shape = (3, size, size)
+        self.natural_input = InputSpec(shapes=((size, size, 3),), low=0, high=255)
         self._val: tuple[np.ndarray, np.ndarray] | None = None
 
     def build_model(self) -> nn.Module:

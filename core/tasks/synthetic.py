@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from core.tasks.base import Task, block_names, check_model_name, register
+from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:  # imported where the model and data are built: checking a task needs no torch
     from torch import nn
@@ -25,6 +26,7 @@ class SyntheticTask(Task):
         self.model = model
         self.input_shape = tuple(int(s) for s in shape)
         self.num_classes = num_classes
+        self.natural_input = InputSpec(shapes=(self.input_shape,))  # random features: finite, no range
         self.n_train, self.n_val, self.width, self.data_seed = n_train, n_val, width, data_seed
         shape_text = ", ".join(str(s) for s in self.input_shape)
         self.input_contract = (f"a float32 array shaped (N, {shape_text}) of random features with no natural units, "

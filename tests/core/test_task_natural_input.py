@@ -132,7 +132,7 @@ def test_imagefolder_preprocess_resizes_crops_and_normalises_like_the_val_datase
     assert examples.dtype == torch.uint8 and examples.shape == (4, 30, 40, 3)  # those of the first one's size
     assert torch.equal(task.preprocess(examples), expected[[0, 1, 4, 5]])
     assert "any H and W" in task.input_contract and "24x24" in task.input_contract
-    assert task.natural_free_dims == (1, 2)
+    assert task.natural_input.shapes == ((-1, -1, 3),) and task.natural_input.kinds == "iu"
 
 
 def test_imagefolder_without_data_gives_no_natural_examples(tmp_path):
