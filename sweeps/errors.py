@@ -78,6 +78,14 @@ class PromoteError(SweepsError):
     """Nothing can be promoted (no usable trial, a model that fails its checks)."""
 
 
+class ArtifactError(PromoteError):
+    """A trial's artifact that promote must load (its ONNX or TorchScript file) is not a model the
+    loader can read, or not one that takes the trial's inputs: corrupt, truncated or crafted. Bad
+    input, so exit 2; the message names the run, the artifact and the fix."""
+
+    exit_code = 2
+
+
 class NothingQualifies(PromoteError):
     """``sweeps promote --where``: no trial of the front meets the conditions (a usage matter: exit 2)."""
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sweeps.errors import PromoteError, SweepsError
+from sweeps.errors import ArtifactError, PromoteError, SweepsError
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
@@ -187,6 +187,20 @@ def natural_examples(task, console) -> Any:
     return found.numpy() if hasattr(found, "numpy") else found
 
 
+def unusable_onnx(uri: str, cand: Candidate, exc: Exception) -> ArtifactError:
+    """The refusal of a trial whose ONNX artifacts cannot be read or run: the run, the artifact,
+    the loader's own words (first line) and the two ways on."""
+    said = (str(exc).strip().splitlines() or [""])[0][:300]
+    return ArtifactError(
+        f"trial {cand.number} (run {cand.run_id}): its artifact {layout.ART_ONNX_DIR}/model.onnx (or "
+        f"onnx_parity.json beside it) is not a model onnxruntime can load and run on the trial's inputs "
+        f"({type(exc).__name__}: {said}); it is corrupt, truncated or not the file the trial exported. Nothing "
+        f"was promoted. Log the trial's own files again where its folder still holds them "
+        f"(MlflowClient({uri!r}).log_artifact({cand.run_id!r}, 'runs/<study>/trial-{cand.number:04d}/model.onnx', "
+        f"'onnx'), the same for onnx_parity.json), or have promote skip this trial: "
+        f"MlflowClient({uri!r}).set_tag({cand.run_id!r}, {layout.TAG_ONNX_PASSED!r}, 'false')")
+
+
 def signature_of(example, predictions):
     """The signature of ``example`` -> ``predictions``: the outputs only. An MLflow tensor schema
     holds one dtype and pyfunc refuses any other (float32 or uint8 images against a float64
@@ -254,11 +268,14 @@ def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) 
         onnx = _download(reader, cand.run_id, f"{layout.ART_ONNX_DIR}/model.onnx", tmp)
         if onnx is not None:
             report_path = _download(reader, cand.run_id, f"{layout.ART_ONNX_DIR}/onnx_parity.json", tmp)
-            original = json.loads(report_path.read_text()) if report_path is not None else None
-            tolerance = float((resolved.get("train") or {}).get("onnx_tolerance")
-                              or (original or {}).get("tolerance") or 1e-4)
-            set_metadata(onnx, serving.onnx_metadata(task, section))  # says what the file does not do
-            report = verify_onnx(onnx, model, inputs, tolerance, original)
+            try:  # a file that onnx or onnxruntime cannot take is a damaged artifact, not a crash
+                original = json.loads(report_path.read_text()) if report_path is not None else None
+                tolerance = float((resolved.get("train") or {}).get("onnx_tolerance")
+                                  or (original or {}).get("tolerance") or 1e-4)
+                set_metadata(onnx, serving.onnx_metadata(task, section))  # says what the file does not do
+                report = verify_onnx(onnx, model, inputs, tolerance, original)
+            except Exception as exc:  # noqa: BLE001 - DecodeError, onnxruntime's Fail/InvalidGraph, JSON, ...
+                raise unusable_onnx(uri, cand, exc) from None
             if not report["passed"]:
                 raise PromoteError(f"the ONNX model of trial {cand.number} (run {cand.run_id}) fails re-verification: "
                                    f"max |onnxruntime - torch| = {report['max_abs_diff']:.3g} > tolerance "
