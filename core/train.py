@@ -25,6 +25,7 @@ from core.grad_checkpoint import checkpoint_blocks
 from core.gradients import StepGradients
 from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
+from core.peak_memory import PeakMemory
 from core.precision import Precision
 from core.profiling import StepProfiler, start_profiler
 from core.reporting import Decision, NullReporter, Reporter
@@ -87,6 +88,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         raise TaskError(problem)
     # Seed first, so model init and data order depend only on cfg.seed
     device = resolve_device(cfg.device, ctx)
+    peak = PeakMemory(device)  # this run's own peak_mem_mb, not the worker process's (core/peak_memory.py)
     seed_everything(cfg.seed)
     configure_determinism(cfg.deterministic)
     precision = Precision(cfg.precision, device)
@@ -186,7 +188,7 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
 
         # ---- validate
         val = _evaluate(fwd_model, val_loader, criterion, meter, device, precision, ctx)
-        metrics = _epoch_metrics(sums, train_time, val, steps.grad_norm, optimizer, precision, device)
+        metrics = _epoch_metrics(sums, train_time, val, steps.grad_norm, optimizer, precision, peak)
         improved = run.record_epoch(epoch, metrics, cfg.monitor, cfg.monitor_mode)
 
         # ---- schedule, checkpoint, then report (a kill after the report still finds the checkpoint)
@@ -279,14 +281,14 @@ def _record_divergence(stop: Stop, steps: StepReader, micro_batch: int, batch: t
 
 def _epoch_metrics(train_sums: list[float], train_time: float, val: dict[str, float], grad_norm: float,
                    optimizer: torch.optim.Optimizer, precision: Precision,
-                   device: torch.device) -> dict[str, float]:
+                   peak: PeakMemory) -> dict[str, float]:
     """The epoch's report (``core.metrics``): ``train_sums`` (loss, seen) are summed over ranks,
     ``val`` is val_loss and the task's metrics; the peak memory is read after validation, which counts."""
     loss_sum, seen = train_sums
     return {
         "train_loss": loss_sum / max(seen, 1), **val, "lr": current_lr(optimizer), "grad_norm": grad_norm,
         "samples_per_s": seen / max(train_time, 1e-9), "epoch_time_s": train_time,
-        "peak_mem_mb": _peak_memory_mb(device), "skipped_steps": float(precision.skipped_steps),
+        "peak_mem_mb": peak.mb(), "skipped_steps": float(precision.skipped_steps),
     }
 
 
@@ -322,14 +324,6 @@ def _evaluate(model: nn.Module, loader, criterion, meter: ValidationMeter, devic
             output = model(x)
             meter.update(output, y, criterion(output.float(), y))
     return meter.compute(lambda values: ctx.all_reduce_sum(values, device))
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _write_config(out: Path, cfg: TrainConfig, task: Task, reporter: Reporter) -> None:
