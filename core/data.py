@@ -34,11 +34,12 @@ from torch.utils.data.distributed import DistributedSampler
 
 from core.config import TrainConfig
 from core.distributed import DistContext
-from core.in_memory import InMemoryBatches
+from core.in_memory import InMemoryBatches, stored_tensors
 from core.seeding import data_rngs, data_seed
-from core.tasks.base import Task, TaskError
+from core.tasks.base import DataError, Task, TaskError
 
 TRAIN, VAL = 0, 1  # the split's part of a batch's seed
+SCAN_ROWS = 4096  # samples scanned for non-finite values at a time: a bounded temporary at any dataset size
 Key = tuple[int, int, int]  # (epoch, batch, index)
 
 
@@ -74,6 +75,37 @@ def check_datasets(task: Task, cfg: TrainConfig, train_ds: Dataset, val_ds: Data
         if len(ds) == 0:  # type: ignore[arg-type]  # _has_len
             raise TaskError(f"{label} returned an empty {which} dataset (0 samples) "
                             f"from datasets(); check its data source")
+        problem = nonfinite_problem(task, ds, which)
+        if problem:  # found before any step: otherwise the first step's loss is NaN, "diverged"
+            raise DataError(problem)
+
+
+def nonfinite_problem(task: Task, ds: Dataset, which: str) -> str | None:
+    """Why an in-memory dataset cannot be trained on: NaN or infinite values, counted per role
+    with the samples holding them; None when it has none (or is not in memory: a stream or a
+    dataset that reads files is not read here, a NaN in it stops the run at its step instead)."""
+    tensors = {role: t for role, t in stored_tensors(ds).items() if t.is_floating_point() or t.is_complex()}
+    if not tensors:
+        return None
+    n = len(next(iter(tensors.values())))
+    bad_rows = torch.zeros(n, dtype=torch.bool)
+    counts = {}
+    for role, t in tensors.items():
+        count = 0
+        for start in range(0, len(t), SCAN_ROWS):
+            bad = ~torch.isfinite(t[start:start + SCAN_ROWS])
+            bad_rows[start:start + len(bad)] |= bad.reshape(len(bad), -1).any(1).cpu()
+            count += int(bad.sum())
+        if count:
+            counts[role] = count
+    if not counts:
+        return None
+    where = ", ".join(f"{c} in its {role}" for role, c in counts.items())
+    name = task.describe_dataset(ds, "train" if which == "train" else "val")["name"]  # as the run's inputs say
+    return (f"task {task.name!r}: its {which} dataset ({name}) holds "
+            f"{sum(counts.values())} NaN or infinite values ({where}), in {int(bad_rows.sum())} of its {n} samples "
+            f"(the first: sample {int(bad_rows.nonzero()[0])}): a problem of the data, not of the hyperparameters "
+            f"(every step on them gives a non-finite loss); drop or repair those samples in datasets()")
 
 
 def _has_len(ds: object) -> bool:

@@ -25,6 +25,7 @@ from torch import nn
 from core.io_utils import save_json_atomic
 from core.reporting import Reporter
 from core.results import Stop
+from core.tasks.base import DataError
 
 DIVERGED_JSON = "diverged.json"
 TOP_GRADS = 5  # parameters listed by gradient norm, largest (non-finite first)
@@ -113,7 +114,10 @@ def record_divergence(stop: Stop, *, step: int, epoch: int, micro_batch: int, ba
                       out: Path | None, reporter: Reporter) -> tuple[Stop, dict[str, Any]]:
     """Called once, when the loop stops on a non-finite step (rank 0). Writes ``out/diverged.json``
     (logged as artifact kind "diverged") and returns the stop with a summary added to its reason,
-    and the record. ``loss_fn`` (``train.detect_anomaly``) replays the micro-batch; None skips it."""
+    and the record. ``loss_fn`` (``train.detect_anomaly``) replays the micro-batch; None skips it.
+    A micro-batch whose inputs or targets hold NaN or infinity is a problem of the data, not
+    divergence: DataError, once the record is written (in-memory datasets are refused before any
+    step, ``core.data.check_datasets``; this finds it in a stream or a dataset that reads files)."""
     x, y = batch
     record: dict[str, Any] = {
         "reason": stop.reason, "global_step": step, "epoch": epoch, "micro_batch_index": micro_batch,
@@ -126,5 +130,22 @@ def record_divergence(stop: Stop, *, step: int, epoch: int, micro_batch: int, ba
     if out is not None:
         path = save_json_atomic(record, out / DIVERGED_JSON)
         reporter.log_artifact(path, "diverged")
+    bad = {role: nonfinite_count(record[key]) for role, key in (("inputs", "input_stats"), ("targets", "target_stats"))}
+    if any(bad.values()):
+        where = ", ".join(f"{n} in its {role}" for role, n in bad.items() if n)
+        raise DataError(f"the train dataset holds NaN or infinite values: the micro-batch {micro_batch} of epoch "
+                        f"{epoch} (step {step}) has {where}, so its loss is {', '.join(map(str, losses))}: a problem "
+                        f"of the data, not of the hyperparameters; drop or repair those samples in datasets() "
+                        f"({DIVERGED_JSON} has the batch's statistics)")
     extra = summary(record)
     return (Stop(stop.status, f"{stop.reason} ({extra})") if extra else stop), record
+
+
+def nonfinite_count(stats: Any) -> int:
+    """The non-finite values :func:`tensor_stats` counted, over every tensor of a batch."""
+    if isinstance(stats, dict):
+        return int(stats["nonfinite"]) if "nonfinite" in stats and "shape" in stats else \
+            sum(nonfinite_count(v) for v in stats.values())
+    if isinstance(stats, list):
+        return sum(nonfinite_count(v) for v in stats)
+    return 0

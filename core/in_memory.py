@@ -56,6 +56,20 @@ def dataset_tensors(ds: Dataset, collate_fn: object) -> tuple[torch.Tensor, ...]
     return tensors
 
 
+def stored_tensors(ds: Dataset) -> dict[str, torch.Tensor]:
+    """The tensors an in-memory dataset holds, by role ("inputs", "targets", then "tensor 2", ...):
+    a ``TensorPairDataset``'s x and y, a ``TensorDataset``'s tensors; empty for any other dataset,
+    whose samples exist only when it is read."""
+    if isinstance(ds, TensorPairDataset):
+        held = [ds.x, ds.y]
+    elif isinstance(ds, TensorDataset):
+        held = list(ds.tensors)
+    else:
+        return {}
+    roles = ["inputs", "targets"] + [f"tensor {i}" for i in range(2, len(held))]
+    return {role: torch.as_tensor(t) for role, t in zip(roles, held, strict=False)}
+
+
 def place(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """``tensors`` on ``device`` when they take at most ``DEVICE_SHARE`` of its free memory,
     else left where they are (the loop copies each gathered batch)."""

@@ -6,7 +6,8 @@ Each check builds what it needs from the task, as ``core.train`` would, and retu
 * data: the first samples of both splits batch, their input shapes agree (with each other and
   the task's ``input_shape``), class labels lie in ``[0, num_classes)``, and the validation data
   is the same each time it is read (random augmentation leaking into validation makes
-  every epoch's validation a different test);
+  every epoch's validation a different test); no value is NaN or infinite (every value of an
+  in-memory dataset, as ``core.train`` checks, else the first batch of each split);
 * model: one forward and backward on a train batch give finite outputs, loss and gradients,
   every trainable parameter gets a gradient, the output depends on the input (a model that
   ignores its input can still lower the loss, towards the label frequencies);
@@ -31,7 +32,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from core.config import TrainConfig
+from core.data import nonfinite_problem
+from core.forensics import nonfinite_count, tensor_stats
 from core.grad_checkpoint import checkpoint_blocks
+from core.in_memory import stored_tensors
 from core.seeding import seed_everything
 from core.tasks.base import Task, TaskError
 
@@ -47,7 +51,7 @@ VAL_SAMPLES = 8  # validation samples read twice to see whether they change
 class Finding:
     """One check's verdict: ``ok`` False is a problem that makes ``sweeps check`` exit 2."""
 
-    check: str  # data, labels, validation, model, input, torchscript, overfit
+    check: str  # data, labels, validation, finite, model, input, torchscript, overfit
     ok: bool
     message: str
 
@@ -73,6 +77,7 @@ def sanity_check(task: Task, cfg: TrainConfig, batch_size: int = 16, steps: int 
         return [Finding("data", False, f"reading the first batches failed: {type(exc).__name__}: {exc}; "
                                        f"fix the task's datasets() or collate_fn")]
     findings = [_shapes(task, x, vx), _labels(task, cfg, labels, vy), _validation_repeats(task, val_ds)]
+    findings.append(_finite(task, train_ds, val_ds, x, vx))
     findings += _model(task, cfg, x, y)
     if cfg.export_torchscript and isinstance(x, torch.Tensor):  # found now, not after a whole trial
         findings.append(_torchscript(task, cfg, x))
@@ -153,6 +158,23 @@ def _read_twice(ds: Dataset, read: Callable[[], list[Any]]) -> tuple[list[Any], 
     first = read()
     seed_everything(2)
     return first, read()
+
+
+def _finite(task: Task, train_ds: Dataset, val_ds: Dataset, x: Any, vx: Any) -> Finding:
+    """No NaN or infinity in the data: every value of an in-memory dataset (as ``core.train``
+    refuses it before any step), else the first batch of each split."""
+    for which, ds, batch in (("train", train_ds, x), ("validation", val_ds, vx)):
+        problem = nonfinite_problem(task, ds, which)
+        if problem:
+            return Finding("finite", False, problem)
+        count = nonfinite_count(tensor_stats(batch))
+        if count:
+            return Finding("finite", False, f"the first batch of the {which} dataset holds {count} NaN or infinite "
+                                            f"values: a problem of the data (every step on them gives a non-finite "
+                                            f"loss); drop or repair those samples in datasets()")
+    whole = stored_tensors(train_ds) and stored_tensors(val_ds)  # in memory: every value was checked
+    return Finding("finite", True, "no NaN or infinite value in the data" if whole else
+                   "no NaN or infinite value in the first batch of each split")
 
 
 def _validation_repeats(task: Task, val_ds: Dataset) -> Finding:

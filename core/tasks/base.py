@@ -32,6 +32,11 @@ class TaskError(ValueError):
     """A task name, model, argument or data path is wrong; the message says how to fix it."""
 
 
+class DataError(TaskError):
+    """The task's data cannot be trained on as it is (NaN or infinite values): a problem of the
+    data, not of the hyperparameters. The message names the dataset, the count and the fix."""
+
+
 class Task:
     """Base class of every task. Subclasses set ``name``, ``models`` and (classification)
     ``num_classes``; they give ``build_model`` and ``datasets`` and, for a problem that is not

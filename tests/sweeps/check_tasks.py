@@ -111,3 +111,42 @@ def no_data(model: str = "mlp") -> DigitsTask:
 @task
 def model_typo(model: str = "mlp") -> DigitsTask:
     return ModelTypo(model)
+
+
+class NanInputs(DigitsTask):
+    """Three NaN pixels and one infinite one in three train images: bad data, not a bad learning rate."""
+
+    def datasets(self):
+        from core.tasks.tensor_data import TensorPairDataset
+
+        train, val = super().datasets()
+        x = train.x.clone()
+        x[5, 0, 0, 0] = x[5, 0, 1, 1] = x[40, 0, 3, 3] = float("nan")
+        x[9, 0, 2, 2] = float("inf")
+        return TensorPairDataset(x, train.y), val
+
+
+@task
+def nan_inputs(model: str = "mlp") -> DigitsTask:
+    return NanInputs(model)
+
+
+class _NanOutput(nn.Module):
+    """A model whose every output is NaN: each trial diverges at its first step, whatever its learning rate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1)) * float("nan")
+
+
+class AlwaysDiverges(DigitsTask):
+    def build_model(self):
+        return _NanOutput()
+
+
+@task
+def always_diverges(model: str = "mlp") -> DigitsTask:
+    return AlwaysDiverges(model)

@@ -52,6 +52,8 @@ def test_a_clean_task_passes_every_check_in_under_30_seconds(tmp_path, capsys):
     ("no_data", "PROBLEM data       task.datasets(): task 'no_data': no data at /nowhere; put the files there"),
     ("model_typo", "PROBLEM model      task.build_model() raised AttributeError: module 'torch.nn' has no "
                    "attribute 'Linera'; fix the task's build_model()"),
+    ("nan_inputs", "PROBLEM finite     task 'digits': its train dataset (digits-train) holds 4 NaN or infinite "
+                   "values (4 in its inputs), in 3 of its 1437 samples (the first: sample 5): a problem of the data"),
 ])
 def test_each_planted_bug_exits_2_naming_it(tmp_path, capsys, factory, needle):
     code = cli.main(["check", _spec(tmp_path, {"target": f"tests.sweeps.check_tasks:{factory}"})])
