@@ -3,11 +3,19 @@
 One place for both backends (Optuna's supervisor and the Ray driver), so that a script or a
 CI job reads the same exit code and the same message whichever backend ran the study:
 0 when the budget finished (or ``budget.timeout`` ended this invocation, which the next
-``sweeps run`` continues), 128 + the signal's number after a signal, 1 otherwise.
+``sweeps run`` continues), 128 + the signal's number after a signal, 1 otherwise, and 1 when every
+trial ended without a result (pruned, failed or rejected: nothing to compare or promote).
 """
 from __future__ import annotations
 
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sweeps.backends.base import StudyResult
+
 EXIT_BUDGET_UNMET = 1
+REASONS_SHOWN = 3  # the most common end reasons named when no trial completed
 
 
 def max_failures_stop(max_failures: int) -> tuple[str, int]:
@@ -29,3 +37,19 @@ def failures_in_a_row(states: list[str]) -> int:
     for state in states:
         count = count + 1 if state == "FAIL" else 0
     return count
+
+
+def no_trial_completed(result: StudyResult, spec_path: object) -> str | None:
+    """Why the study has no result although every trial of it has ended (none is running or
+    waiting to resume), or None when one completed: every trial pruned (diverged, say), failed or
+    rejected leaves nothing to compare or promote, which an exit code of 0 would hide. The most
+    common end reasons are named, each with its count."""
+    ended = [t for t in result.trials if t.state in ("PRUNED", "FAIL")]
+    if not ended or any(t.state not in ("PRUNED", "FAIL") for t in result.trials):
+        return None
+    reasons = Counter(f"{t.state.lower()}: {(t.reason or 'no reason recorded').splitlines()[0][:160]}"
+                      for t in ended)
+    named = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(REASONS_SHOWN))
+    more = f"; and {len(reasons) - REASONS_SHOWN} other reasons" if len(reasons) > REASONS_SHOWN else ""
+    return (f"no trial of study {result.name!r} completed: all {len(ended)} ended without a result ({named}{more}); "
+            f"nothing to compare or promote. See each trial's reason with `sweeps status {spec_path}`")

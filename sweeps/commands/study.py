@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from sweeps.backends.budget_outcome import EXIT_BUDGET_UNMET, no_trial_completed
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
 
 STATUS_FORMATS = ("table", "csv", "json")
@@ -62,6 +63,10 @@ def cmd_run(a: argparse.Namespace) -> int:
                           f"loosen them (see the rejected figures with: sweeps status {a.spec})",
                           markup=False, highlight=False)
         return 1
+    no_result = no_trial_completed(result, a.spec)
+    if result.exit_code == 0 and no_result:  # the budget is spent and nothing trained to the end
+        err_console.print(f"error: {no_result}", markup=False, highlight=False)
+        return EXIT_BUDGET_UNMET
     return result.exit_code
 
 
