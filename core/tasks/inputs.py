@@ -78,15 +78,15 @@ class InputSpec:
 
         nonfinite = rows_where(lambda a: ~np.isfinite(a) if a.dtype.kind == "f" else np.zeros(a.shape, bool))
         if len(nonfinite):
-            raise InputRefused(f"input refused: {_rows_text(nonfinite)} of {n} hold NaN or infinity, which the "
-                               f"model cannot answer; it takes {self.describe()}")
+            raise InputRefused(f"input refused: {_rows_text(nonfinite, n)} NaN or infinity, which the model cannot "
+                               f"answer; it takes {self.describe()}")
         low = -np.inf if self.low is None else self.low
         high = np.inf if self.high is None else self.high
         outside = rows_where(lambda a: (a < low) | (a > high))
         if len(outside):
             found = [a for a in samples if a.size]
             lowest, highest = min(a.min() for a in found), max(a.max() for a in found)
-            raise InputRefused(f"input refused: {_rows_text(outside)} of {n} hold values outside {self.bounds()} "
+            raise InputRefused(f"input refused: {_rows_text(outside, n)} values outside {self.bounds()} "
                                f"(min {lowest:g}, max {highest:g}); the model takes {self.describe()}")
 
 
@@ -99,7 +99,8 @@ def _shape_text(shape: tuple[int, ...]) -> str:
     return f"({inner},)" if len(shape) == 1 else f"({inner})"
 
 
-def _rows_text(rows: np.ndarray) -> str:
+def _rows_text(rows: np.ndarray, n: int) -> str:
+    """The offending rows of a batch of ``n`` and their verb: "row 3 of 64 holds", "rows 3, 7 of 64 hold"."""
     named = ", ".join(str(int(r)) for r in rows[:ROWS_NAMED])
     more = f" and {len(rows) - ROWS_NAMED} more" if len(rows) > ROWS_NAMED else ""
-    return f"row{'s' if len(rows) > 1 else ''} {named}{more}"
+    return f"rows {named}{more} of {n} hold" if len(rows) > 1 else f"row {named} of {n} holds"
