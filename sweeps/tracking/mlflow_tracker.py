@@ -271,13 +271,19 @@ class MlflowTracker:
         """Dataset inputs (dicts, see ``send.dataset_inputs``): sent now, or spooled like every write."""
         self._submit(run.run_id, [["in", list(datasets)]])
 
+    def log_trial_model(self, run: RunHandle, described: Mapping[str, Any]) -> None:
+        """The trial's logged model (``trial_model.model_record``), made after the run's points (it
+        reuses their timestamps): now, or when the store answers again, like every write."""
+        self.flush(run)
+        self._submit(run.run_id, [["lm", dict(described)]])
+
     @property
     def store_down(self) -> str:
-        """Why the store is down now, or "": a logged model (it needs the store's id) is skipped then."""
+        """Why the store is down now, or "" (a run is then made under a local id, ``local_runs``)."""
         return self._down_reason if time.monotonic() < self._down_until else ""
 
     @property
-    def client(self) -> Any:  # for the calls the spool cannot hold (logged models)
+    def client(self) -> Any:  # for reading a run's own history back (TrialExtras)
         return self._client
 
     # -- end -----------------------------------------------------------------------------
@@ -344,6 +350,9 @@ class MlflowTracker:
 
     def _spool(self, run_id: str, records: list[list[Any]]) -> None:
         with disk_full_raised(f"keeping MLflow writes of run {run_id}", self.spool.directory):  # nowhere left
+            # A file waits as the spool's own copy: the trial may replace it before the store answers.
+            records = [["a", str(self.spool.keep_file(run_id, r[1])), r[2], True]
+                       if r[0] == "a" and not r[3] and Path(r[1]).exists() else r for r in records]
             self.spool.append(run_id, records)
         self._spooled.add(run_id)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, store_id_for
 from sweeps.tracking.spool import Spool
+from sweeps.tracking.trial_model import TAG_MODEL_ERROR, make_trial_model
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-_ONE_CALL = ("a", "dt", "open", "end", "in", "new")  # records that are one store call each, never batched
+_ONE_CALL = ("a", "dt", "open", "end", "in", "lm", "new")  # records that are one store call each, never batched
+# What send_records counts, per kind of write (``sweeps sync-tracking`` reports the same keys).
+COUNT_KEYS = ("metrics", "params", "tags", "artifacts", "inputs", "models", "statuses")
 
 
 @dataclass
@@ -122,7 +125,7 @@ def send_records(
     never succeed, and the records after it must not be held hostage. Returns the
     counts sent per kind and one line per refusal.
     """
-    counts = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
+    counts = dict.fromkeys(COUNT_KEYS, 0)
     refusals: list[str] = []
     for op in _plan(records):
         chunk = records[op.start : op.end]
@@ -140,7 +143,10 @@ def send_records(
                         on_staged_sent(local)
             elif op.kind == "in":
                 client.log_inputs(run_id, datasets=dataset_inputs(chunk[0][1]))
-                counts["inputs"] = counts.get("inputs", 0) + 1
+                counts["inputs"] += 1
+            elif op.kind == "lm":
+                make_trial_model(client, run_id, chunk[0][1])
+                counts["models"] += 1
             elif op.kind == "new":  # drain() creates the run from its spool's head; a copy later is inert
                 pass
             elif op.kind == "dt":
@@ -158,8 +164,13 @@ def send_records(
                 raise
             if op.kind == "a" and chunk[0][3] and on_staged_sent is not None:
                 on_staged_sent(chunk[0][1])  # refused for good: the staged copy is garbage
-            what = {"a": "artifact", "dt": "tag removal", "in": "dataset inputs"}.get(op.kind, "status")
-            refusals.append(f"run {run_id}: the store refused the {what} {list(chunk[0][1:])}: {exc}")
+            if op.kind == "lm":  # the run says why it has no model, as when it is refused at once
+                refusals.append(f"run {run_id}: no logged model: {type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):
+                    client.set_tag(run_id, TAG_MODEL_ERROR, f"no logged model: {type(exc).__name__}: {exc}"[:1000])
+            else:
+                what = {"a": "artifact", "dt": "tag removal", "in": "dataset inputs"}.get(op.kind, "status")
+                refusals.append(f"run {run_id}: the store refused the {what} {list(chunk[0][1:])}: {exc}")
         on_done(op.end)
     return counts, refusals
 

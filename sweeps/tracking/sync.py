@@ -12,7 +12,7 @@ from typing import Any
 
 from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.interruptible import interrupted_by_signals
-from sweeps.tracking.send import drain, is_transient
+from sweeps.tracking.send import COUNT_KEYS, drain, is_transient
 from sweeps.tracking.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -252,8 +252,8 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
     Raises TrackingError (before sending anything) when the store cannot be reached.
     Returns::
 
-        {"runs": {run_id: {"metrics": n, "params": n, "tags": n, "artifacts": n,
-                           "statuses": n, "drained": bool}},
+        {"runs": {run_id: {"metrics": n, "params": n, "tags": n, "artifacts": n, "inputs": n,
+                           "models": n, "statuses": n, "drained": bool}},
          "totals": {"metrics": n, ...},
          "refused": [one line per write the store refused (dropped: it never would accept it)],
          "failed": {run_id: reason}   # run unknown to this store, or the store went
@@ -281,7 +281,7 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
 
     check_store(tracking_uri, get_client)
     client = get_client()
-    totals = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
+    totals = dict.fromkeys(COUNT_KEYS, 0)
     result: dict[str, Any] = {"runs": {}, "totals": totals, "refused": [], "failed": {}}
     from sweeps.tracking.local_runs import is_local
     from sweeps.tracking.spool import store_key
