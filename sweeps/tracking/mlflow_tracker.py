@@ -21,7 +21,7 @@ from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.experiments import experiment_id_of
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, known_store_id, new_client_id, new_run_record
-from sweeps.tracking.send import drain, is_transient, send_records
+from sweeps.tracking.send import StoreRefusesEveryWrite, drain, is_transient, send_records
 from sweeps.tracking.spool import Spool
 from sweeps.tracking.store_errors import call_error, disk_full_error, disk_full_raised, short_reason, store_folder
 from sweeps.tracking.sync import (
@@ -338,6 +338,9 @@ class MlflowTracker:
 
             try:
                 _, refusals = send_records(self._client, run_id, records, on_done, self.spool.discard_staged)
+            except StoreRefusesEveryWrite as exc:
+                self._spool(run_id, records[sent:])
+                raise self._refuses_every_write(exc) from exc
             except Exception as exc:
                 if not is_transient(exc):  # send_records lets only transient ones out
                     raise
@@ -361,6 +364,8 @@ class MlflowTracker:
         so will not flush again) while the store was down."""
         try:
             counts, refusals, drained = drain(self.spool, self._client, run_id)
+        except StoreRefusesEveryWrite as exc:
+            raise self._refuses_every_write(exc) from exc
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -374,6 +379,11 @@ class MlflowTracker:
         self._mark_up()
         if refusals:
             raise TrackingError(f"MLflow store {self.tracking_uri} refused spooled writes:\n" + "\n".join(refusals))
+
+    def _refuses_every_write(self, exc: StoreRefusesEveryWrite) -> TrackingError:
+        return TrackingError(f"MLflow tracking store {self.tracking_uri} {exc}; the writes are kept in "
+                             f"{self.spool.directory}: once it is fixed, send them with: "
+                             f"{sync_command(self.tracking_uri, self.spool.directory)}")
 
     def _mark_down(self, exc: BaseException) -> None:
         reason = short_reason(exc, self._store_dir)  # one line, a full disk named

@@ -12,7 +12,7 @@ from typing import Any
 
 from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.interruptible import interrupted_by_signals
-from sweeps.tracking.send import COUNT_KEYS, drain, is_transient
+from sweeps.tracking.send import COUNT_KEYS, StoreRefusesEveryWrite, drain, is_transient
 from sweeps.tracking.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -307,6 +307,8 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
             continue
         try:
             counts, refusals, drained = drain(spool, client, run_id)
+        except StoreRefusesEveryWrite as exc:  # so would every other run's: one line, at once
+            raise TrackingError(f"MLflow tracking store {tracking_uri} {exc}; nothing more was sent") from exc
         except Exception as exc:
             if not is_transient(exc):
                 raise

@@ -227,3 +227,42 @@ def test_a_trial_ending_while_another_process_locks_the_sqlite_store_gets_everyt
     later.check_connection()  # the next sweeps process: sends what waits for its store first
     assert not later.spool.run_ids()
     _assert_complete(store.client, run, b"weights", tmp_path / "t")
+
+
+def test_a_store_that_refuses_every_write_says_so_in_one_line_at_once(tmp_path):
+    """A transient error (unreachable, locked) is waited out while training goes on; an error of
+    the store itself (here its schema: a table gone) is one line at once, not an endless wait,
+    and the writes are kept for when it is fixed."""
+    import sqlite3
+
+    from sweeps.errors import TrackingError
+    from sweeps.tracking.mlflow_tracker import MlflowTracker
+
+    store = Store(tmp_path / "store")
+    tracker = MlflowTracker(store.uri, spool_dir=tmp_path / "spool", artifact_root=store.artifact_root,
+                            retry_interval_s=3600, flush_every_points=10**9, flush_every_s=1e9)
+    run = tracker.start_run("trial-0", experiment="schema")
+    with sqlite3.connect(tmp_path / "store" / "mlflow.db") as db:
+        db.execute("DROP TABLE metrics")
+    tracker.log_metrics(run, {"loss": 1.0}, 1)
+    with pytest.raises(TrackingError) as raised:
+        tracker.flush()
+    message = str(raised.value)
+    assert "\n" not in message and "no such table: metrics" in message, message
+    assert f"sweeps sync-tracking --uri {store.uri}" in message
+    assert not tracker.store_down  # not taken for an outage to wait out
+    assert [rec for _, rec in tracker.spool.read_pending(run.run_id)[0]] == [["m", "loss", 1.0, pytest.approx(0,
+                                                                            abs=1e13), 1]]
+
+
+def test_credentials_and_permissions_are_permanent_an_unreachable_or_locked_store_is_not():
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
+
+    from sweeps.tracking.send import is_transient, permanent_reason
+
+    for code, words in ((UNAUTHENTICATED, "credentials"), (PERMISSION_DENIED, "permission")):
+        exc = MlflowException("API request to endpoint /api/2.0/mlflow/runs/log-batch failed", error_code=code)
+        assert not is_transient(exc) and words in permanent_reason(exc)
+    locked = MlflowException("(sqlite3.OperationalError) database is locked", error_code=TEMPORARILY_UNAVAILABLE)
+    assert is_transient(locked) and permanent_reason(locked) is None
+    assert is_transient(ConnectionRefusedError()) and permanent_reason(ConnectionRefusedError()) is None
