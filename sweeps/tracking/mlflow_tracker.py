@@ -29,6 +29,7 @@ from sweeps.tracking.sync import (
     artifact_root_uri,
     check_store,
     is_http_uri,
+    kept_until_fixed,
     retry_seconds,
     sync_command,
 )
@@ -340,7 +341,7 @@ class MlflowTracker:
                 _, refusals = send_records(self._client, run_id, records, on_done, self.spool.discard_staged)
             except StoreRefusesEveryWrite as exc:
                 self._spool(run_id, records[sent:])
-                raise self._refuses_every_write(exc) from exc
+                raise kept_until_fixed(self.tracking_uri, self.spool.directory, exc) from exc
             except Exception as exc:
                 if not is_transient(exc):  # send_records lets only transient ones out
                     raise
@@ -353,9 +354,6 @@ class MlflowTracker:
 
     def _spool(self, run_id: str, records: list[list[Any]]) -> None:
         with disk_full_raised(f"keeping MLflow writes of run {run_id}", self.spool.directory):  # nowhere left
-            # A file waits as the spool's own copy: the trial may replace it before the store answers.
-            records = [["a", str(self.spool.keep_file(run_id, r[1])), r[2], True]
-                       if r[0] == "a" and not r[3] and Path(r[1]).exists() else r for r in records]
             self.spool.append(run_id, records)
         self._spooled.add(run_id)
 
@@ -365,7 +363,7 @@ class MlflowTracker:
         try:
             counts, refusals, drained = drain(self.spool, self._client, run_id)
         except StoreRefusesEveryWrite as exc:
-            raise self._refuses_every_write(exc) from exc
+            raise kept_until_fixed(self.tracking_uri, self.spool.directory, exc) from exc
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -379,11 +377,6 @@ class MlflowTracker:
         self._mark_up()
         if refusals:
             raise TrackingError(f"MLflow store {self.tracking_uri} refused spooled writes:\n" + "\n".join(refusals))
-
-    def _refuses_every_write(self, exc: StoreRefusesEveryWrite) -> TrackingError:
-        return TrackingError(f"MLflow tracking store {self.tracking_uri} {exc}; the writes are kept in "
-                             f"{self.spool.directory}: once it is fixed, send them with: "
-                             f"{sync_command(self.tracking_uri, self.spool.directory)}")
 
     def _mark_down(self, exc: BaseException) -> None:
         reason = short_reason(exc, self._store_dir)  # one line, a full disk named

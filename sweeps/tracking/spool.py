@@ -119,9 +119,12 @@ class Spool:
 
     # -- writing -----------------------------------------------------------------------
     def append(self, run_id: str, records: Sequence[Sequence[Any]]) -> None:
-        """Append ``records`` after everything already spooled for the run, durably."""
+        """Append ``records`` after everything already spooled for the run, durably. A file to
+        upload is appended as the spool's own copy (:meth:`keep_file`)."""
         if not records:
             return
+        records = [["a", str(self.keep_file(run_id, r[1])), r[2], True]
+                   if r[0] == "a" and not r[3] and Path(r[1]).exists() else r for r in records]
         data = "".join(json.dumps(list(r), separators=(",", ":")) + "\n" for r in records)
         with self.locked():
             path = self.path(run_id)

@@ -84,6 +84,13 @@ def sync_command(tracking_uri: str, spool_dir: str | Path) -> str:
     return f"sweeps sync-tracking --uri {tracking_uri} --spool {spool_dir}"
 
 
+def kept_until_fixed(tracking_uri: str, spool_dir: str | Path, exc: BaseException) -> TrackingError:
+    """The one line for a store that refuses every write (``send.StoreRefusesEveryWrite``), whose
+    writes wait in the spool ``spool_dir``."""
+    return TrackingError(f"MLflow tracking store {tracking_uri} {exc}; the writes are kept in {spool_dir}: once "
+                         f"it is fixed, send them with: {sync_command(tracking_uri, spool_dir)}")
+
+
 def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
     """Raise TrackingError naming ``tracking_uri`` and the fix unless the store answers.
 
