@@ -305,6 +305,15 @@ def settle_runs(tracker: Tracker, reader: TrackingReader, result: StudyResult) -
             continue
         tracker.log(handle, tags={**{k: None for k in drop if k in tags}, **new_tags})
         tracker.end_run(handle, want)
+    known = {getattr(t, "ray_trial_id", None) for t in result.trials}
+    for ray_id, run in runs.items():
+        if ray_id not in known and run.info.status == "RUNNING":
+            # Its driver was killed before Ray recorded the trial, and no trial of the restored
+            # experiment took its number (sweeps.backends.ray_continuing_run.adopt_lost_run).
+            handle = RunHandle(run.info.run_id, run.info.experiment_id, run.info.run_name or "")
+            tracker.log(handle, tags={layout.TAG_STATE: "FAIL", layout.TAG_ERROR: (
+                "lost: its driver was killed before Ray recorded the trial, and no trial took it up again")})
+            tracker.end_run(handle, "FAILED")
 
 
 __all__ = ["RayBackend", "TAG_RAY_TRIAL_ID", "settle_runs"]

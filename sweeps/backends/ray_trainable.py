@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
-from sweeps.backends.ray_continuing_run import ContinuingTracker, logged_up_to
+from sweeps.backends.ray_continuing_run import TAG_RAY_TRIAL_ID, ContinuingTracker, adopt_lost_run, logged_up_to
 from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog, recorded_hang
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
@@ -46,7 +46,6 @@ from sweeps.tracking.base import RunHandle
 if TYPE_CHECKING:
     from sweeps.tracking.reader import TrackingReader
 
-TAG_RAY_TRIAL_ID = "sweeps.ray_trial_id"
 TAG_RAY_NODE = "sweeps.ray_node"
 
 
@@ -197,6 +196,8 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
 
     reader = reader_for(spec)
     existing = find_trial_run(reader, ctx.parent, trial_id)
+    if existing is None:  # the trial may have run under another id before a driver was killed
+        existing = adopt_lost_run(reader, _tracker(spec), ctx.parent, number, trial_id, params)
     if existing is not None:
         hung = recorded_hang(reader, existing.run_id)
         if hung:  # budget.trial_timeout stopped it: never resumed into the same hang

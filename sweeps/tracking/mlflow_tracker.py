@@ -21,7 +21,7 @@ from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.experiments import experiment_id_of
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, known_store_id, new_client_id, new_run_record
-from sweeps.tracking.send import drain, is_transient, send_records
+from sweeps.tracking.send import StoreRefusesEveryWrite, drain, is_transient, send_records
 from sweeps.tracking.spool import Spool
 from sweeps.tracking.store_errors import call_error, disk_full_error, disk_full_raised, short_reason, store_folder
 from sweeps.tracking.sync import (
@@ -29,6 +29,7 @@ from sweeps.tracking.sync import (
     artifact_root_uri,
     check_store,
     is_http_uri,
+    kept_until_fixed,
     retry_seconds,
     sync_command,
 )
@@ -271,13 +272,19 @@ class MlflowTracker:
         """Dataset inputs (dicts, see ``send.dataset_inputs``): sent now, or spooled like every write."""
         self._submit(run.run_id, [["in", list(datasets)]])
 
+    def log_trial_model(self, run: RunHandle, described: Mapping[str, Any]) -> None:
+        """The trial's logged model (``trial_model.model_record``), made after the run's points (it
+        reuses their timestamps): now, or when the store answers again, like every write."""
+        self.flush(run)
+        self._submit(run.run_id, [["lm", dict(described)]])
+
     @property
     def store_down(self) -> str:
-        """Why the store is down now, or "": a logged model (it needs the store's id) is skipped then."""
+        """Why the store is down now, or "" (a run is then made under a local id, ``local_runs``)."""
         return self._down_reason if time.monotonic() < self._down_until else ""
 
     @property
-    def client(self) -> Any:  # for the calls the spool cannot hold (logged models)
+    def client(self) -> Any:  # for reading a run's own history back (TrialExtras)
         return self._client
 
     # -- end -----------------------------------------------------------------------------
@@ -332,6 +339,9 @@ class MlflowTracker:
 
             try:
                 _, refusals = send_records(self._client, run_id, records, on_done, self.spool.discard_staged)
+            except StoreRefusesEveryWrite as exc:
+                self._spool(run_id, records[sent:])
+                raise kept_until_fixed(self.tracking_uri, self.spool.directory, exc) from exc
             except Exception as exc:
                 if not is_transient(exc):  # send_records lets only transient ones out
                     raise
@@ -352,6 +362,8 @@ class MlflowTracker:
         so will not flush again) while the store was down."""
         try:
             counts, refusals, drained = drain(self.spool, self._client, run_id)
+        except StoreRefusesEveryWrite as exc:
+            raise kept_until_fixed(self.tracking_uri, self.spool.directory, exc) from exc
         except Exception as exc:
             if not is_transient(exc):
                 raise

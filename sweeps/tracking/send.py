@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sweeps.errors import TrackingError
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, store_id_for
 from sweeps.tracking.spool import Spool
+from sweeps.tracking.trial_model import TAG_MODEL_ERROR, make_trial_model
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +31,44 @@ MAX_BATCH_BYTES = 800_000
 _ENTITY_OVERHEAD_BYTES = 64
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True when a failed write may succeed later unchanged: the store was unreachable,
-    timed out, or answered 5xx/429. Anything else (4xx: a refused value, a deleted run)
-    would fail again, so it must not be kept for retrying."""
+class StoreRefusesEveryWrite(TrackingError):
+    """The store can take no write until someone fixes it (credentials, permissions, its
+    schema): waiting would not help, so it is said at once, in one line. The writes are kept."""
+
+
+# Errors of the store itself, not of one write; a SQL store's OperationalError (which MLflow
+# answers as 503, "try again") says so only in its text.
+_PERMANENT = re.compile(r"no such (table|column)|relation \S+ does not exist|column \S+ does not exist|"
+                        r"readonly database|read-only|permission denied|access denied|password authentication failed",
+                        re.IGNORECASE)
+
+
+def permanent_reason(exc: BaseException) -> str | None:
+    """One line saying why the store refuses every write (HTTP 401/403, a schema or permission
+    error of its database), or None for an error of one write or one that may pass."""
     from mlflow.exceptions import MlflowException
 
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if isinstance(exc, MlflowException) and exc.get_http_status_code() in (401, 403):
+        what = "credentials" if exc.get_http_status_code() == 401 else "permission"
+        return (f"refuses the {what} of this process (HTTP {exc.get_http_status_code()}): {first}; set "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an account "
+                "that may write")
+    said = next((line.strip() for line in str(exc).splitlines() if _PERMANENT.search(line)), None)
+    if said is not None:  # the line that says it (MLflow's SQL errors start with SQLAlchemy's hints)
+        return f"cannot be written: {said[:300]}; fix the store (its schema: `mlflow db upgrade URI`; its permissions)"
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when a failed write may succeed later unchanged: the store was unreachable,
+    timed out, was locked, or answered 5xx/429. Anything else (4xx: a refused value, a deleted
+    run; a store refusing every write, :func:`permanent_reason`) would fail again, so it must
+    not be retried."""
+    from mlflow.exceptions import MlflowException
+
+    if permanent_reason(exc) is not None:
+        return False
     if isinstance(exc, MlflowException):
         code = exc.get_http_status_code()
         return code >= 500 or code == 429
@@ -52,7 +87,9 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-_ONE_CALL = ("a", "dt", "open", "end", "in", "new")  # records that are one store call each, never batched
+_ONE_CALL = ("a", "dt", "open", "end", "in", "lm", "new")  # records that are one store call each, never batched
+# What send_records counts, per kind of write (``sweeps sync-tracking`` reports the same keys).
+COUNT_KEYS = ("metrics", "params", "tags", "artifacts", "inputs", "models", "statuses")
 
 
 @dataclass
@@ -118,11 +155,12 @@ def send_records(
 
     After each call the store accepted, ``on_done(n)`` is told that records[:n] are in.
     A transient failure (see :func:`is_transient`) propagates at once, so the caller keeps
-    records[n:]. A refusal (4xx) drops only what was refused and carries on: it would
+    records[n:], and so does a store refusing every write (:class:`StoreRefusesEveryWrite`,
+    one line). A refusal (4xx) drops only what was refused and carries on: it would
     never succeed, and the records after it must not be held hostage. Returns the
     counts sent per kind and one line per refusal.
     """
-    counts = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
+    counts = dict.fromkeys(COUNT_KEYS, 0)
     refusals: list[str] = []
     for op in _plan(records):
         chunk = records[op.start : op.end]
@@ -140,7 +178,10 @@ def send_records(
                         on_staged_sent(local)
             elif op.kind == "in":
                 client.log_inputs(run_id, datasets=dataset_inputs(chunk[0][1]))
-                counts["inputs"] = counts.get("inputs", 0) + 1
+                counts["inputs"] += 1
+            elif op.kind == "lm":
+                make_trial_model(client, run_id, chunk[0][1])
+                counts["models"] += 1
             elif op.kind == "new":  # drain() creates the run from its spool's head; a copy later is inert
                 pass
             elif op.kind == "dt":
@@ -156,10 +197,17 @@ def send_records(
         except Exception as exc:
             if is_transient(exc):
                 raise
+            if (reason := permanent_reason(exc)) is not None:  # every later write would fail alike
+                raise StoreRefusesEveryWrite(reason) from exc
             if op.kind == "a" and chunk[0][3] and on_staged_sent is not None:
                 on_staged_sent(chunk[0][1])  # refused for good: the staged copy is garbage
-            what = {"a": "artifact", "dt": "tag removal", "in": "dataset inputs"}.get(op.kind, "status")
-            refusals.append(f"run {run_id}: the store refused the {what} {list(chunk[0][1:])}: {exc}")
+            if op.kind == "lm":  # the run says why it has no model, as when it is refused at once
+                refusals.append(f"run {run_id}: no logged model: {type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):
+                    client.set_tag(run_id, TAG_MODEL_ERROR, f"no logged model: {type(exc).__name__}: {exc}"[:1000])
+            else:
+                what = {"a": "artifact", "dt": "tag removal", "in": "dataset inputs"}.get(op.kind, "status")
+                refusals.append(f"run {run_id}: the store refused the {what} {list(chunk[0][1:])}: {exc}")
         on_done(op.end)
     return counts, refusals
 
@@ -211,7 +259,7 @@ def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
             counts[kind] += len(items)
         return
     except Exception as exc:
-        if is_transient(exc):
+        if is_transient(exc) or permanent_reason(exc) is not None:
             raise
     # Rare path (a refusal): resending what the store may already hold is harmless.
     for kind, items in groups.items():
@@ -223,7 +271,7 @@ def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
                 log(kind, part)
                 counts[kind] += len(part)
             except Exception as exc:
-                if is_transient(exc):
+                if is_transient(exc) or permanent_reason(exc) is not None:
                     raise
                 what = f"{len(part)} metric points" if kind == "metrics" else f"{kind[:-1]} {part[0].key!r}"
                 refusals.append(f"run {run_id}: the store refused {what}: {exc}")

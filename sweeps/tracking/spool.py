@@ -1,5 +1,6 @@
-"""Local buffer for tracking writes the store could not take (``sweeps.tracking.send`` sends
-them, in order and exactly once, when it can).
+"""The outbox of every MLflow write a trial makes: what the store could not take is kept here,
+and ``sweeps.tracking.send`` sends it, in order and exactly once, when it can (the tracker that
+kept it, the next sweeps process that reaches the store, or ``sweeps sync-tracking``).
 
 One spool file per run: ``<spool_dir>/<run_id>.jsonl``, append-only JSON lines, fsynced
 after every append, so a crash loses at most the line being written. A record is one
@@ -13,6 +14,8 @@ list (compact, order-preserving)::
     ["open"]                                     run RUNNING again (it continues)
     ["end", status, end_time_ms]                 terminal status
     ["in", [{name, digest, source, profile, context}]]  dataset inputs (training, validation)
+    ["lm", {key, number, params, best_epoch, ...}]  the trial's logged model
+                                                 (``sweeps.tracking.trial_model.model_record``)
     ["new", experiment_id, run_name, tags]        create the run (first record of a run made
                                                  while the store was down: sweeps.tracking.local_runs)
 
@@ -25,7 +28,12 @@ deleted) only once everything before the end of the file has been accepted. If t
 process dies between the store accepting a batch and the offset being written, that one
 batch is sent again: harmless, because timestamps are fixed when a point is logged, so
 the SQL stores deduplicate the identical metric rows (their primary key), an identical
-param is accepted, and tags and statuses overwrite.
+param is accepted, and tags and statuses overwrite; a logged model is found again by the key
+its record carries (``trial_model.make_trial_model``).
+
+A file to upload is kept as the spool's own copy once it is spooled (a hard link where the
+folders share a file system, else a copy): the trial folder's ``best.pt`` may be replaced by
+the time the store answers, and what is sent is the file as it was logged.
 
 Appends and drains take an exclusive ``flock`` on ``<spool_dir>/.lock`` so two
 processes writing the same run (workers updating the study's parent run) or a
@@ -111,9 +119,12 @@ class Spool:
 
     # -- writing -----------------------------------------------------------------------
     def append(self, run_id: str, records: Sequence[Sequence[Any]]) -> None:
-        """Append ``records`` after everything already spooled for the run, durably."""
+        """Append ``records`` after everything already spooled for the run, durably. A file to
+        upload is appended as the spool's own copy (:meth:`keep_file`)."""
         if not records:
             return
+        records = [["a", str(self.keep_file(run_id, r[1])), r[2], True]
+                   if r[0] == "a" and not r[3] and Path(r[1]).exists() else r for r in records]
         data = "".join(json.dumps(list(r), separators=(",", ":")) + "\n" for r in records)
         with self.locked():
             path = self.path(run_id)
@@ -142,6 +153,20 @@ class Spool:
         target = self._files_dir(run_id) / uuid.uuid4().hex / Path(rel).name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
+        return target
+
+    def keep_file(self, run_id: str, local: str | Path) -> Path:
+        """The spool's own copy of ``local`` (same name), for an upload that waits for the store."""
+        source = Path(local)
+        target = self._files_dir(run_id) / uuid.uuid4().hex / source.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, target)  # the same bytes, even once the original is replaced (os.replace)
+        except OSError:  # another file system, or one without hard links
+            if source.is_dir():
+                shutil.copytree(source, target)
+            else:
+                shutil.copy2(source, target)
         return target
 
     def discard_staged(self, path: str | Path) -> None:

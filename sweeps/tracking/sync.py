@@ -12,7 +12,7 @@ from typing import Any
 
 from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.interruptible import interrupted_by_signals
-from sweeps.tracking.send import drain, is_transient
+from sweeps.tracking.send import COUNT_KEYS, StoreRefusesEveryWrite, drain, is_transient
 from sweeps.tracking.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,13 @@ def retry_seconds() -> float:
 def sync_command(tracking_uri: str, spool_dir: str | Path) -> str:
     """The command that sends a spool later; quoted in warnings and errors."""
     return f"sweeps sync-tracking --uri {tracking_uri} --spool {spool_dir}"
+
+
+def kept_until_fixed(tracking_uri: str, spool_dir: str | Path, exc: BaseException) -> TrackingError:
+    """The one line for a store that refuses every write (``send.StoreRefusesEveryWrite``), whose
+    writes wait in the spool ``spool_dir``."""
+    return TrackingError(f"MLflow tracking store {tracking_uri} {exc}; the writes are kept in {spool_dir}: once "
+                         f"it is fixed, send them with: {sync_command(tracking_uri, spool_dir)}")
 
 
 def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
@@ -252,8 +259,8 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
     Raises TrackingError (before sending anything) when the store cannot be reached.
     Returns::
 
-        {"runs": {run_id: {"metrics": n, "params": n, "tags": n, "artifacts": n,
-                           "statuses": n, "drained": bool}},
+        {"runs": {run_id: {"metrics": n, "params": n, "tags": n, "artifacts": n, "inputs": n,
+                           "models": n, "statuses": n, "drained": bool}},
          "totals": {"metrics": n, ...},
          "refused": [one line per write the store refused (dropped: it never would accept it)],
          "failed": {run_id: reason}   # run unknown to this store, or the store went
@@ -281,7 +288,7 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
 
     check_store(tracking_uri, get_client)
     client = get_client()
-    totals = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
+    totals = dict.fromkeys(COUNT_KEYS, 0)
     result: dict[str, Any] = {"runs": {}, "totals": totals, "refused": [], "failed": {}}
     from sweeps.tracking.local_runs import is_local
     from sweeps.tracking.spool import store_key
@@ -307,6 +314,8 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
             continue
         try:
             counts, refusals, drained = drain(spool, client, run_id)
+        except StoreRefusesEveryWrite as exc:  # so would every other run's: one line, at once
+            raise TrackingError(f"MLflow tracking store {tracking_uri} {exc}; nothing more was sent") from exc
         except Exception as exc:
             if not is_transient(exc):
                 raise

@@ -1,6 +1,7 @@
 """What a trial's MLflow run holds besides its params, curves and files, as MLflow users look for
 it: system metrics (``system/...``), the training and validation data as dataset inputs, the
-confusion matrix as an image, and the best checkpoint as a logged model.
+confusion matrix as an image, and the best checkpoint as a logged model (made when the store
+answers, ``trial_model``).
 
 None of these may fail a trial: whatever cannot be recorded is named in a ``sweeps.*_error`` tag
 on the run (and logged as a warning), and the trial goes on.
@@ -125,11 +126,11 @@ class TrialExtras:
         self.system.stop()
         if result is None or result.checkpoint_best is None or self.mlflow is None:
             return
-        from sweeps.tracking.trial_model import TAG_MODEL_ERROR, TAG_MODEL_ID, log_trial_model
+        from sweeps.tracking.trial_model import TAG_MODEL_ERROR, model_record
 
         try:
-            model_id = log_trial_model(self.mlflow, self.run, number, params, result, self.datasets,
-                                       replace=self.continued)
-            self.tracker.log(self.run, tags={TAG_MODEL_ID: model_id})
+            # Made now, or kept in the outbox with the run's other writes while the store is down.
+            self.mlflow.log_trial_model(self.run, model_record(number, params, result, self.datasets,
+                                                               replace=self.continued))
         except Exception as exc:  # noqa: BLE001 - the checkpoint is in the run's artifacts either way
             self._warn(TAG_MODEL_ERROR, "no logged model", exc)

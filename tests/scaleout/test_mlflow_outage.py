@@ -90,6 +90,9 @@ def test_a_study_runs_through_an_mlflow_server_outage(tmp_path, fresh_db, free_p
         trials = [r for r in runs if _tags(r).get("sweeps.role") == "trial"]
         assert len(parents) == 1 and len(runs) == 1 + N_TRIALS, [(r["info"]["run_name"], _tags(r)) for r in runs]
         parent_id = parents[0]["info"]["run_id"]
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(base)
         numbers = Counter(int(_tags(r)["sweeps.trial_number"]) for r in trials)
         assert numbers == Counter(range(N_TRIALS))  # each trial once: no run made twice
         steps = _steps_per_epoch() * EPOCHS
@@ -101,6 +104,10 @@ def test_a_study_runs_through_an_mlflow_server_outage(tmp_path, fresh_db, free_p
             assert _history(base, run_id, "step/train_loss") == list(range(1, steps + 1))
             listed = rest(base, f"/api/2.0/mlflow/artifacts/list?run_id={run_id}&path=checkpoints")
             assert "checkpoints/best.pt" in [f["path"] for f in listed.get("files", [])]
+            # Trials that ended during the outage too: their logged model and dataset inputs.
+            assert tags.get("sweeps.model_id") and "sweeps.model_error" not in tags, tags
+            assert str(client.get_logged_model(tags["sweeps.model_id"]).status).endswith("READY")
+            assert len(client.get_run(run_id).inputs.dataset_inputs) == 2
         assert parents[0]["info"]["status"] == "FINISHED"
         assert not list((tmp_path / "runs" / ".mlflow_spool").glob("*.jsonl"))  # nothing left to sync by hand
         # The study names each trial's run by the store's id, or (a trial that ended during the

@@ -137,7 +137,8 @@ def test_unreachable_store_spools_and_sync_sends_exactly_once(make_tracker, stor
 
     counting = CountingClient(store.client)
     result = sync_spool(store.uri, down.spool.directory, client=counting)
-    assert result["totals"] == {"metrics": 4500, "params": 1, "tags": 3, "artifacts": 1, "statuses": 2}
+    assert result["totals"] == {"metrics": 4500, "params": 1, "tags": 3, "artifacts": 1, "inputs": 0, "models": 0,
+                                "statuses": 2}
     assert result["runs"][run.run_id]["drained"] and not result["refused"] and not result["failed"]
     assert counting.metrics_accepted == 4500  # each point sent once
     got = store.client.get_run(run.run_id)

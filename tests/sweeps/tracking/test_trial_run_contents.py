@@ -136,8 +136,8 @@ def test_system_metrics_sample_a_run_until_stopped(make_tracker, store):
     assert store.client.get_run(run.run_id).data.metrics["system/system_memory_usage_megabytes"] > 0
 
 
-def test_a_store_that_is_down_costs_the_trial_its_logged_model_not_its_life(make_tracker, tmp_path, free_port,
-                                                                            fast_http_env):
+def test_a_store_that_is_down_keeps_the_trials_logged_model_for_later(make_tracker, tmp_path, free_port,
+                                                                      fast_http_env):
     from core.results import TrainResult
     from sweeps.tracking.trial_extras import TrialExtras
 
@@ -155,7 +155,10 @@ def test_a_store_that_is_down_costs_the_trial_its_logged_model_not_its_life(make
     extras.finish(0, {"lr": 0.1}, result)  # raises nothing
     records = [rec for _, rec in tracker.spool.read_pending(run.run_id)[0]]
     errors = {rec[1]: rec[2] for rec in records if rec[0] == "t"}
-    assert "unreachable" in errors["sweeps.model_error"]
+    assert "sweeps.model_error" not in errors
+    models = [rec[1] for rec in records if rec[0] == "lm"]  # made once the store answers
+    assert [(m["number"], m["best_epoch"], m["keys"], m["params"]) for m in models] == [(0, 1, ["val_acc"],
+                                                                                        {"lr": "0.1"})]
     assert "no digest for the val dataset (list)" in errors["sweeps.dataset_error.val"]
     inputs = [rec[1] for rec in records if rec[0] == "in"]
     assert [[d["context"] for d in i] for i in inputs] == [["training", "validation"]]
