@@ -79,8 +79,6 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
                    timeout=300, **env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    script = (tmp_path / "runs" / "slurm" / "slurmy.sbatch").read_text()
-    assert "#SBATCH --signal=B:TERM@30" in script and "#SBATCH --requeue" in script and "\nexec " in script
     try:
         wait_for(lambda: len(running_trials(storage)) == 2, timeout=600, every=0.5,
                  what="a trial running in each array task")
@@ -91,7 +89,9 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
         slurm(slurm_env, "scancel", "--batch", "--signal=TERM", f"{job}_1")
         wait_for(lambda: task_state(slurm_env, job, 1) != "RUNNING", timeout=300, every=0.5,
                  what="the preempted task to exit")
-        [stopped] = [t for t in pg_study(storage, "slurmy").trials if t.state.name == "FAIL"]
+        failed = [t for t in pg_study(storage, "slurmy").trials if t.state.name == "FAIL"]
+        assert len(failed) == 1, "the signal did not reach the worker: no trial was stopped and requeued"
+        stopped = failed[0]
         assert stopped.user_attrs.get("interrupted") is True, stopped.user_attrs
         assert (tmp_path / stopped.user_attrs["out_dir"] / "last.pt").is_file()  # the task ran in tmp_path
         slurm(slurm_env, "scontrol", "requeue", f"{job}_1")
@@ -100,6 +100,8 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
     finally:
         subprocess.run(["scancel", job], env={**os.environ, **slurm_env}, timeout=60, check=False)
 
+    script = (tmp_path / "runs" / "slurm" / "slurmy.sbatch").read_text()
+    assert "#SBATCH --signal=B:TERM@30" in script and "#SBATCH --requeue" in script, script
     logs = {p.name: p.read_text() for p in (tmp_path / "runs" / "slurm" / "logs").iterdir()}
     task1 = next(text for name, text in logs.items() if name.endswith("_1.out"))
     assert "restart 0" in task1 and "restart 1" in task1, logs
