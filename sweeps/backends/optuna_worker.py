@@ -25,6 +25,7 @@ from sweeps import deploy_check
 from sweeps import search_space as ss
 from sweeps.backends import driver_faults, optuna_adapter, optuna_study
 from sweeps.backends.stale_monitor import StaleTrialMonitor
+from sweeps.backends.storage_errors import StorageUnreachableError
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
@@ -191,10 +192,13 @@ def join_study(spec: StudySpec, worker_index: int, wait_s: float,
 
 
 def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None, str]:
-    """(study, "") when it exists; (None, what is missing) while the storage has no tables
-    or no study of that name yet. Any other problem (credentials, a changed search space) raises."""
+    """(study, "") when it exists; (None, what is missing) while the database does not answer,
+    has no tables or no study of that name yet. Any other problem (credentials, a changed search
+    space) raises."""
     try:
         storage = optuna_study.open_storage(spec, create=False)
+    except StorageUnreachableError as exc:
+        return None, str(exc).removeprefix("storage: ")
     except BackendError as exc:
         if not _tables_missing(exc):
             raise
