@@ -151,13 +151,18 @@ def check_mlflow_reachable(uri: str) -> str:
     return f"{uri} answers /health"
 
 
+def _needs_server(uri: str, state: dict[str, Any], step: str, why: str) -> None:
+    """Skip a server check for a local store, or when the check ``step`` it builds on failed."""
+    if not is_http_uri(uri):
+        raise _Skip("no server: a local store")
+    if step not in state:
+        raise _Skip(why)
+
+
 def check_host_header(uri: str, state: dict[str, Any]) -> str:
     import requests
 
-    if not is_http_uri(uri):
-        raise _Skip("no server: a local store")
-    if "mlflow" not in state:
-        raise _Skip("the server did not answer")
+    _needs_server(uri, state, "mlflow", "the server did not answer")
     headers, auth, verify = http_credentials()
     resp = requests.post(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search", json={"max_results": 1},
                          headers=headers, auth=auth, verify=verify, timeout=(3.0, 90.0))
@@ -168,10 +173,7 @@ def check_host_header(uri: str, state: dict[str, Any]) -> str:
 
 
 def check_access(uri: str, state: dict[str, Any]) -> str:
-    if not is_http_uri(uri):
-        raise _Skip("no server: a local store")
-    if "host" not in state:
-        raise _Skip("the server did not take the request")
+    _needs_server(uri, state, "host", "the server did not take the request")
     check_store(uri, lambda: _client(uri))
     _, auth, _ = http_credentials()
     return f"signed in as {auth[0]!r}" if auth else "the server takes this client's requests"
