@@ -72,6 +72,7 @@ def test_versions_other_than_the_studys_are_a_problem(in_tmp):
     assert verdicts(spec)["versions"][0] == OK
 
 
+@pytest.mark.slow  # two sweeps processes, each importing torch
 def test_gpus_the_spec_names_but_this_machine_lacks_are_a_problem(tmp_path):
     # A process of its own: CUDA_VISIBLE_DEVICES is read when CUDA starts, once per process.
     spec = write_spec(tmp_path, name="gpus", resources={"devices": [0, 1], "workers": 1})
