@@ -13,14 +13,15 @@ import logging
 import os
 import sys
 
-from sweeps.commands import after_sweep, check, report, study
+from sweeps.commands import after_sweep, check, cluster, report, study
 from sweeps.commands.base import Command, err_console
 from sweeps.errors import SweepsError
 from sweeps.faults import armed
 
 # Every subcommand, in the order `sweeps --help` lists them. A command module that fails to
 # import is a bug in this project: the ImportError surfaces here, no command is hidden.
-COMMANDS: tuple[Command, ...] = (*study.COMMANDS, *check.COMMANDS, *after_sweep.COMMANDS, *report.COMMANDS)
+COMMANDS: tuple[Command, ...] = (*study.COMMANDS, *check.COMMANDS, *cluster.COMMANDS, *after_sweep.COMMANDS,
+                                 *report.COMMANDS)
 
 DESCRIPTION = ("Hyperparameter sweeps for PyTorch: Optuna or Ray Tune studies over core.train(), every trial "
                "tracked in MLflow.")

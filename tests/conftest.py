@@ -1,7 +1,7 @@
 """Shared fixtures. Tests run on CPU with one thread per process unless they say otherwise.
 
-The fast tier (``make test-fast``) leaves out the tests marked ``slow``, ``ray``, ``browser``
-or ``postgres`` (:data:`NOT_FAST`). A test in the fast tier that starts a study (``sweeps run``
+The fast tier (``make test-fast``) leaves out the tests marked ``slow``, ``ray``, ``browser``,
+``postgres`` or ``slurm`` (:data:`NOT_FAST`). A test in the fast tier that starts a study (``sweeps run``
 in a subprocess, or in this process, which starts its worker processes) fails with a message
 asking for the ``slow`` marker: see :func:`_watch_study_processes`."""
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _is_xdist_controller(config) -> bool:
     return bool(getattr(config.option, "numprocesses", None)) and "PYTEST_XDIST_WORKER" not in os.environ
 
 
-NOT_FAST = ("slow", "ray", "browser", "postgres")  # the markers `make test-fast` deselects
+NOT_FAST = ("slow", "ray", "browser", "postgres", "slurm")  # the markers `make test-fast` deselects
 # What a study start looks like on a command line: the CLI's `run`, or a local Optuna worker.
 _STUDY_MODULES = ("sweeps.backends.optuna_worker",)
 _current: dict[str, Any] = {"item": None, "starts": []}

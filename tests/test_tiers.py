@@ -18,7 +18,7 @@ def _conftest(request):
 
 def test_make_test_fast_leaves_out_the_markers_the_guard_knows_and_they_are_registered(request):
     not_fast = _conftest(request).NOT_FAST
-    assert set(not_fast) == {"slow", "ray", "browser", "postgres"}
+    assert set(not_fast) == {"slow", "ray", "browser", "postgres", "slurm"}
     makefile = (ROOT / "Makefile").read_text()
     assert "FAST_TIER := " + " and ".join(f"not {m}" for m in not_fast) + "\n" in makefile
     assert '-m "$(FAST_TIER)"' in makefile

@@ -30,10 +30,11 @@ from sweeps import search_space as ss
 from sweeps.backends import optuna_adapter
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
+from sweeps.backends.storage_errors import storage_error
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
 from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED, ConstraintsFunc
 from sweeps.errors import BackendError, PathError, StudyStateError
-from sweeps.spec import StudySpec, redact_url
+from sweeps.spec import StudySpec
 from sweeps.spec_objectives import judged_by, judged_by_changes
 
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
@@ -77,12 +78,7 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
                 heartbeat_stale_trial_callback=_stale_trial_callback(spec.tracking_store_uri()),
             )
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
-            root: BaseException = exc
-            while root.__cause__ is not None:  # Optuna wraps the database's own message
-                root = root.__cause__
-            detail = (str(root).strip() or type(root).__name__).splitlines()[0]
-            raise BackendError(f"storage: cannot open {redact_url(url)!r} ({type(root).__name__}: {detail}); "
-                               "check the URL, the server and the credentials") from exc
+            raise storage_error(url, exc) from exc
     path = journal_file(spec)
     if not create and not path.exists():
         raise StudyStateError(f"storage: {url} does not exist, so study {spec.name!r} has not run yet; "

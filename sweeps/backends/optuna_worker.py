@@ -25,6 +25,7 @@ from sweeps import deploy_check
 from sweeps import search_space as ss
 from sweeps.backends import driver_faults, optuna_adapter, optuna_study
 from sweeps.backends.stale_monitor import StaleTrialMonitor
+from sweeps.backends.storage_errors import StorageUnreachableError
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
@@ -32,6 +33,8 @@ from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
 from sweeps.spec import StudySpec, redact_url
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
+from sweeps.tracking.store_access import check_experiment_writable
+from sweeps.tracking.sync import is_http_uri
 
 log = logging.getLogger("sweeps")
 EXIT_OK, EXIT_MAX_FAILURES = 0, 3  # `sweeps worker`'s exit codes (besides 128 + a signal's number)
@@ -92,7 +95,7 @@ def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s
         study = join_study(spec, worker_index, wait_s, signals.event)
         if study is None:
             return signals.exit_code()
-        check_tracking_before_trials(tracker)
+        check_tracking_before_trials(tracker, spec.experiment_name())
         # A `sweeps worker` on its own: nobody else on this machine fails dead workers' trials on
         # a timer (a worker of `sweeps run` or of `sweeps worker --devices` has its supervisor's).
         monitor = StaleTrialMonitor.start_for(spec, study)
@@ -146,12 +149,15 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
     return signals.exit_code()
 
 
-def check_tracking_before_trials(tracker) -> None:
+def check_tracking_before_trials(tracker, experiment: str) -> None:
     """A joining worker's check of its MLflow store, as ``sweeps run`` checks before training: a store
-    that does not answer from here (wrong URI, server down, refused credentials) is an error, not
-    trials that train through an outage that was there from the start. After the study is found:
+    that does not answer from here (wrong URI, server down, refused credentials, no permission to
+    create runs in ``experiment``) is an error, not trials that train through an outage that was
+    there from the start, nor a claimed trial whose run is refused. After the study is found:
     a worker refused for want of a study writes nothing (a new SQLite store's file included)."""
     tracker.check_connection()
+    if is_http_uri(tracker.tracking_uri):
+        check_experiment_writable(tracker.tracking_uri, experiment)
 
 
 def join_study(spec: StudySpec, worker_index: int, wait_s: float,
@@ -186,10 +192,13 @@ def join_study(spec: StudySpec, worker_index: int, wait_s: float,
 
 
 def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None, str]:
-    """(study, "") when it exists; (None, what is missing) while the storage has no tables
-    or no study of that name yet. Any other problem (credentials, a changed search space) raises."""
+    """(study, "") when it exists; (None, what is missing) while the database does not answer,
+    has no tables or no study of that name yet. Any other problem (credentials, a changed search
+    space) raises."""
     try:
         storage = optuna_study.open_storage(spec, create=False)
+    except StorageUnreachableError as exc:
+        return None, str(exc).removeprefix("storage: ")
     except BackendError as exc:
         if not _tables_missing(exc):
             raise

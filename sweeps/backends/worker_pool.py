@@ -97,7 +97,7 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
             signal.signal(s, handler)
     if study is None:
         return 128 + received[0]
-    check_tracking_before_trials(tracker_for(spec))
+    check_tracking_before_trials(tracker_for(spec), spec.experiment_name())
     uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
     parent_run_id = study.user_attrs[optuna_study.ATTR_PARENT_RUN]
     since = time.time()

@@ -14,15 +14,10 @@ from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.interruptible import interrupted_by_signals
 from sweeps.tracking.send import COUNT_KEYS, StoreRefusesEveryWrite, drain, is_transient
 from sweeps.tracking.spool import Spool
+from sweeps.tracking.store_access import TrackingAuthError, host_header_refusal, http_credentials, sqlite_locked_error
 
 log = logging.getLogger(__name__)
 
-
-class TrackingAuthError(TrackingError):
-    """The tracking server refused the credentials (or their absence): the user's settings are
-    wrong, not the store, so it is bad input (exit 2) like a bad spec, and retrying cannot help."""
-
-    exit_code = 2
 
 # (connect, read): an unreachable server fails in seconds. A server that accepted the connection is
 # up; its first answer (on a database store, after a cold start, on a loaded machine) took over 5 s here.
@@ -108,15 +103,19 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
         _check_database(tracking_uri, scheme)
     try:
         get_client().search_experiments(max_results=1)
-    except TrackingError:
-        raise
+    except TrackingError as exc:
+        locked = sqlite_locked_error(tracking_uri, sqlite_path(tracking_uri), exc)
+        if locked is None:
+            raise
+        raise locked from exc
     except Exception as exc:  # any error here means the store is not usable: say so now
         from sweeps.tracking.store_errors import disk_full_error, store_folder  # it imports this module
 
-        raise disk_full_error(exc, f"opening {tracking_uri}", store_folder(tracking_uri, ".")) or TrackingError(
+        raise (sqlite_locked_error(tracking_uri, sqlite_path(tracking_uri), exc)
+               or disk_full_error(exc, f"opening {tracking_uri}", store_folder(tracking_uri, "."))
+               or TrackingError(
             f"cannot use the MLflow tracking store {tracking_uri!r}: {exc}. Check the URI "
-            f"(for sqlite, that its folder can be created and written). {_FIX}"
-        ) from exc
+            f"(for sqlite, that its folder can be created and written). {_FIX}")) from exc
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -200,16 +199,7 @@ def _check_database(uri: str, scheme: str) -> None:
 def _check_http(uri: str) -> None:
     import requests
 
-    # The same credentials MLflow's client would send (its documented variables).
-    headers = {}
-    auth = None
-    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
-        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
-    elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
-        auth = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ.get("MLFLOW_TRACKING_PASSWORD", ""))
-    verify: bool | str = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
-    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
-        verify = False
+    headers, auth, verify = http_credentials()
     url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search"
     timeout = _CHECK_TIMEOUT_AUTH_S if (auth or headers) else _CHECK_TIMEOUT_S
     try:
@@ -218,6 +208,9 @@ def _check_http(uri: str) -> None:
                                  verify=verify, timeout=timeout)
     except requests.exceptions.RequestException as exc:
         raise TrackingError(f"cannot reach the MLflow tracking server at {uri}: {exc}. {_FIX}") from exc
+    refused = host_header_refusal(uri, resp.status_code, resp.text)
+    if refused is not None:
+        raise refused
     if resp.status_code in (401, 403):
         raise TrackingAuthError(_refusal(uri, resp.status_code, auth, bool(headers)))
     if resp.status_code != 200:

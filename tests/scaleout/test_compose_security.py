@@ -99,8 +99,8 @@ def test_what_needs_no_remote_access_is_published_on_loopback_only(compose, env_
             published[name] = env_defaults[bind]
     assert published["ray-head"] == "127.0.0.1"  # the dashboard submits jobs: code execution
     assert published["minio"] == "127.0.0.1"     # artifacts go through the MLflow server
-    # Reached from other machines, each behind a password.
-    assert published["postgres"] == published["mlflow"] == "0.0.0.0"
+    # MLflow is reached from other machines behind a password; PostgreSQL (no TLS) only on request.
+    assert published["mlflow"] == "0.0.0.0" and published["postgres"] == "127.0.0.1"
     assert "--app-name" in compose["services"]["mlflow"]["command"]
     assert set(published) == {"ray-head", "minio", "postgres", "mlflow"}
 

@@ -12,7 +12,7 @@ import pytest
 from sweeps import cli
 from sweeps.commands.base import Command
 
-EVERY_COMMAND = ["validate", "run", "worker", "status", "sync-tracking", "repair-journal", "check",
+EVERY_COMMAND = ["validate", "run", "worker", "status", "sync-tracking", "repair-journal", "check", "doctor", "slurm",
                  "promote", "rerun", "compare", "report"]
 
 

@@ -1,0 +1,35 @@
+"""The Optuna storage's database errors sorted by what the user does next: refused credentials are
+bad input (exit 2, as for the MLflow server), and a worker's ``--wait`` waits for a database that
+does not answer yet as it waits for the study, instead of failing at once."""
+from __future__ import annotations
+
+import pytest
+
+from sweeps.backends.optuna_study import open_storage
+from sweeps.backends.optuna_worker import join_study
+from sweeps.backends.storage_errors import StorageAccessError
+from sweeps.errors import StudyStateError
+from sweeps.spec import load_spec
+from tests.sweeps.study_helpers import run_cli, write_spec
+
+
+def test_a_worker_waits_for_a_database_that_does_not_answer(tmp_path, free_port, caplog):
+    spec = load_spec(str(write_spec(tmp_path, name="nodb", storage=f"postgresql://sweeps@127.0.0.1:{free_port}/x")))
+    with pytest.raises(StudyStateError) as err:
+        join_study(spec, 0, wait_s=1.0)
+    message = str(err.value)
+    assert "no database answers at 'postgresql://sweeps@127.0.0.1" in message and "after waiting 1 s" in message
+    assert any("waiting up to 1 s" in r.getMessage() and "no database answers" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+@pytest.mark.postgres
+def test_refused_database_credentials_exit_2(tmp_path, pg_admin):
+    url = "postgresql://no_such_sweeps_user@127.0.0.1:5432/test"
+    spec = write_spec(tmp_path, name="badrole", storage=url)
+    with pytest.raises(StorageAccessError) as err:
+        open_storage(load_spec(str(spec)))
+    assert err.value.exit_code == 2 and "refused these credentials" in str(err.value) and "PGPASSWORD" in str(err.value)
+    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert 'role "no_such_sweeps_user" does not exist' in proc.stderr and "Traceback" not in proc.stderr
