@@ -41,7 +41,7 @@ def find_parent_run_id(reader: TrackingReader, experiment_name: str,
 def load_study(spec, result: StudyResult | None = None, tracker: Any = None) -> LoadedStudy:
     """The study as stored plus every table of the report. Raises TrackingError (with the URI and
     the fix) when the MLflow store cannot be reached."""
-    from sweeps.backends import get_backend
+    from sweeps.backends.by_name import get_backend
     from sweeps.study_run import reader_for, tracker_for
 
     result = result or get_backend(spec.backend).load(spec)

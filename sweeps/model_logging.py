@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps.errors import PromoteError, SweepsError
+from sweeps.resolved_config import load_resolved_config, task_from_resolved
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
@@ -45,7 +46,6 @@ def _download(reader: TrackingReader, run_id: str, path: str, dest: str) -> Path
 def build_model(reader: TrackingReader, spec, cand: Candidate, tmp: str):
     """The trial's model with its best weights, on CPU in eval mode, and its task."""
     from core.checkpoint import load_checkpoint, strip_prefixes
-    from sweeps.rerun import load_resolved_config, task_from_resolved
 
     try:
         resolved = load_resolved_config(reader, cand.run_id)

@@ -268,7 +268,7 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
             where: str | None = None) -> int:
     from rich.console import Console
 
-    from sweeps.backends import get_backend
+    from sweeps.backends.by_name import get_backend
 
     console = console or Console()
     name = check_model_name(model_name or spec.name)

@@ -23,7 +23,6 @@ import json
 import math
 import re
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 
 from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, compared_metric, metric_curve, open_client
-from sweeps.errors import RerunError
+from sweeps.resolved_config import config_from_resolved, load_resolved_config, task_from_resolved
 from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
@@ -49,38 +48,6 @@ _QUIET_METRICS = frozenset({"grad_norm", "skipped_steps"})  # kept in the run, l
 
 
 # ---- rebuild a trial from its run --------------------------------------------------------------
-def load_resolved_config(reader: TrackingReader, run_id: str) -> dict:
-    """The trial's ``config/resolved_config.json`` artifact (written by ``sweeps.objective``)."""
-    with tempfile.TemporaryDirectory(prefix="sweeps-config-") as tmp:
-        try:
-            path = reader.download_artifact(run_id, layout.ART_CONFIG, tmp)
-        except Exception as exc:  # MlflowException or OSError, depending on the artifact store
-            raise RerunError(f"run {run_id} has no {layout.ART_CONFIG} artifact ({str(exc).splitlines()[0]}); "
-                             "only trials run by `sweeps run` can be rebuilt exactly") from exc
-        return json.loads(path.read_text())
-
-
-def task_from_resolved(resolved: dict):
-    """The trial's Task, from the resolved config's task section (name/target, model, args)."""
-    from core.tasks.base import make_task
-
-    section = resolved["task"]
-    args = dict(section.get("args") or {})
-    model = args.pop("model", section.get("model"))  # a searched model is one of the args
-    return make_task(section.get("name"), target=section.get("target"), model=model, args=args)
-
-
-def config_from_resolved(resolved: dict, run_id: str, seed: int | None = None):
-    """The trial's TrainConfig (``seed`` replaced when given)."""
-    from core.config import ConfigError, TrainConfig, apply_overrides
-
-    try:
-        cfg = TrainConfig.from_dict(resolved["train"])
-        return apply_overrides(cfg, {"seed": seed}) if seed is not None else cfg
-    except (ConfigError, KeyError, TypeError) as exc:
-        raise RerunError(f"the resolved config of run {run_id} does not fit this code version: {exc}") from exc
-
-
 def parent_handle(reader: TrackingReader, run) -> RunHandle | None:
     """The study's parent run of ``run`` as a handle, if it still exists."""
     parent_id = run.data.tags.get(layout.PARENT_TAG)

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from mlflow.pyfunc.model import PythonModel
 
+from sweeps.resolved_config import task_from_resolved
+
 ART_TORCH, ART_TASK, ART_ONNX, ART_ONNX_REPORT = "pytorch_model", "task", "onnx_model", "onnx_parity"
 ONNX_FILE, ONNX_REPORT_FILE, TASK_FILE = "model.onnx", "onnx_parity.json", "task.json"
 MODEL_FORMAT = "pyfunc-task/1"  # tag value of logged models in this layout (older ones are not reused)
@@ -34,8 +36,6 @@ PREDICT_CHUNK = 256  # rows per forward pass, so a large batch does not hold eve
 
 def task_from_section(section: dict[str, Any]):
     """The task of a trial's task section (the same path as ``sweeps rerun``)."""
-    from sweeps.rerun import task_from_resolved
-
     return task_from_resolved({"task": section})
 
 

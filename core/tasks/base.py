@@ -213,9 +213,15 @@ def register(name: str) -> Callable[[TaskFactory], TaskFactory]:
     return deco
 
 
+# Each built-in task's module, which registers it with :func:`register` when imported. The names
+# are known without importing anything, and a lookup imports only the task asked for: the task
+# modules import this one, and a digits trial never loads torchvision for the image tasks.
+BUILTIN_TASK_MODULES = {name: f"core.tasks.{name}"
+                        for name in ("cifar10", "diabetes", "digits", "imagefolder", "shapes", "synthetic")}
+
+
 def builtin_task_names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return sorted(BUILTIN_TASK_MODULES)
 
 
 def entry_point_task_names() -> list[str]:
@@ -228,9 +234,10 @@ def task_names() -> list[str]:
     return sorted(set(builtin_task_names()) | set(entry_point_task_names()))
 
 
-def _load_builtins() -> None:
-    # Imported lazily so `import core` stays cheap and torchvision is loaded only when needed.
-    from core.tasks import cifar10, diabetes, digits, imagefolder, shapes, synthetic  # noqa: F401
+def _builtin(name: str) -> TaskFactory:
+    if name not in _REGISTRY:
+        importlib.import_module(BUILTIN_TASK_MODULES[name])
+    return _REGISTRY[name]
 
 
 def _from_entry_point(name: str) -> TaskFactory:
@@ -260,8 +267,7 @@ def resolve_factory(name: str | None = None, target: str | None = None) -> TaskF
     if (name is None) == (target is None):
         raise TaskError("task: give exactly one of 'name' (a built-in task) or 'target' (module:callable)")
     if name is not None:
-        _load_builtins()
-        return _REGISTRY[name] if name in _REGISTRY else _from_entry_point(name)
+        return _builtin(name) if name in BUILTIN_TASK_MODULES else _from_entry_point(name)
     assert target is not None
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:

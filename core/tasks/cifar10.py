@@ -2,7 +2,7 @@
 
 Nothing is downloaded: the python-version archive must already be extracted under
 ``root`` (``<root>/cifar-10-batches-py``). torch and torchvision are imported inside functions
-so that loading the task registry (``core.tasks.base._load_builtins``) stays cheap.
+so that looking the task up (``core.tasks.base.resolve_factory``) stays cheap.
 """
 from __future__ import annotations
 

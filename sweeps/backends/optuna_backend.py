@@ -146,7 +146,7 @@ class OptunaBackend:
         supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), started, deadline, on_progress,
                                 early=early, driver_signals=signals)
         stopped, code = supervisor.run(slots)
-        view.update(study)
+        view.update_result(optuna_study.study_result(spec, study))
         return stopped, code
 
     def _plan(self, spec: StudySpec) -> list[WorkerSlot]:

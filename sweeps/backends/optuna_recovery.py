@@ -10,7 +10,7 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from sweeps.backends import optuna_adapter
-from sweeps.backends.optuna_study import ATTR_PARENT_RUN, ATTR_REASON, ATTR_RUN_ID, MAX_RETRIES
+from sweeps.backends.optuna_attrs import ATTR_PARENT_RUN, ATTR_REASON, ATTR_RUN_ID, MAX_RETRIES
 
 
 class StaleTrialCallback:

@@ -24,12 +24,14 @@ from core.faults import pause_here
 from sweeps import deploy_check
 from sweeps import search_space as ss
 from sweeps.backends import driver_faults, optuna_adapter, optuna_study
+from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
-from sweeps.spec import StudySpec, redact_url
+from sweeps.spec import StudySpec
+from sweeps.store_urls import redact_url
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 
@@ -226,9 +228,9 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
         # the attempt's own outcome is not this trial's.
         trial.set_user_attr(optuna_study.ATTR_REASON, "")
         trial.set_user_attr("interrupted", False)
-    out_dir = Path(trial.user_attrs.get(optuna_study.ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
+    out_dir = Path(trial.user_attrs.get(ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
     overrides = dict(trial.user_attrs.get(optuna_study.ATTR_BATCH_OVERRIDES) or {})
-    trial.set_user_attr(optuna_study.ATTR_OUT_DIR, str(out_dir))
+    trial.set_user_attr(ATTR_OUT_DIR, str(out_dir))
     uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
     tags = {"sweeps.worker_slot": worker_index, "sweeps.optuna_trial_id": optuna_adapter.trial_id_of(trial),
             layout.TAG_STUDY_UID: uid}
@@ -349,7 +351,7 @@ def spec_of(go: WorkerGo) -> StudySpec:
     """The spec a worker runs: the snapshot ``sweeps run`` (or ``sweeps worker``) read and
     validated, with the resources its flags override (``--devices``, ``--gpus-per-trial``), so a
     trial holding K GPUs runs DDP over them as the supervisor planned."""
-    from sweeps.spec import spec_from_text
+    from sweeps.spec_checks import spec_from_text
 
     spec = spec_from_text(go.spec_text, go.spec_path)
     if go.resources:

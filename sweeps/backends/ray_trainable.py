@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
 from sweeps.backends.ray_continuing_run import ContinuingTracker, logged_up_to
 from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog, recorded_hang
+from sweeps.durations import stop_grace_seconds
 from sweeps.spec import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
@@ -68,8 +69,6 @@ def r_objective(i: int) -> str:
 def stop_wait_seconds() -> float:
     """How long an actor being stopped waits for its trial to stop at a step and close its MLflow
     run: the Optuna backend's grace for a worker (SWEEPS_STOP_GRACE_S, default 60)."""
-    from sweeps.backends.supervisor import stop_grace_seconds
-
     return stop_grace_seconds()
 
 

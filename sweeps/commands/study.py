@@ -46,7 +46,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from core.faults import pause_here
-    from sweeps.backends import get_backend
+    from sweeps.backends.by_name import get_backend
     from sweeps.moved_store import follow_moved_store
 
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
@@ -117,7 +117,7 @@ def _status_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from sweeps.backends import get_backend
+    from sweeps.backends.by_name import get_backend
 
     spec = load_spec_file(a.spec)
     result = get_backend(spec.backend, a.spec).load(spec)

@@ -6,7 +6,6 @@ Used by ``MlflowTracker`` for every write, and by ``drain`` for what waited in t
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, store_id_for
 from sweeps.tracking.spool import Spool
+from sweeps.tracking.store_errors import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -26,30 +26,6 @@ MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_ENTITIES_PER_BATCH = 1000
 MAX_BATCH_BYTES = 800_000
 _ENTITY_OVERHEAD_BYTES = 64
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True when a failed write may succeed later unchanged: the store was unreachable,
-    timed out, or answered 5xx/429. Anything else (4xx: a refused value, a deleted run)
-    would fail again, so it must not be kept for retrying."""
-    from mlflow.exceptions import MlflowException
-
-    if isinstance(exc, MlflowException):
-        code = exc.get_http_status_code()
-        return code >= 500 or code == 429
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    with contextlib.suppress(ImportError):
-        import requests
-
-        if isinstance(exc, requests.exceptions.RequestException):
-            return True
-    with contextlib.suppress(ImportError):
-        from sqlalchemy.exc import DisconnectionError, OperationalError
-
-        if isinstance(exc, (OperationalError, DisconnectionError)):
-            return True
-    return False
 
 
 _ONE_CALL = ("a", "dt", "open", "end", "in", "new")  # records that are one store call each, never batched

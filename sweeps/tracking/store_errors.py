@@ -15,7 +15,31 @@ from pathlib import Path
 
 from core.diskfull import describe_disk_full
 from sweeps.errors import TrackingDiskFullError, TrackingError
-from sweeps.tracking.sync import sqlite_path
+from sweeps.store_urls import sqlite_path
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when a failed write may succeed later unchanged: the store was unreachable,
+    timed out, or answered 5xx/429. Anything else (4xx: a refused value, a deleted run)
+    would fail again, so it must not be kept for retrying."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, MlflowException):
+        code = exc.get_http_status_code()
+        return code >= 500 or code == 429
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    with contextlib.suppress(ImportError):
+        import requests
+
+        if isinstance(exc, requests.exceptions.RequestException):
+            return True
+    with contextlib.suppress(ImportError):
+        from sqlalchemy.exc import DisconnectionError, OperationalError
+
+        if isinstance(exc, (OperationalError, DisconnectionError)):
+            return True
+    return False
 
 
 def store_folder(tracking_uri: str, spool_dir: str | Path) -> Path:
@@ -78,8 +102,6 @@ def call_error(what: str, subject: str, tracking_uri: str, exc: BaseException,
                store_dir: str | Path) -> TrackingError:
     """The error to raise for the store call ``what`` on ``subject`` that failed with ``exc``: a
     full disk named, else the reason and whether to start the store or fix the request."""
-    from sweeps.tracking.send import is_transient  # it imports the spool, which must not import this at load
-
     hint = ("The store is unreachable: start it or fix the tracking URI, then resume the study."
             if is_transient(exc) else "The store refused the request: see the reason above.")
     return (disk_full_error(exc, f"MLflow {what} for {subject!r} at {tracking_uri}", store_dir)

@@ -12,8 +12,11 @@ from typing import Any
 
 from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.interruptible import interrupted_by_signals
-from sweeps.tracking.send import drain, is_transient
-from sweeps.tracking.spool import Spool
+from sweeps.store_urls import RDB_DIALECTS, sqlite_path
+from sweeps.tracking.local_runs import is_local
+from sweeps.tracking.send import drain
+from sweeps.tracking.spool import Spool, store_key
+from sweeps.tracking.store_errors import disk_full_error, is_transient, store_folder
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +49,6 @@ _FAST_FAIL_HTTP_ENV = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
 }
-
-
-RDB_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")  # SQLAlchemy URL schemes
 
 
 def is_http_uri(uri: str) -> bool:
@@ -104,8 +104,6 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
     except TrackingError:
         raise
     except Exception as exc:  # any error here means the store is not usable: say so now
-        from sweeps.tracking.store_errors import disk_full_error, store_folder  # it imports this module
-
         raise disk_full_error(exc, f"opening {tracking_uri}", store_folder(tracking_uri, ".")) or TrackingError(
             f"cannot use the MLflow tracking store {tracking_uri!r}: {exc}. Check the URI "
             f"(for sqlite, that its folder can be created and written). {_FIX}"
@@ -113,14 +111,6 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The file of a ``sqlite:///`` URI (``sqlite:////abs`` is absolute); None for others and memory."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    rest = uri[len("sqlite:///"):].split("?", 1)[0]
-    return Path(rest) if rest and rest != ":memory:" else None
 
 
 def check_sqlite_store(uri: str) -> None:
@@ -283,9 +273,6 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
     client = get_client()
     totals = {"metrics": 0, "params": 0, "tags": 0, "artifacts": 0, "statuses": 0}
     result: dict[str, Any] = {"runs": {}, "totals": totals, "refused": [], "failed": {}}
-    from sweeps.tracking.local_runs import is_local
-    from sweeps.tracking.spool import store_key
-
     for run_id in spool.run_ids():
         stamped = spool.store_of(run_id)
         if is_local(run_id) and stamped is not None and stamped != store_key(tracking_uri):

@@ -8,7 +8,7 @@ import pytest
 
 from sweeps import cli
 from sweeps.commands.check import first_point
-from sweeps.spec import spec_from_dict
+from sweeps.spec_checks import spec_from_dict
 
 SEARCH = {"lr": {"type": "float", "low": 1.0e-3, "high": 0.1, "log": True},
           "batch_size": {"type": "categorical", "choices": [16, 32]}}

@@ -70,7 +70,7 @@ def test_a_command_module_that_cannot_be_imported_stops_the_cli():
 
 # ---- errors --------------------------------------------------------------------------------------
 def test_an_unknown_backend_is_a_sweeps_error_with_exit_2():
-    from sweeps.backends import get_backend
+    from sweeps.backends.by_name import get_backend
     from sweeps.errors import SweepsError, UnknownBackendError
 
     with pytest.raises(UnknownBackendError) as info:
@@ -86,7 +86,7 @@ def test_the_cli_names_an_unknown_backend_in_one_line_and_exits_2(command, tmp_p
     # A spec file cannot hold an unknown backend (validation refuses it first); a spec built in
     # code can, so the command is handed one.
     from sweeps.commands import study
-    from sweeps.spec import load_spec
+    from sweeps.spec_checks import load_spec
     from tests.sweeps.study_helpers import write_spec
 
     path = write_spec(tmp_path, name="nobackend", seed_store=False)
