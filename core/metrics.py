@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.tasks.base import TaskError
+from core.tasks.base import Task, TaskError
 
 if TYPE_CHECKING:  # torch is imported where a run needs it: the spec layer reads names and directions
     import torch
@@ -58,8 +58,6 @@ def declared_metrics(task: Task) -> dict[str, bool] | None:
     """The task's metrics and directions as declared, without importing torch (spec validation):
     ``metric_directions``, or accuracy for a task that keeps the default ``metrics()``; None when
     only a run can tell."""
-    from core.tasks.base import Task
-
     if task.metric_directions is not None:
         return {name: direction == "maximize" for name, direction in task.metric_directions.items()}
     return {"val_acc": True} if type(task).metrics is Task.metrics else None

@@ -117,7 +117,7 @@ def contract(task, natural: bool) -> str:
 
 def onnx_metadata(task, section: dict[str, Any]) -> dict[str, str]:
     """ONNX ``metadata_props`` saying what the ONNX file does not do: preprocessing, postprocessing."""
-    from core.onnx_export import INPUT_NAME, OUTPUT_NAME
+    from core.onnx_export import INPUT_NAME, OUTPUT_NAME  # lazy: serving runs onnxruntime, not torch
 
     cls = f"{type(task).__module__}.{type(task).__qualname__}"
     shape = ", ".join(str(s) for s in task.input_shape) or "..."

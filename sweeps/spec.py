@@ -22,8 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from core.config import SuggestRule, TrainConfig, apply_overrides
+from core.tasks.base import make_task
 from sweeps import search_space as ss
 from sweeps.durations import parse_duration
+from sweeps.errors import UnsafeNameError
+from sweeps.safe_names import safe_component
 from sweeps.search_space import SearchParam
 from sweeps.spec_objectives import Bound, DeploySection, ObjectiveSection, is_deploy_metric, settle_objectives
 from sweeps.store_urls import RDB_DIALECTS, redact_url
@@ -47,9 +50,6 @@ _ENCODED_RE = re.compile(r"%(?:25)*(?:2e|2f|5c)", re.I)  # %2e = '.', %2f = '/',
 def _safe_name(value: str, what: str) -> str:
     """The checks `sweeps run` applies to a name that becomes a folder (sweeps.safe_names), as
     a ValueError, so pydantic reports it at its field while the spec is validated."""
-    from sweeps.errors import UnsafeNameError
-    from sweeps.safe_names import safe_component
-
     try:
         return safe_component(value, what)
     except UnsafeNameError as exc:
@@ -294,8 +294,6 @@ class StudySpec(_Section):
 
     def make_task(self, params: dict[str, Any] | None = None) -> Task:
         """Build the trial's :class:`core.tasks.Task` from the task section and sampled params."""
-        from core.tasks.base import make_task
-
         args = self.task_args(params)
         model = args.pop("model", self.task.model)
         return make_task(self.task.name, target=self.task.target, model=model, args=args)

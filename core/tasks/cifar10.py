@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from core.tasks.base import Task, TaskError, block_names, check_model_name, register
+from core.tasks.natural_images import preprocess_images
 
 if TYPE_CHECKING:  # imported where the model is built: checking a task needs no torch
     from torch import nn
@@ -98,8 +99,6 @@ class CIFAR10Task(Task):
     def preprocess(self, natural):
         """uint8 RGB images (N, 32, 32, 3) -> the normalised (N, 3, 32, 32) batch ``datasets()``
         yields for them: the validation transform, applied to each image as the dataset does."""
-        from core.tasks.natural_images import preprocess_images
-
         return preprocess_images(natural, self.transforms()[1])
 
     def natural_examples(self, n: int):

@@ -31,6 +31,7 @@ from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
 from sweeps.spec import StudySpec
+from sweeps.spec_checks import spec_from_text
 from sweeps.store_urls import redact_url
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
@@ -351,8 +352,6 @@ def spec_of(go: WorkerGo) -> StudySpec:
     """The spec a worker runs: the snapshot ``sweeps run`` (or ``sweeps worker``) read and
     validated, with the resources its flags override (``--devices``, ``--gpus-per-trial``), so a
     trial holding K GPUs runs DDP over them as the supervisor planned."""
-    from sweeps.spec_checks import spec_from_text
-
     spec = spec_from_text(go.spec_text, go.spec_path)
     if go.resources:
         spec = spec.model_copy(update={"resources": spec.resources.model_copy(update=go.resources)})

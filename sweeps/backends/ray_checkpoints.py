@@ -29,7 +29,7 @@ def report_with_checkpoint(metrics: dict, out_dir: Path, trial_id: str, number: 
     staging folder is removed right after (also when ``report`` raises ``SystemExit``)."""
     from ray import tune
 
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     if not (out_dir / ckpt.LAST).exists():
         tune.report(metrics)  # diverged in its first epoch: nothing to keep
@@ -55,7 +55,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def clear_checkpoints(out_dir: Path) -> None:
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     for name in (ckpt.LAST, ckpt.PREV, ckpt.BEST):
         (out_dir / name).unlink(missing_ok=True)
@@ -67,7 +67,7 @@ def restore_checkpoint(folder: Path, out_dir: Path, params: dict) -> dict | None
     The checkpoint may come from another trial (PBT exploit) or another node. When the
     trial's ``lr``/``momentum`` differ from those the checkpoint was trained with (PBT
     explore), the saved optimizer and scheduler state are rescaled to the new values."""
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
     clear_checkpoints(out_dir)
@@ -84,7 +84,7 @@ def restore_checkpoint(folder: Path, out_dir: Path, params: dict) -> dict | None
 def apply_new_hyperparams(path: Path, old: dict, new: dict) -> bool:
     """Rescale the learning rates in a ``last.pt`` by ``new lr / old lr`` and set the new
     momentum. Returns True when the file changed."""
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     ratio = new["lr"] / old["lr"] if "lr" in new and "lr" in old and old["lr"] and new["lr"] != old["lr"] else None
     momentum = new.get("momentum") if "momentum" in new and new.get("momentum") != old.get("momentum") else None

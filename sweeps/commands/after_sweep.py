@@ -6,11 +6,14 @@ Each command only parses its arguments here; the work lives in ``sweeps.registry
 """
 from __future__ import annotations
 
+# Each command imports what it runs inside its own function, lazily for start-up: `sweeps --help`
+# and every other command load none of it (torch, MLflow, Optuna, pandas).
 import argparse
 import os
 
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import UsageError
+from sweeps.moved_store import follow_moved_store
 
 # The per-file progress bars of MLflow downloads drown the tables these commands print.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -54,8 +57,6 @@ def cmd_promote(a: argparse.Namespace) -> int:
 
     spec = load_spec(a.spec)
     if not a.dry_run:  # a dry run writes nothing, and reads no artifact
-        from sweeps.moved_store import follow_moved_store
-
         follow_moved_store(spec.tracking_store_uri(), err_console)
     metric, direction = a.metric, a.direction
     if a.maximize or a.minimize:
@@ -110,8 +111,6 @@ def cmd_rerun(a: argparse.Namespace) -> int:
                          "(or address the run directly: sweeps rerun --run-id ID)")
     uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
     open_client(uri)  # refuses a missing local store before anything is created
-    from sweeps.moved_store import follow_moved_store
-
     follow_moved_store(uri, err_console)  # runs/ moved: read and write artifacts where they are now
     tracker = MlflowTracker(uri)
     run_id = a.run_id or find_trial_run(open_client(uri), spec, a.trial)

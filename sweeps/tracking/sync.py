@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sweeps.durations import env_seconds
 from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.interruptible import interrupted_by_signals
 from sweeps.store_urls import RDB_DIALECTS, sqlite_path
@@ -74,8 +75,6 @@ RETRY_S = 30.0  # after a failed write, how long a tracker spools without trying
 
 def retry_seconds() -> float:
     """How long a tracker leaves an unreachable store alone (``SWEEPS_TRACKING_RETRY_S``, default 30)."""
-    from sweeps.durations import env_seconds
-
     return env_seconds(ENV_RETRY_S, RETRY_S)
 
 
