@@ -12,14 +12,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from core.tasks.accuracy import Accuracy, EpochMetric
 
 if TYPE_CHECKING:  # torch is imported where a model or data is built, not to name or check a task
     import torch
     from torch import nn
     from torch.utils.data import Dataset
-    from torchmetrics import Metric
 
     from core.config import TrainConfig
 
@@ -82,15 +83,14 @@ class Task:
 
         return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
-    def metrics(self) -> dict[str, Metric]:
-        """Fresh torchmetrics metrics, each reported as ``val_<name>`` after every epoch and usable
-        as the study's ``objective.metric``; each metric's ``higher_is_better`` is its direction.
-        They are updated on every validation batch with ``(postprocess(output), target)``, so they
-        judge the predictions users get. Called once per run. Default: accuracy (``val_acc``).
-        A task that overrides it also sets ``metric_directions`` so the spec can be checked early."""
-        from torchmetrics.classification import MulticlassAccuracy
-
-        return {"acc": MulticlassAccuracy(num_classes=self.num_classes, average="micro")}
+    def metrics(self) -> Mapping[str, EpochMetric]:
+        """Fresh metrics (torchmetrics ones, or any :class:`EpochMetric`), each reported as
+        ``val_<name>`` after every epoch and usable as the study's ``objective.metric``; each
+        metric's ``higher_is_better`` is its direction. They are updated on every validation batch
+        with ``(postprocess(output), target)``, so they judge the predictions users get. Called once
+        per run. Default: accuracy (``val_acc``). A task that overrides it also sets
+        ``metric_directions`` so the spec can be checked early."""
+        return {"acc": Accuracy()}
 
     def preprocess(self, natural: torch.Tensor) -> torch.Tensor:
         """From natural input (what a user of the registered model has, e.g. raw pixel values) to

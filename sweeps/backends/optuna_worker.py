@@ -358,12 +358,12 @@ def spec_of(go: WorkerGo) -> StudySpec:
     return spec
 
 
-# What every trial imports (seconds of torch, torchmetrics with the torchvision it pulls in,
-# MLflow and its SQL store, the ONNX exporter and runtime), loaded before the go: ``sweeps run``
-# starts its workers before it sets up the study (supervisor.EarlyWorkers), so this overlaps
-# that set-up instead of following it.
-TRIAL_IMPORTS = ("torch", "torchmetrics", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train",
-                 "core.onnx_export", "torch.onnx", "onnx", "onnxruntime")
+# What every trial imports (seconds of torch, MLflow and its SQL store), loaded before the go:
+# ``sweeps run`` starts its workers before it sets up the study (supervisor.EarlyWorkers), so this
+# overlaps that set-up instead of following it. Nothing a trial may not use: torchmetrics (with the
+# torchvision and torch._dynamo it pulls in) loads in the trials of a task whose metrics need it,
+# ONNX at a trial's export, after its training.
+TRIAL_IMPORTS = ("torch", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train")
 
 
 def _quiet_exit(signum, _frame) -> None:
