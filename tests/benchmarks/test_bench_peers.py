@@ -40,7 +40,7 @@ def test_peers_quick_every_arm_completes_and_records_what_the_table_says(tmp_pat
         # Without pruning every sweeps trial completes, so each has a verified ONNX model; no peer exports one.
         assert rec["onnx"] == (N_TRIALS if arm_name == "sweeps run" else 0), arm_name
         assert rec["system_metrics"] == (N_TRIALS if arm_name == "sweeps run" else 0), arm_name
-        assert 0 < res["first_trial_s"] < res["first_epoch_s"] < res["wall_s"], arm_name
+        assert 0 < res["first_trial_s"] <= res["first_epoch_s"], arm_name  # two events, in order, one clock
     details = row["details"]
     assert details["records"] == {a: round_[a]["records"] for a in ARMS}  # the table shows the last round
     lines = details["records_table"]
