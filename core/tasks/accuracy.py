@@ -1,10 +1,10 @@
 """The default validation metric, accuracy, counted without torchmetrics; and what a task's
 validation metric is (:class:`EpochMetric`: a torchmetrics ``Metric`` is one).
 
-Importing torchmetrics loads its whole package (the image metrics reach torchvision.models and
-with it torch._dynamo, the audio ones SciPy's signal module): seconds in every worker, for a
-count of correct predictions. Tasks that need more (a Jaccard index, a regression error) use
-torchmetrics, which is loaded only in their trials.
+Importing torchmetrics loads its whole package (the image metrics reach torchvision.models, the
+audio ones SciPy's signal module): seconds in every worker, for a count of correct predictions.
+Tasks that need more (a Jaccard index, a regression error) use torchmetrics, which is loaded only
+in their trials.
 """
 from __future__ import annotations
 

@@ -360,10 +360,11 @@ def spec_of(go: WorkerGo) -> StudySpec:
 
 # What every trial imports (seconds of torch, MLflow and its SQL store), loaded before the go:
 # ``sweeps run`` starts its workers before it sets up the study (supervisor.EarlyWorkers), so this
-# overlaps that set-up instead of following it. Nothing a trial may not use: torchmetrics (with the
-# torchvision and torch._dynamo it pulls in) loads in the trials of a task whose metrics need it,
-# ONNX at a trial's export, after its training.
-TRIAL_IMPORTS = ("torch", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train")
+# overlaps that set-up instead of following it. torch._dynamo is one: building any torch.optim
+# optimizer imports it (Optimizer.add_param_group is wrapped by torch._disable_dynamo). Nothing a
+# trial may not use: torchmetrics (with the torchvision models and SciPy signal module it pulls in)
+# loads in the trials of a task whose metrics need it, ONNX at a trial's export, after its training.
+TRIAL_IMPORTS = ("torch", "torch._dynamo", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train")
 
 
 def _quiet_exit(signum, _frame) -> None:
