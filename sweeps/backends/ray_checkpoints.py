@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sweeps.backends.ray_adapter import training_result
+
 CKPT_META = "sweeps_checkpoint.json"
 _LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lrs", "_last_lr", "eta_min")
 
@@ -123,7 +125,6 @@ def _scale_lrs(obj: Any, ratio: float) -> None:
 def existing_checkpoint(checkpoint_result):
     """``checkpoint_result`` (what Ray restores a trial from) if its folder exists, else the
     newest checkpoint of the same trial that does (None of them: unchanged, Ray reports it)."""
-    from ray.train._internal.session import _TrainingResult
     from ray.tune import Checkpoint
 
     checkpoint = getattr(checkpoint_result, "checkpoint", None)
@@ -135,5 +136,5 @@ def existing_checkpoint(checkpoint_result):
         return checkpoint_result
     meta = json.loads((found[-1] / CKPT_META).read_text())
     metrics = {"training_iteration": meta.get("epoch") or 0}
-    return _TrainingResult(checkpoint=Checkpoint.from_directory(str(found[-1])), metrics=metrics)
+    return training_result(Checkpoint.from_directory(str(found[-1])), metrics)
 

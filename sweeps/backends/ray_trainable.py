@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps import trial_folder
+from sweeps.backends.ray_adapter import running_trial_thread
 from sweeps.backends.ray_checkpoints import (
     clear_checkpoints,
     existing_checkpoint,
@@ -140,10 +141,8 @@ class TrialActorMixin:
 
 
 def _join_trial_thread() -> None:
-    from ray.train._internal.session import get_session
-
-    session = get_session()
-    if session is not None and session.training_started and session.training_thread.is_alive():
+    session = running_trial_thread()
+    if session is not None:
         stop = _CURRENT.get("stop")
         if stop is not None:
             stop.set()  # stop at the next optimizer step, with a checkpoint, not at the epoch's end
