@@ -35,11 +35,13 @@ FAST_TIER := not slow and not ray and not browser and not postgres and not slurm
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist worksteal -m "$(FAST_TIER)"
 
-# Static checks: ruff (rules in pyproject.toml [tool.ruff]) and mypy ([tool.mypy]: core, sweeps,
-# dashboards). About a minute on 2 cores, most of it mypy's first run (.mypy_cache after that).
+# Static checks: ruff (rules in pyproject.toml [tool.ruff]), mypy ([tool.mypy]: core, sweeps,
+# dashboards) and import-linter's contracts ([tool.importlinter]: the layers, the backends apart).
+# About a minute on 2 cores, most of it mypy's first run (.mypy_cache after that).
 lint: $(STAMP)
 	$(BIN)/ruff check core sweeps dashboards benchmarks scripts tests
 	$(BIN)/mypy
+	PYTHONPATH=. $(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

@@ -123,7 +123,7 @@ def train_distributed(task: TaskSpec | Task, cfg: TrainConfig, reporter: Reporte
     reporter = reporter or NullReporter()
     nproc = cfg.distributed.nproc
     if nproc == 1:
-        from core.train import train
+        from core.train import train  # lazy: a rank imports this module before it sets its threads
 
         return train(task.build() if isinstance(task, TaskSpec) else task, cfg, reporter, out_dir, resume, owner)
     _check_devices(cfg)
@@ -152,7 +152,7 @@ def train_distributed(task: TaskSpec | Task, cfg: TrainConfig, reporter: Reporte
 def _check_devices(cfg: TrainConfig) -> None:
     import torch
 
-    from core.distributed import resolve_backend
+    from core.distributed import resolve_backend  # lazy for start-up: torch.distributed
 
     backend = resolve_backend(cfg.distributed.backend, cfg.device)
     wants_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
@@ -372,7 +372,7 @@ def _rank_main() -> None:
         import torch
 
         torch.set_num_threads(payload.threads)  # N ranks share this trial's CPU threads
-        from core.train import train
+        from core.train import train  # lazy: a rank imports this module before it sets its threads
 
         task = payload.task.build() if isinstance(payload.task, TaskSpec) else payload.task
         reporter = _ForwardingReporter(conn) if int(os.environ["RANK"]) == 0 else None

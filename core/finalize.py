@@ -23,6 +23,7 @@ from core.onnx_export import OnnxParityError, export_and_verify, write_report_js
 from core.reporting import Reporter
 from core.results import TrainResult
 from core.tasks.base import Task
+from core.torchscript_export import TorchScriptError, TorchScriptReport, export_torchscript
 
 ONNX_SAMPLES = 256  # validation inputs compared between PyTorch and onnxruntime (and TorchScript)
 TORCHSCRIPT_FILE = "model.ts"
@@ -92,8 +93,6 @@ def _export_torchscript(model: nn.Module, sample: torch.Tensor, cfg: TrainConfig
                         result: TrainResult) -> None:
     """``model.ts`` checked against eager (core/torchscript_export.py). A model that cannot be compiled
     or fails the check keeps its metrics; the report and the run's reason say why."""
-    from core.torchscript_export import TorchScriptError, TorchScriptReport, export_torchscript
-
     mode = cfg.export_torchscript
     assert mode is not None  # the caller checks it
     try:

@@ -1,22 +1,20 @@
 """The metrics a run reports after every epoch, and their directions.
 
 Two kinds: the loop's own (the losses, the learning rate, speed and memory: every task has them)
-and the task's validation metrics (``Task.metrics()``, torchmetrics objects, reported as
-``val_<name>``). ``reported_metrics`` names them all with their direction, so the spec layer and
-``train()`` refuse a monitored metric or objective the task does not report, or a direction that
-contradicts the metric's, before anything is trained.
+and the task's validation metrics (``Task.metrics()``: torchmetrics metrics or any other
+``EpochMetric``, reported as ``val_<name>``). ``reported_metrics`` names them all with their
+direction, so the spec layer and ``train()`` refuse a monitored metric or objective the task
+does not report, or a direction that contradicts the metric's, before anything is trained.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.tasks.base import TaskError
+from core.tasks.accuracy import EpochMetric
+from core.tasks.base import Task, TaskError
 
 if TYPE_CHECKING:  # torch is imported where a run needs it: the spec layer reads names and directions
     import torch
-    from torchmetrics import Metric
-
-    from core.tasks.base import Task
 
 # The loop's per-epoch metrics, each with whether higher is better (None: no direction, e.g. lr).
 LOOP_METRICS: dict[str, bool | None] = {
@@ -25,7 +23,7 @@ LOOP_METRICS: dict[str, bool | None] = {
 }
 
 
-def task_metrics(task: Task) -> dict[str, Metric]:
+def task_metrics(task: Task) -> dict[str, EpochMetric]:
     """The task's fresh validation metrics, keyed by their reported name ``val_<name>``."""
     made = task.metrics()
     if not isinstance(made, dict) or not made:
@@ -58,8 +56,6 @@ def declared_metrics(task: Task) -> dict[str, bool] | None:
     """The task's metrics and directions as declared, without importing torch (spec validation):
     ``metric_directions``, or accuracy for a task that keeps the default ``metrics()``; None when
     only a run can tell."""
-    from core.tasks.base import Task
-
     if task.metric_directions is not None:
         return {name: direction == "maximize" for name, direction in task.metric_directions.items()}
     return {"val_acc": True} if type(task).metrics is Task.metrics else None
@@ -109,7 +105,7 @@ class ValidationMeter:
             m.update(prediction, target)
 
     def compute(self, all_reduce_sum) -> dict[str, float]:
-        """``val_loss`` and ``val_<name>``; ``all_reduce_sum`` sums the loss over ranks (torchmetrics
+        """``val_loss`` and ``val_<name>``; ``all_reduce_sum`` sums the loss over ranks (each metric
         synchronises its own states when torch.distributed is initialised)."""
         loss_sum, seen = all_reduce_sum([self.loss_sum, float(self.seen)])
         out = {"val_loss": loss_sum / max(seen, 1)}

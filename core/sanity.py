@@ -38,6 +38,7 @@ from core.grad_checkpoint import checkpoint_blocks
 from core.in_memory import stored_tensors
 from core.seeding import seed_everything
 from core.tasks.base import Task, TaskError
+from core.torchscript_export import TorchScriptError, export_torchscript
 
 OVERFIT_LR = 1e-3
 OVERFIT_SAMPLES = 8  # the fixed batch the overfit check trains on: small, so it fits in seconds
@@ -246,8 +247,6 @@ def _depends_on_input(model: nn.Module, x: Any) -> Finding:
 
 def _torchscript(task: Task, cfg: TrainConfig, x: torch.Tensor) -> Finding:
     import tempfile
-
-    from core.torchscript_export import TorchScriptError, export_torchscript
 
     assert cfg.export_torchscript is not None  # the caller checks it
     with tempfile.TemporaryDirectory(prefix="sweeps-check-") as tmp:

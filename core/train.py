@@ -21,8 +21,11 @@ from core.curves import epoch_reports
 from core.data import check_datasets, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
 from core.faults import stop_here
+from core.finalize import finalize_run
+from core.forensics import record_divergence
 from core.grad_checkpoint import checkpoint_blocks
 from core.gradients import StepGradients
+from core.io_utils import save_json_atomic
 from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.peak_memory import PeakMemory
@@ -213,8 +216,6 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
         result.checkpoint_last = out / ckpt.LAST if (out / ckpt.LAST).exists() else None
         result.checkpoint_best = out / ckpt.BEST if (out / ckpt.BEST).exists() else None
         if result.status == "completed":
-            from core.finalize import finalize_run
-
             finalize_run(task, cfg, model, val_ds, device, out, reporter, result)
     return result
 
@@ -262,8 +263,6 @@ def _record_divergence(stop: Stop, steps: StepReader, micro_batch: int, batch: t
                        out: Path | None, reporter: Reporter) -> tuple[Stop, dict]:
     """diverged.json for the step that stopped the run (core/forensics.py); the plain model, not
     the DDP or compiled wrapper, replays it under ``train.detect_anomaly``."""
-    from core.forensics import record_divergence
-
     bad = steps.diverged
     assert bad is not None  # a "diverged" stop comes from the step it read
     x, y = batch
@@ -328,8 +327,6 @@ def _evaluate(model: nn.Module, loader, criterion, meter: ValidationMeter, devic
 
 def _write_config(out: Path, cfg: TrainConfig, task: Task, reporter: Reporter) -> None:
     """``out/config.json``: what this run trains, logged as an artifact."""
-    from core.io_utils import save_json_atomic
-
     path = out / "config.json"
     save_json_atomic({"train": cfg.to_dict(), "task": task.describe()}, path)
     reporter.log_artifact(path, "config")

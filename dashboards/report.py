@@ -13,6 +13,8 @@ from typing import Any
 from dashboards.page import header_from_spec, render_page, write_page
 from dashboards.tables import StudyTables, build_tables
 from sweeps.backends.base import StudyResult
+from sweeps.backends.by_name import get_backend
+from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 from sweeps.tracking.reader import RunLookupError, TrackingReader
 
@@ -41,9 +43,6 @@ def find_parent_run_id(reader: TrackingReader, experiment_name: str,
 def load_study(spec, result: StudyResult | None = None, tracker: Any = None) -> LoadedStudy:
     """The study as stored plus every table of the report. Raises TrackingError (with the URI and
     the fix) when the MLflow store cannot be reached."""
-    from sweeps.backends import get_backend
-    from sweeps.study_run import reader_for, tracker_for
-
     result = result or get_backend(spec.backend).load(spec)
     tracker = tracker or tracker_for(spec)
     tracker.check_connection()  # a clear message naming the store, before any read

@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 import pandas as pd
 
+from dashboards import mlflow_tables as mt
 from sweeps.backends.base import StudyResult
+from sweeps.search_space import optuna_distributions
 
 STATE_ORDER = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
 FINISHED_STATES = ("COMPLETE", "PRUNED", "FAIL")
@@ -171,8 +173,6 @@ def importances_table(result: StudyResult, search: dict | None, seed: int = 0) -
     empty = pd.DataFrame({"param": pd.Series(dtype="str"), "importance": pd.Series(dtype="float64")})
     if not search:
         return empty, "the study searched no parameters"
-    from sweeps.search_space import optuna_distributions
-
     dists = optuna_distributions(search)
     comparable = [t for t in result.trials if t.state in ("COMPLETE", "PRUNED") and set(t.params) == set(dists)
                   and _comparable(t.params, dists)]
@@ -278,8 +278,6 @@ def build_tables(result: StudyResult, search: dict | None = None, reader: Any = 
     """Every table of the report. ``reader`` (a ``sweeps.tracking.reader.TrackingReader``) reads
     the learning curves and the LR-finder curve; without it the curves come from the study's
     intermediate values and the LR-finder table is empty."""
-    from dashboards import mlflow_tables as mt
-
     names = param_names(result, search)
     trials = trials_table(result, search)
     importances, note = importances_table(result, search)

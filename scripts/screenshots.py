@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if find_chromium() is None:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
-    from sweeps.spec import load_spec
+    from sweeps.spec_checks import load_spec
 
     spec = load_spec(args.spec)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,11 @@ import logging
 import os
 import sys
 
+from core.diskfull import describe_disk_full
 from sweeps.commands import after_sweep, check, cluster, report, study
 from sweeps.commands.base import Command, err_console
-from sweeps.errors import SweepsError
+from sweeps.errors import DiskFullError, SweepsError
+from sweeps.fast_exit import exit_now
 from sweeps.faults import armed
 
 # Every subcommand, in the order `sweeps --help` lists them. A command module that fails to
@@ -91,9 +93,6 @@ def _unexpected(exc: Exception, command_name: str) -> int:
     report has the whole story. A full disk, in whatever form it surfaced, is named as such."""
     import traceback
 
-    from core.diskfull import describe_disk_full
-    from sweeps.errors import DiskFullError
-
     text = "".join(traceback.format_exception(exc))
     where = _save_traceback(text, command_name)
     saved = (f"the full traceback is in {where} (SWEEPS_DEBUG=1 prints it here)" if where
@@ -133,8 +132,6 @@ def _save_traceback(text: str, command_name: str) -> str | None:
 
 def entry() -> None:
     """The ``sweeps`` console script: :func:`main`, then exit without the interpreter's slow teardown."""
-    from sweeps.fast_exit import exit_now
-
     exit_now(main())
 
 

@@ -24,6 +24,7 @@ from sweeps.errors import RunLookupError
 from sweeps.spec import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
+from sweeps.tracking.sync import check_sqlite_store
 
 # Metrics that measure the machine, not the training: never part of a curve comparison.
 TIMING_METRICS = frozenset({"samples_per_s", "epoch_time_s", "peak_mem_mb", "trial_seconds"})
@@ -48,8 +49,6 @@ def open_client(uri: str) -> TrackingReader:
             raise RunLookupError(
                 f"tracking store {uri!r}: {path.resolve()} does not exist. Run the command in the folder "
                 f"where the study ran (the one holding runs/), or pass --tracking-uri / set MLFLOW_TRACKING_URI.")
-        from sweeps.tracking.sync import check_sqlite_store
-
         check_sqlite_store(uri)  # truncated or not SQLite: a message, not SQLAlchemy's traceback
     return TrackingReader(uri)
 

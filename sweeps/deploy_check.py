@@ -32,8 +32,8 @@ def measure(spec: StudySpec, params: dict, out_dir: Path) -> dict[str, float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from core.deploy_metrics import deployment_metrics
-    from core.onnx_export import export_and_verify
+    from core.deploy_metrics import deployment_metrics  # lazy: ONNX only at export
+    from core.onnx_export import export_and_verify  # lazy: ONNX only at export
 
     task = spec.make_task(params)
     cfg = spec.resolved_train_config(params)

@@ -62,3 +62,13 @@ def env_seconds(name: str, default: float) -> float:
         return max(0.0, float(text)) if text else default
     except ValueError:
         return default
+
+
+# How long a stopped trial may take to checkpoint and close its run before it is killed: an Optuna
+# worker process (sweeps.backends.supervisor) or a Ray actor (sweeps.backends.ray_trainable).
+STOP_GRACE_S = 60.0
+ENV_STOP_GRACE = "SWEEPS_STOP_GRACE_S"
+
+
+def stop_grace_seconds() -> float:
+    return env_seconds(ENV_STOP_GRACE, STOP_GRACE_S)

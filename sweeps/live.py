@@ -45,11 +45,6 @@ class LiveView:
     def _render_empty(self):
         return Text(f"study {self.study_name}: starting workers...")
 
-    def update(self, study) -> None:
-        from sweeps.backends.optuna_study import study_result
-
-        self.update_result(study_result(self.spec, study))
-
     def update_result(self, result: StudyResult) -> None:
         new = [t for t in sorted(result.trials, key=lambda t: t.number)
                if t.state in ("COMPLETE", "PRUNED", "FAIL") and t.number not in self._seen]

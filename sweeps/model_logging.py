@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps.errors import ArtifactError, PromoteError, SweepsError
+from sweeps.resolved_config import load_resolved_config, task_from_resolved
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
@@ -44,8 +45,7 @@ def _download(reader: TrackingReader, run_id: str, path: str, dest: str) -> Path
 
 def build_model(reader: TrackingReader, spec, cand: Candidate, tmp: str):
     """The trial's model with its best weights, on CPU in eval mode, and its task."""
-    from core.checkpoint import load_checkpoint, strip_prefixes
-    from sweeps.rerun import load_resolved_config, task_from_resolved
+    from core.checkpoint import load_checkpoint, strip_prefixes  # lazy: torch, only to promote
 
     try:
         resolved = load_resolved_config(reader, cand.run_id)
@@ -159,7 +159,7 @@ def find_logged_model(registry, cand: Candidate):
     """A complete logged model written by an earlier promote of this run (crash recovery)."""
     found = registry.search_logged_models([cand.run.info.experiment_id], filter_string=(
         f"source_run_id = '{cand.run_id}' AND name = '{MODEL_ARTIFACT}'"))
-    from sweeps.serving import MODEL_FORMAT
+    from sweeps.serving import MODEL_FORMAT  # lazy: mlflow.pyfunc, only to promote
 
     done = [m for m in found if m.tags.get(TAG_PROMOTED) == "true" and m.tags.get(TAG_FORMAT) == MODEL_FORMAT
             and str(m.status).endswith("READY")]
@@ -243,8 +243,8 @@ def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) 
     import mlflow.pyfunc
     from mlflow.models import Model
 
-    from core.onnx_export import set_metadata
-    from sweeps import serving
+    from core.onnx_export import set_metadata  # lazy: ONNX, only to promote
+    from sweeps import serving  # lazy: mlflow.pyfunc, only to promote
 
     with tempfile.TemporaryDirectory(prefix="sweeps-promote-") as tmp:
         model, task, resolved = build_model(reader, spec, cand, tmp)

@@ -25,7 +25,7 @@ from core.distributed import lr_scale_factor
 from core.reporting import Decision
 from core.results import TrainResult
 from core.train import train
-from sweeps import deploy_check
+from sweeps import deploy_check, trial_folder
 from sweeps.model_logging import TORCHSCRIPT_DIR
 from sweeps.pool import ddp_processes, visible_gpu_count
 from sweeps.spec import StudySpec
@@ -249,8 +249,6 @@ def _claimed(trial: TrialSpec):
     """The trial's folder, held for it (``sweeps.trial_folder``) when it has an owner."""
     if trial.owner is None:
         return contextlib.nullcontext(None)
-    from sweeps import trial_folder
-
     return trial_folder.claimed(trial.out_dir, trial.owner, trial.params)
 
 

@@ -29,9 +29,12 @@ from typing import Any
 
 from rich.text import Text
 
+from core.metrics import LOOP_METRICS, declared_metrics
+from sweeps.backends.by_name import get_backend
 from sweeps.compare import best_over_epochs, metric_curve, open_client, side_by_side
 from sweeps.errors import BadNameError, NothingQualifies, PromoteError, PromoteRefused, UsageError
 from sweeps.model_logging import MODEL_ARTIFACT, find_logged_model, fluent_uri, log_model
+from sweeps.pareto import parse_where
 from sweeps.safe_names import safe_component
 from sweeps.spec_objectives import is_deploy_metric
 from sweeps.tracking import layout
@@ -87,8 +90,6 @@ def _known_direction(metric: str, spec) -> str | None:
             return objective.direction
     if is_deploy_metric(metric):  # a deployment cost: lower is better
         return "minimize"
-    from core.metrics import LOOP_METRICS, declared_metrics
-
     with contextlib.suppress(Exception):  # a task that cannot be built here: judged by the name (caller)
         known = {**LOOP_METRICS, **(declared_metrics(spec.make_task()) or {})}.get(metric)
         if known is not None:  # the task's own direction (val_mae: minimize), not a guess from the name
@@ -236,8 +237,6 @@ def eligible(result, where: str | None):
     front of the stored values; with ``--where``, those of them (or of the COMPLETE trials, for
     one objective) meeting every condition. UsageError for a condition on a metric no trial has;
     NothingQualifies (exit 2) when no trial meets them, showing what the front offers."""
-    from sweeps.pareto import parse_where
-
     conditions = parse_where(where) if where else []
     metrics = [m for m, _ in result.objectives()]
     several = len(metrics) > 1
@@ -267,8 +266,6 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
             direction: str | None = None, dry_run: bool = False, force: bool = False, console=None,
             where: str | None = None) -> int:
     from rich.console import Console
-
-    from sweeps.backends import get_backend
 
     console = console or Console()
     name = check_model_name(model_name or spec.name)
@@ -335,7 +332,7 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
 
 
 def _register(reader, uri: str, spec, result, cand: Candidate, name: str, metric: str, direction: str, console):
-    from sweeps.serving import description
+    from sweeps.serving import description  # lazy: mlflow.pyfunc, only to describe
 
     logged = find_logged_model(reader.registry, cand)
     if logged is not None:

@@ -23,7 +23,6 @@ import json
 import math
 import re
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -32,9 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
+from core.config import apply_overrides
+from core.ddp_launch import TaskSpec, train_distributed
+from core.train import train
 from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, compared_metric, metric_curve, open_client
-from sweeps.errors import RerunError
+from sweeps.objective import TrialOutcome, TrialReporter, finish_trial_run
+from sweeps.resolved_config import config_from_resolved, load_resolved_config, task_from_resolved
 from sweeps.safe_names import safe_component
+from sweeps.study_run import git_commit, package_versions
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.reader import TrackingReader
@@ -49,38 +53,6 @@ _QUIET_METRICS = frozenset({"grad_norm", "skipped_steps"})  # kept in the run, l
 
 
 # ---- rebuild a trial from its run --------------------------------------------------------------
-def load_resolved_config(reader: TrackingReader, run_id: str) -> dict:
-    """The trial's ``config/resolved_config.json`` artifact (written by ``sweeps.objective``)."""
-    with tempfile.TemporaryDirectory(prefix="sweeps-config-") as tmp:
-        try:
-            path = reader.download_artifact(run_id, layout.ART_CONFIG, tmp)
-        except Exception as exc:  # MlflowException or OSError, depending on the artifact store
-            raise RerunError(f"run {run_id} has no {layout.ART_CONFIG} artifact ({str(exc).splitlines()[0]}); "
-                             "only trials run by `sweeps run` can be rebuilt exactly") from exc
-        return json.loads(path.read_text())
-
-
-def task_from_resolved(resolved: dict):
-    """The trial's Task, from the resolved config's task section (name/target, model, args)."""
-    from core.tasks.base import make_task
-
-    section = resolved["task"]
-    args = dict(section.get("args") or {})
-    model = args.pop("model", section.get("model"))  # a searched model is one of the args
-    return make_task(section.get("name"), target=section.get("target"), model=model, args=args)
-
-
-def config_from_resolved(resolved: dict, run_id: str, seed: int | None = None):
-    """The trial's TrainConfig (``seed`` replaced when given)."""
-    from core.config import ConfigError, TrainConfig, apply_overrides
-
-    try:
-        cfg = TrainConfig.from_dict(resolved["train"])
-        return apply_overrides(cfg, {"seed": seed}) if seed is not None else cfg
-    except (ConfigError, KeyError, TypeError) as exc:
-        raise RerunError(f"the resolved config of run {run_id} does not fit this code version: {exc}") from exc
-
-
 def parent_handle(reader: TrackingReader, run) -> RunHandle | None:
     """The study's parent run of ``run`` as a handle, if it still exists."""
     parent_id = run.data.tags.get(layout.PARENT_TAG)
@@ -95,8 +67,6 @@ def parent_handle(reader: TrackingReader, run) -> RunHandle | None:
 def code_differences(reader: TrackingReader, run) -> list[str]:
     """How the code now differs from the code that ran ``run``: the git commit (trial tag, else
     the study's parent run) and the package versions (``version.*`` params of the parent)."""
-    from sweeps.study_run import git_commit, package_versions
-
     parent = None
     parent_id = run.data.tags.get(layout.PARENT_TAG)
     if parent_id:
@@ -190,8 +160,6 @@ def _pin_device(cfg, device_tag: str, console):
     """``device: auto`` resolved to what the original ran on, so a CPU trial reruns on CPU."""
     import torch
 
-    from core.config import apply_overrides
-
     if cfg.device != "auto":
         return cfg
     if device_tag.startswith("cpu"):
@@ -212,10 +180,6 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     run torch.profiler over a few steps (``train.profile``, its defaults unless the trial set it)."""
     import torch
 
-    from core.train import train
-    from sweeps.objective import TrialOutcome, TrialReporter, finish_trial_run
-    from sweeps.study_run import git_commit
-
     reader = reader or open_client(tracker.tracking_uri)
     orig = reader.get_run(original_id)
     resolved = load_resolved_config(reader, original_id)
@@ -223,8 +187,6 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     device_tag = tags.get(layout.TAG_DEVICE, "")
     cfg = _pin_device(config_from_resolved(resolved, original_id, seed), device_tag, console)
     if profile and cfg.profile is None:
-        from core.config import apply_overrides
-
         cfg = apply_overrides(cfg, {"profile": {}})
     then_threads = original_threads(device_tag)
     cpu = _on_cpu(cfg)
@@ -276,8 +238,6 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     try:
         with _cpu_threads(threads):
             if cfg.distributed.nproc > 1:  # DDP inside the trial, like sweeps.objective runs it
-                from core.ddp_launch import TaskSpec, train_distributed
-
                 section = resolved["task"]
                 args = dict(section.get("args") or {})
                 model = args.pop("model", section.get("model"))

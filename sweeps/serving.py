@@ -29,6 +29,7 @@ import numpy as np
 from mlflow.pyfunc.model import PythonModel
 
 from core.tasks.inputs import InputRefused, InputSpec
+from sweeps.resolved_config import task_from_resolved
 
 ART_TORCH, ART_TASK, ART_ONNX, ART_ONNX_REPORT = "pytorch_model", "task", "onnx_model", "onnx_parity"
 ONNX_FILE, ONNX_REPORT_FILE, TASK_FILE = "model.onnx", "onnx_parity.json", "task.json"
@@ -38,8 +39,6 @@ PREDICT_CHUNK = 256  # rows per forward pass, so a large batch does not hold eve
 
 def task_from_section(section: dict[str, Any]):
     """The task of a trial's task section (the same path as ``sweeps rerun``)."""
-    from sweeps.rerun import task_from_resolved
-
     return task_from_resolved({"task": section})
 
 
@@ -131,7 +130,7 @@ def contract(task, natural: bool) -> str:
 
 def onnx_metadata(task, section: dict[str, Any]) -> dict[str, str]:
     """ONNX ``metadata_props`` saying what the ONNX file does not do: preprocessing, postprocessing."""
-    from core.onnx_export import INPUT_NAME, OUTPUT_NAME
+    from core.onnx_export import INPUT_NAME, OUTPUT_NAME  # lazy: serving runs onnxruntime, not torch
 
     cls = f"{type(task).__module__}.{type(task).__qualname__}"
     shape = ", ".join(str(s) for s in task.input_shape) or "..."

@@ -1,6 +1,6 @@
 """The study spec: one YAML file = one study (the format: STUDY_SPEC.md in the design docs).
 
-:func:`load_spec` reads a file, checks every rule and returns a :class:`StudySpec`, or
+:func:`sweeps.spec_checks.load_spec` reads a file, checks every rule and returns a :class:`StudySpec`, or
 raises :class:`sweeps.errors.SpecError` listing *every* problem at once, each naming the
 field path, the value, what is allowed and (for a misspelt key) what was probably meant.
 Loading creates no files and touches no storage: the CLI calls it before anything else.
@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from core.config import SuggestRule, TrainConfig, apply_overrides
+from core.tasks.base import make_task
 from sweeps import search_space as ss
 from sweeps.durations import parse_duration
-from sweeps.errors import SpecError
+from sweeps.errors import UnsafeNameError
+from sweeps.safe_names import safe_component
 from sweeps.search_space import SearchParam
 from sweeps.spec_objectives import Bound, DeploySection, ObjectiveSection, is_deploy_metric, settle_objectives
-from sweeps.tracking.sync import RDB_DIALECTS
-from sweeps.yaml_loader import check_size, mapping_from_text, read_spec_text
+from sweeps.store_urls import RDB_DIALECTS, redact_url
 
 if TYPE_CHECKING:
     from core.tasks.base import Task
@@ -41,8 +42,6 @@ PRUNERS = ("none", "median", "percentile", "asha", "hyperband", "pbt")
 BACKEND_SAMPLERS = {"optuna": SAMPLERS, "ray": ("random", "grid", "tpe")}
 BACKEND_PRUNERS = {"optuna": ("none", "median", "percentile", "asha", "hyperband"),
                    "ray": ("none", "median", "asha", "hyperband", "pbt")}
-_SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", "budget", "resources",
-                           "lr_finder", "tracking", "constraints", "deploy")
 _SET_ONLY = ("objectives", "constraints", "deploy")  # in spec_hash only when not at their defaults
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
 _ENCODED_RE = re.compile(r"%(?:25)*(?:2e|2f|5c)", re.I)  # %2e = '.', %2f = '/', %5c = '\', also double-encoded
@@ -51,9 +50,6 @@ _ENCODED_RE = re.compile(r"%(?:25)*(?:2e|2f|5c)", re.I)  # %2e = '.', %2f = '/',
 def _safe_name(value: str, what: str) -> str:
     """The checks `sweeps run` applies to a name that becomes a folder (sweeps.safe_names), as
     a ValueError, so pydantic reports it at its field while the spec is validated."""
-    from sweeps.errors import UnsafeNameError
-    from sweeps.safe_names import safe_component
-
     try:
         return safe_component(value, what)
     except UnsafeNameError as exc:
@@ -298,8 +294,6 @@ class StudySpec(_Section):
 
     def make_task(self, params: dict[str, Any] | None = None) -> Task:
         """Build the trial's :class:`core.tasks.Task` from the task section and sampled params."""
-        from core.tasks.base import make_task
-
         args = self.task_args(params)
         model = args.pop("model", self.task.model)
         return make_task(self.task.name, target=self.task.target, model=model, args=args)
@@ -358,41 +352,6 @@ def check_storage(value: Any) -> None:
                              f"one of {', '.join(d + '://' for d in RDB_DIALECTS)}")
     elif value.endswith("/"):
         raise ValueError(f"{value!r} is a folder; name the journal file, e.g. {value}study.journal")
-
-
-def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None = None) -> StudySpec:
-    """Validate a parsed spec (every rule, all problems at once). Raises SpecError."""
-    from sweeps.spec_checks import collect_problems  # imported here: it imports the models above
-
-    shown = str(path) if path is not None else "<spec>"
-    if not isinstance(data, dict):
-        raise SpecError(shown, [f"the spec is a {type(data).__name__}, not a mapping"])
-    check_size(data, shown)  # data not read by load_spec (a dumped spec) may nest deeper than validation recurses
-    # An empty section (`train:` with every line commented out) is YAML null: read it as "all defaults".
-    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS_WITH_DEFAULTS)}
-    spec, problems = collect_problems(data, lines or {})
-    if problems or spec is None:
-        raise SpecError(shown, problems)
-    spec._path = Path(path) if path is not None else None
-    return spec
-
-
-def load_spec(path: str | Path) -> StudySpec:
-    """Read, parse and validate a study spec file. Raises SpecError listing every problem."""
-    return spec_from_text(read_spec_text(path), path)
-
-
-def spec_from_text(text: str, path: str | Path) -> StudySpec:
-    """Validate a spec file's text, read earlier from ``path`` (``sweeps run``'s snapshot)."""
-    data, lines = mapping_from_text(text, str(path))
-    spec = spec_from_dict(data, path, lines)
-    spec._text = text
-    return spec
-
-
-def redact_url(url: str) -> str:
-    """``scheme://user:secret@host`` -> ``scheme://user:***@host`` (for logs and artifacts)."""
-    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def dump_spec_dict(spec: StudySpec, redact: bool = True) -> dict[str, Any]:

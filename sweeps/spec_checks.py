@@ -1,6 +1,6 @@
 """Every rule of a study spec, checked in one pass so that all problems are reported at once.
 
-Called by :func:`sweeps.spec.spec_from_dict`. Two kinds of problems are collected:
+Run by :func:`spec_from_dict` (and :func:`load_spec`, which reads a file). Two kinds of problems are collected:
 
 1. pydantic's type errors, rewritten by :mod:`sweeps.spec_messages`;
 2. the rules spanning several fields (STUDY_SPEC.md "Rules the loader enforces"): the task
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 from functools import cache
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic import TypeAdapter, ValidationError
@@ -24,11 +25,13 @@ from pydantic import TypeAdapter, ValidationError
 from core.config import ConfigError, TrainConfig, apply_overrides, config_fields
 from core.metrics import LOOP_METRICS, declared_metrics
 from sweeps import search_space as ss
+from sweeps.errors import SpecError
 from sweeps.search_space import CategoricalParam, FloatParam, Problem, SearchParam
 from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudySpec
 from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
 from sweeps.spec_objectives import is_deploy_metric, objective_problems
 from sweeps.spec_task_checks import TaskInfo, instantiate_checks, representatives, task_problems
+from sweeps.yaml_loader import check_size, mapping_from_text, read_spec_text
 
 
 def collect_problems(data: dict[str, Any], lines: dict[tuple[str, ...], int]) -> tuple[StudySpec | None, list[str]]:
@@ -368,3 +371,35 @@ def _ray_problems(s: dict[str, Any], out: list[Problem]) -> None:
         out.append((("budget", "n_trials"), f"{budget.n_trials} is below the {ss.grid_size(search)} points of the "
                                             "grid; Ray's grid search runs every point, so raise n_trials to "
                                             f"{ss.grid_size(search)}, shrink the grid, or use backend: optuna"))
+
+
+# An empty section (`train:` with every line commented out) is YAML null: read it as "all defaults".
+_SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", "budget", "resources",
+                           "lr_finder", "tracking", "constraints", "deploy")
+
+
+def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None = None) -> StudySpec:
+    """Validate a parsed spec (every rule, all problems at once). Raises SpecError."""
+    shown = str(path) if path is not None else "<spec>"
+    if not isinstance(data, dict):
+        raise SpecError(shown, [f"the spec is a {type(data).__name__}, not a mapping"])
+    check_size(data, shown)  # data not read by load_spec (a dumped spec) may nest deeper than validation recurses
+    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS_WITH_DEFAULTS)}
+    spec, problems = collect_problems(data, lines or {})
+    if problems or spec is None:
+        raise SpecError(shown, problems)
+    spec._path = Path(path) if path is not None else None
+    return spec
+
+
+def load_spec(path: str | Path) -> StudySpec:
+    """Read, parse and validate a study spec file. Raises SpecError listing every problem."""
+    return spec_from_text(read_spec_text(path), path)
+
+
+def spec_from_text(text: str, path: str | Path) -> StudySpec:
+    """Validate a spec file's text, read earlier from ``path`` (``sweeps run``'s snapshot)."""
+    data, lines = mapping_from_text(text, str(path))
+    spec = spec_from_dict(data, path, lines)
+    spec._text = text
+    return spec

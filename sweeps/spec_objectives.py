@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.config import TrainConfig
+
 # Lower is better for every one of them. gpu_latency_ms exists only where onnxruntime has CUDA.
 DEPLOY_METRICS = ("onnx_latency_ms", "onnx_latency_p95_ms", "onnx_latency_spread_ms", "params",
                   "onnx_size_mb", "onnx_size_bytes", "gpu_latency_ms")
@@ -211,8 +213,6 @@ def _without_defaults(train: dict[str, Any]) -> dict[str, Any]:
     such as ``distributed`` counts as default when what it sets is): spelling a default out, or
     a new setting arriving at its default with a new version, changes nothing."""
     import dataclasses
-
-    from core.config import TrainConfig
 
     defaults = dataclasses.asdict(TrainConfig())
 

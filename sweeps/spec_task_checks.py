@@ -12,6 +12,16 @@ import sys
 from collections.abc import Iterator
 from typing import Any, get_type_hints
 
+from core.tasks.base import (
+    Task,
+    TaskError,
+    builtin_task_names,
+    declared_name,
+    factory_arg_names,
+    make_task,
+    resolve_factory,
+    task_names,
+)
 from sweeps import search_space as ss
 from sweeps.search_space import CategoricalParam, Problem
 from sweeps.spec_messages import did_you_mean, foreign, show
@@ -36,8 +46,6 @@ def _no_bytecode() -> Iterator[None]:
 
 def _declared_models(factory: Any) -> tuple[str, ...]:
     """``models`` of the Task class a factory is or declares it returns, without calling it."""
-    from core.tasks.base import Task
-
     cls = factory
     if not isinstance(factory, type):
         try:
@@ -48,15 +56,6 @@ def _declared_models(factory: Any) -> tuple[str, ...]:
 
 
 def task_problems(s: dict[str, Any], out: list[Problem]) -> TaskInfo | None:
-    from core.tasks.base import (
-        TaskError,
-        builtin_task_names,
-        declared_name,
-        factory_arg_names,
-        resolve_factory,
-        task_names,
-    )
-
     task = s["task"]
     if task is None:
         return None
@@ -111,8 +110,6 @@ def representatives(p: Any) -> list[tuple[str, Any]]:
 def instantiate_checks(s: dict[str, Any], info: TaskInfo, out: list[Problem]) -> None:
     """Build built-in tasks with the fixed args and each searched bound/choice: their constructors
     are cheap and touch no data by contract, and they know their own argument ranges."""
-    from core.tasks.base import make_task
-
     task = s["task"]
     # Arguments already reported as unknown are left out, so the rest (model, values) still gets checked.
     fixed = {k: v for k, v in task.args.items() if k != "model" and (info.accepted is None or k in info.accepted)}

@@ -15,6 +15,8 @@ from sweeps.backends.base import StudyResult
 from sweeps.spec import StudySpec, dump_spec_dict
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
+from sweeps.tracking.local_runs import TAG_CLIENT_ID
+from sweeps.tracking.mlflow_tracker import MlflowTracker
 from sweeps.tracking.reader import TrackingReader
 
 if TYPE_CHECKING:
@@ -165,8 +167,6 @@ def running_children(reader: TrackingReader, parent_run_id: str) -> list[tuple[s
     """(run id, the id it was made under) of the parent's trial runs whose MLflow status is still
     RUNNING (reruns, which a user may be running right now, are not trials and are left alone).
     The second id is the one a study recorded for a run made during an MLflow outage."""
-    from sweeps.tracking.local_runs import TAG_CLIENT_ID
-
     runs = reader.children(parent_run_id, {layout.TAG_ROLE: layout.ROLE_TRIAL}, status="RUNNING", max_results=1000)
     return [(r.info.run_id, r.data.tags.get(TAG_CLIENT_ID)) for r in runs]
 
@@ -175,8 +175,6 @@ def tracker_for(spec: StudySpec) -> MlflowTracker:
     """The spec's tracker, for a process that writes runs (each trainer writes its own, in
     its process). With a local SQLite store (the embedded default), artifacts go beside the
     database (``runs/mlartifacts``), not into ``./mlruns``; a server keeps its own."""
-    from sweeps.tracking.mlflow_tracker import MlflowTracker
-
     uri = spec.tracking_store_uri()
     root = None
     if uri.startswith("sqlite:///"):

@@ -1,6 +1,6 @@
 """Read a study spec's YAML safely, with YAML 1.2 scalars and errors that point at a line.
 
-Used by :func:`sweeps.spec.load_spec`; anything else that reads a YAML file the user
+Used by :func:`sweeps.spec_checks.load_spec`; anything else that reads a YAML file the user
 wrote should use :func:`load_yaml` too, so every file is read by the same rules:
 
 - Only :class:`yaml.SafeLoader` machinery is used, never ``yaml.load`` with an unsafe

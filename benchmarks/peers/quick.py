@@ -33,7 +33,9 @@ def main(argv: list[str]) -> int:
         res = bench_peers.run_arm(arm, spec, root / str(i), 900)
         error = f"; {res['error'][:300]}" if "error" in res else ""
         epochs = bench_peers.epochs_trained(res)
-        print(f"{arm}: {res['wall_s']:.1f} s, {res['trials']} trials, {epochs} epochs{error}", flush=True)
+        first = "" if res.get("first_trial_s") is None else (
+            f", first trial at {res['first_trial_s']:.1f} s, its first epoch done at {res['first_epoch_s']:.1f} s")
+        print(f"{arm}: {res['wall_s']:.1f} s, {res['trials']} trials, {epochs} epochs{first}{error}", flush=True)
     return 0
 
 

@@ -65,6 +65,9 @@ def recorded(tracking_uri: str, experiment: str, epoch_key: str = "val_loss") ->
             "checkpoints": sum(f.endswith(CHECKPOINT_SUFFIXES) for f in files),
             "onnx": sum(f.endswith(".onnx") for f in files), "files": len(files),
             "logged_models": len(models.get(r.info.run_id, [])) > 0,
+            "start_ms": r.info.start_time,
+            "first_epoch_ms": min((m.timestamp for m in client.get_metric_history(r.info.run_id, epoch_key)),
+                                  default=None),
         })
     n = len(per_run)
 
@@ -82,6 +85,10 @@ def recorded(tracking_uri: str, experiment: str, epoch_key: str = "val_loss") ->
         "system_metrics": runs_with("system_keys"), "checkpoints": runs_with("checkpoints"),
         "onnx": runs_with("onnx"), "logged_models": runs_with("logged_models"),
         "artifact_files": sum(p["files"] for p in per_run), "runs": per_run,
+        # When the first trial began (its run created, just before its data and model are set up)
+        # and ended its first epoch, in ms since the epoch: the same MLflow clock for every arm.
+        "first_trial_start_ms": min((p["start_ms"] for p in per_run), default=None),
+        "first_epoch_ms": min((p["first_epoch_ms"] for p in per_run if p["first_epoch_ms"]), default=None),
     }
 
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from core.tasks.accuracy import Accuracy, EpochMetric
 from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:  # torch is imported where a model or data is built, not to name or check a task
     import torch
     from torch import nn
     from torch.utils.data import Dataset
-    from torchmetrics import Metric
 
     from core.config import TrainConfig
 
@@ -93,15 +93,14 @@ class Task:
 
         return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
-    def metrics(self) -> dict[str, Metric]:
-        """Fresh torchmetrics metrics, each reported as ``val_<name>`` after every epoch and usable
-        as the study's ``objective.metric``; each metric's ``higher_is_better`` is its direction.
-        They are updated on every validation batch with ``(postprocess(output), target)``, so they
-        judge the predictions users get. Called once per run. Default: accuracy (``val_acc``).
-        A task that overrides it also sets ``metric_directions`` so the spec can be checked early."""
-        from torchmetrics.classification import MulticlassAccuracy
-
-        return {"acc": MulticlassAccuracy(num_classes=self.num_classes, average="micro")}
+    def metrics(self) -> Mapping[str, EpochMetric]:
+        """Fresh metrics (torchmetrics ones, or any :class:`EpochMetric`), each reported as
+        ``val_<name>`` after every epoch and usable as the study's ``objective.metric``; each
+        metric's ``higher_is_better`` is its direction. They are updated on every validation batch
+        with ``(postprocess(output), target)``, so they judge the predictions users get. Called once
+        per run. Default: accuracy (``val_acc``). A task that overrides it also sets
+        ``metric_directions`` so the spec can be checked early."""
+        return {"acc": Accuracy()}
 
     def preprocess(self, natural: torch.Tensor) -> torch.Tensor:
         """From natural input (what a user of the registered model has, e.g. raw pixel values) to
@@ -224,9 +223,15 @@ def register(name: str) -> Callable[[TaskFactory], TaskFactory]:
     return deco
 
 
+# Each built-in task's module, which registers it with :func:`register` when imported. The names
+# are known without importing anything, and a lookup imports only the task asked for: the task
+# modules import this one, and a digits trial never loads torchvision for the image tasks.
+BUILTIN_TASK_MODULES = {name: f"core.tasks.{name}"
+                        for name in ("cifar10", "diabetes", "digits", "imagefolder", "shapes", "synthetic")}
+
+
 def builtin_task_names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return sorted(BUILTIN_TASK_MODULES)
 
 
 def entry_point_task_names() -> list[str]:
@@ -239,9 +244,10 @@ def task_names() -> list[str]:
     return sorted(set(builtin_task_names()) | set(entry_point_task_names()))
 
 
-def _load_builtins() -> None:
-    # Imported lazily so `import core` stays cheap and torchvision is loaded only when needed.
-    from core.tasks import cifar10, diabetes, digits, imagefolder, shapes, synthetic  # noqa: F401
+def _builtin(name: str) -> TaskFactory:
+    if name not in _REGISTRY:
+        importlib.import_module(BUILTIN_TASK_MODULES[name])
+    return _REGISTRY[name]
 
 
 def _from_entry_point(name: str) -> TaskFactory:
@@ -271,8 +277,7 @@ def resolve_factory(name: str | None = None, target: str | None = None) -> TaskF
     if (name is None) == (target is None):
         raise TaskError("task: give exactly one of 'name' (a built-in task) or 'target' (module:callable)")
     if name is not None:
-        _load_builtins()
-        return _REGISTRY[name] if name in _REGISTRY else _from_entry_point(name)
+        return _builtin(name) if name in BUILTIN_TASK_MODULES else _from_entry_point(name)
     assert target is not None
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:

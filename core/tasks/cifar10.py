@@ -2,7 +2,7 @@
 
 Nothing is downloaded: the python-version archive must already be extracted under
 ``root`` (``<root>/cifar-10-batches-py``). torch and torchvision are imported inside functions
-so that loading the task registry (``core.tasks.base._load_builtins``) stays cheap.
+so that looking the task up (``core.tasks.base.resolve_factory``) stays cheap.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from core.tasks.base import Task, TaskError, block_names, check_model_name, register
 from core.tasks.inputs import InputSpec
+from core.tasks.natural_images import preprocess_images
 
 if TYPE_CHECKING:  # imported where the model is built: checking a task needs no torch
     from torch import nn
@@ -100,8 +101,6 @@ class CIFAR10Task(Task):
     def preprocess(self, natural):
         """uint8 RGB images (N, 32, 32, 3) -> the normalised (N, 3, 32, 32) batch ``datasets()``
         yields for them: the validation transform, applied to each image as the dataset does."""
-        from core.tasks.natural_images import preprocess_images
-
         return preprocess_images(natural, self.transforms()[1])
 
     def natural_examples(self, n: int):

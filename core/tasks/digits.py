@@ -50,7 +50,7 @@ class DigitsTask(Task):
         self.depth = depth  # conv blocks of the CNN
 
     def build_model(self) -> nn.Module:
-        from core.tasks.digits_models import DigitsCNN, DigitsMLP
+        from core.tasks.digits_models import DigitsCNN, DigitsMLP  # lazy: checking a task needs no torch
 
         if self.model == "cnn":
             return DigitsCNN(self.width, self.dropout, depth=self.depth)
@@ -59,7 +59,7 @@ class DigitsTask(Task):
     def datasets(self):
         import torch
 
-        from core.tasks.tensor_data import TensorPairDataset
+        from core.tasks.tensor_data import TensorPairDataset  # lazy: checking a task needs no torch
 
         images, labels, idx_train, idx_val = load_split(self.val_fraction, self.split_seed)
         x_t = self.preprocess(torch.from_numpy(images))  # N, 1, 8, 8

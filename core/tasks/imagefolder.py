@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.tasks.base import Task, TaskError, register
 from core.tasks.inputs import InputSpec
+from core.tasks.natural_images import preprocess_images, same_size_batch
 
 if TYPE_CHECKING:  # imported where models and weights are handled: checking a task needs no torch
     import torch
@@ -189,8 +190,6 @@ class ImageFolderTask(Task):
         """uint8 RGB images (N, H, W, 3), or a sequence of (H, W, 3) images of any sizes, -> the
         (N, 3, image_size, image_size) batch the validation transform makes of them (through PIL,
         as ``datasets()`` does: resize, centre crop, normalisation)."""
-        from core.tasks.natural_images import preprocess_images
-
         return preprocess_images(natural, self.transforms()[1])
 
     def natural_examples(self, n: int):
@@ -201,8 +200,6 @@ class ImageFolderTask(Task):
             return None
         import numpy as np
         from torchvision.datasets import ImageFolder
-
-        from core.tasks.natural_images import same_size_batch
 
         try:
             val = ImageFolder(val_dir)

@@ -52,7 +52,7 @@ class ShapesTask(Task):
         self._val: tuple[np.ndarray, np.ndarray] | None = None
 
     def build_model(self) -> nn.Module:
-        from core.tasks.shapes_models import DilatedFCN, TinyUNet
+        from core.tasks.shapes_models import DilatedFCN, TinyUNet  # lazy: checking a task needs no torch
 
         cls = TinyUNet if self.model == "unet" else DilatedFCN
         return cls(self.width, num_classes=len(CLASSES))

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
+from sweeps.pareto import pareto_front
 from sweeps.spec import StudySpec
 
 
@@ -48,8 +49,6 @@ class StudyResult:
     def front(self) -> list[TrialRecord]:
         """The COMPLETE trials on the Pareto front of the objectives, computed from their stored
         values (sweeps.pareto); with one objective, the best trial(s)."""
-        from sweeps.pareto import pareto_front
-
         metrics, directions = zip(*self.objectives(), strict=True)
         several = len(metrics) > 1
         done = [t for t in self.trials if t.state == "COMPLETE"

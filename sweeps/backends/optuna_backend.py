@@ -18,10 +18,13 @@ from sweeps.backends import driver_faults, optuna_study
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.base import StudyResult
 from sweeps.backends.driver_signals import DriverSignals, stopped_by
+from sweeps.backends.journal_file import LINK_SUFFIX
+from sweeps.backends.journal_repair import check_journal
 from sweeps.backends.run_lock import run_lock
 from sweeps.backends.supervisor import EarlyWorkers, Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
+from sweeps.live import LiveView
 from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
 from sweeps.spec import StudySpec
 from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
@@ -74,8 +77,6 @@ class OptunaBackend:
             return self._run(spec, fresh, quiet, signals)
 
     def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals) -> StudyResult:
-        from sweeps.live import LiveView
-
         slots = self._plan(spec)
         tracker = tracker_for(spec)
         # The workers start first: their imports take seconds, on the cores this set-up leaves idle.
@@ -90,7 +91,7 @@ class OptunaBackend:
             driver_faults.starting()
             recovered = self._recover_orphans(spec, study, tracker)
             if spec.lr_finder.enabled:
-                from sweeps.study_lr_finder import run_study_lr_finder
+                from sweeps.study_lr_finder import run_study_lr_finder  # lazy: torch, only when used
 
                 run_study_lr_finder(spec, study, tracker, parent)
             started = time.time()
@@ -146,7 +147,7 @@ class OptunaBackend:
         supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), started, deadline, on_progress,
                                 early=early, driver_signals=signals)
         stopped, code = supervisor.run(slots)
-        view.update(study)
+        view.update_result(optuna_study.study_result(spec, study))
         return stopped, code
 
     def _plan(self, spec: StudySpec) -> list[WorkerSlot]:
@@ -167,9 +168,6 @@ class OptunaBackend:
         run closed as FAILED, and its parameters requeued to resume from its checkpoint."""
         if spec.is_rdb_storage():
             return []  # RDB: Optuna's heartbeat fails stale trials (see optuna_study.open_storage)
-        from sweeps.backends.journal_file import LINK_SUFFIX
-        from sweeps.backends.journal_repair import check_journal
-
         check_journal(spec.storage_url())
         stale_lock = Path(spec.storage_url() + LINK_SUFFIX)
         if stale_lock.is_symlink():

@@ -10,7 +10,12 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from sweeps.backends import optuna_adapter
-from sweeps.backends.optuna_study import ATTR_PARENT_RUN, ATTR_REASON, ATTR_RUN_ID, MAX_RETRIES
+from sweeps.backends.optuna_attrs import ATTR_PARENT_RUN, ATTR_REASON, ATTR_RUN_ID, MAX_RETRIES
+from sweeps.study_run import running_children
+from sweeps.tracking import layout
+from sweeps.tracking.base import RunHandle
+from sweeps.tracking.mlflow_tracker import MlflowTracker
+from sweeps.tracking.reader import TrackingReader
 
 
 class StaleTrialCallback:
@@ -31,16 +36,11 @@ class StaleTrialCallback:
 
     def _get_tracker(self):
         if self._tracker is None:
-            from sweeps.tracking.mlflow_tracker import MlflowTracker
-
             self._tracker = MlflowTracker(self.tracking_uri)
         return self._tracker
 
 
 def _close_run(tracker, run_id: str, reason: str) -> None:
-    from sweeps.tracking import layout
-    from sweeps.tracking.base import RunHandle
-
     run = RunHandle(run_id, "", "")
     tracker.log(run, tags={layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason})
     tracker.end_run(run, "FAILED")
@@ -54,9 +54,6 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
         return
     running_ids = {t.user_attrs.get(ATTR_RUN_ID)
                    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))} - {None}
-    from sweeps.study_run import running_children
-    from sweeps.tracking.reader import TrackingReader
-
     for run_id, client_id in running_children(TrackingReader(tracker.tracking_uri), parent):
         if run_id not in running_ids and client_id not in running_ids:
             _close_run(tracker, run_id, "orphaned: the process running this trial died")

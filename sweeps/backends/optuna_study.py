@@ -30,6 +30,19 @@ from sweeps import search_space as ss
 from sweeps.backends import optuna_adapter
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
+from sweeps.backends.optuna_attrs import (
+    ATTR_BATCH_OVERRIDES,
+    ATTR_JUDGED_BY,
+    ATTR_PARENT_RUN,
+    ATTR_REASON,
+    ATTR_RUN_ID,
+    ATTR_SEARCH,
+    ATTR_SPEC_HASH,
+    ATTR_STUDY_UID,
+    ATTR_WORKER,
+    MAX_RETRIES,
+)
+from sweeps.backends.optuna_recovery import StaleTrialCallback
 from sweeps.backends.storage_errors import storage_error
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
 from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED, ConstraintsFunc
@@ -40,17 +53,6 @@ from sweeps.spec_objectives import judged_by, judged_by_changes
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
 GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
 ENV_HEARTBEAT, ENV_GRACE = "SWEEPS_HEARTBEAT_S", "SWEEPS_GRACE_S"  # override both (whole seconds)
-MAX_RETRIES = 3  # times one set of parameters is requeued after a crash
-ATTR_PARENT_RUN = "mlflow_parent_run_id"
-ATTR_SEARCH = "search_space"
-ATTR_SPEC_HASH = "spec_hash"
-ATTR_OUT_DIR = "out_dir"
-ATTR_RUN_ID = "mlflow_run_id"
-ATTR_WORKER = "worker"
-ATTR_REASON = "fail_reason"
-ATTR_BATCH_OVERRIDES = "train_overrides"
-ATTR_JUDGED_BY = "judged_by"  # training, objectives, constraints, deploy (sweeps.spec_objectives.judged_by)
-ATTR_STUDY_UID = "study_uid"  # a UUID made when the study is created: its identity beyond its name
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # The retry callback and its helpers are marked experimental since Optuna 2.8 but are stable
@@ -75,7 +77,7 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
                 sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True} if pooled else {"poolclass": NullPool},
                 skip_table_creation=not create,
                 heartbeat_interval=heartbeat_s, grace_period=grace_s,
-                heartbeat_stale_trial_callback=_stale_trial_callback(spec.tracking_store_uri()),
+                heartbeat_stale_trial_callback=StaleTrialCallback(spec.tracking_store_uri()),
             )
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
             raise storage_error(url, exc) from exc
@@ -406,9 +408,3 @@ def budget_left(study: optuna.Study, n_trials: int) -> int:
     FAIL does not count (its parameters are retried or replaced)."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     return n_trials - len(study.get_trials(deepcopy=False, states=states))
-
-
-def _stale_trial_callback(tracking_uri: str):
-    from sweeps.backends.optuna_recovery import StaleTrialCallback  # it imports this module
-
-    return StaleTrialCallback(tracking_uri)

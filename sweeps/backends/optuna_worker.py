@@ -24,13 +24,16 @@ from core.faults import pause_here
 from sweeps import deploy_check
 from sweeps import search_space as ss
 from sweeps.backends import driver_faults, optuna_adapter, optuna_study
+from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.storage_errors import StorageUnreachableError
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
-from sweeps.spec import StudySpec, redact_url
+from sweeps.spec import StudySpec
+from sweeps.spec_checks import spec_from_text
+from sweeps.store_urls import redact_url
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 from sweeps.tracking.store_access import check_experiment_writable
@@ -235,9 +238,9 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
         # the attempt's own outcome is not this trial's.
         trial.set_user_attr(optuna_study.ATTR_REASON, "")
         trial.set_user_attr("interrupted", False)
-    out_dir = Path(trial.user_attrs.get(optuna_study.ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
+    out_dir = Path(trial.user_attrs.get(ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
     overrides = dict(trial.user_attrs.get(optuna_study.ATTR_BATCH_OVERRIDES) or {})
-    trial.set_user_attr(optuna_study.ATTR_OUT_DIR, str(out_dir))
+    trial.set_user_attr(ATTR_OUT_DIR, str(out_dir))
     uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
     tags = {"sweeps.worker_slot": worker_index, "sweeps.optuna_trial_id": optuna_adapter.trial_id_of(trial),
             layout.TAG_STUDY_UID: uid}
@@ -358,20 +361,19 @@ def spec_of(go: WorkerGo) -> StudySpec:
     """The spec a worker runs: the snapshot ``sweeps run`` (or ``sweeps worker``) read and
     validated, with the resources its flags override (``--devices``, ``--gpus-per-trial``), so a
     trial holding K GPUs runs DDP over them as the supervisor planned."""
-    from sweeps.spec import spec_from_text
-
     spec = spec_from_text(go.spec_text, go.spec_path)
     if go.resources:
         spec = spec.model_copy(update={"resources": spec.resources.model_copy(update=go.resources)})
     return spec
 
 
-# What every trial imports (seconds of torch, torchmetrics with the torchvision it pulls in,
-# MLflow and its SQL store, the ONNX exporter and runtime), loaded before the go: ``sweeps run``
-# starts its workers before it sets up the study (supervisor.EarlyWorkers), so this overlaps
-# that set-up instead of following it.
-TRIAL_IMPORTS = ("torch", "torchmetrics", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train",
-                 "core.onnx_export", "torch.onnx", "onnx", "onnxruntime")
+# What every trial imports (seconds of torch, MLflow and its SQL store), loaded before the go:
+# ``sweeps run`` starts its workers before it sets up the study (supervisor.EarlyWorkers), so this
+# overlaps that set-up instead of following it. torch._dynamo is one: building any torch.optim
+# optimizer imports it (Optimizer.add_param_group is wrapped by torch._disable_dynamo). Nothing a
+# trial may not use: torchmetrics (with the torchvision models and SciPy signal module it pulls in)
+# loads in the trials of a task whose metrics need it, ONNX at a trial's export, after its training.
+TRIAL_IMPORTS = ("torch", "torch._dynamo", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train")
 
 
 def _quiet_exit(signum, _frame) -> None:

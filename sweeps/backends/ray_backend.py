@@ -36,6 +36,7 @@ from sweeps.backends.budget_outcome import max_failures_stop, unfinished_stop
 from sweeps.backends.driver_signals import DriverSignals, stopped_by
 from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise, shutdown_ray
 from sweeps.backends.ray_live import LIVE, DriverCallback
+from sweeps.backends.ray_search import make_scheduler, make_search, plan_resources
 from sweeps.backends.ray_trainable import (
     TAG_RAY_TRIAL_ID,
     TrialContext,
@@ -46,6 +47,7 @@ from sweeps.backends.ray_trainable import (
 )
 from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
+from sweeps.live import LiveView
 from sweeps.spec import StudySpec
 from sweeps.spec_objectives import judged_by, judged_by_changes
 from sweeps.study_run import (
@@ -79,8 +81,6 @@ class RayBackend:
             return self._run(spec, fresh, quiet, early)
 
     def _run(self, spec: StudySpec, fresh: bool, quiet: bool, early: DriverSignals) -> StudyResult:
-        from sweeps.live import LiveView
-
         tracker = tracker_for(spec)
         tracker.check_connection()  # before anything is created or trained
         study_name = self._study_name(spec, fresh)
@@ -167,8 +167,6 @@ class RayBackend:
         import ray
         from ray import tune
         from ray.tune.logger import JsonLoggerCallback
-
-        from sweeps.backends.ray_search import make_scheduler, make_search, plan_resources
 
         # Trials run in the driver's working directory (relative paths in the spec mean the
         # same there); sweeps writes its own per-epoch JSON results, not Ray's CSV/TensorBoard.

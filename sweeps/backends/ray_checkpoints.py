@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sweeps.backends.ray_adapter import training_result
+
 CKPT_META = "sweeps_checkpoint.json"
 _LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lrs", "_last_lr", "eta_min")
 
@@ -29,7 +31,7 @@ def report_with_checkpoint(metrics: dict, out_dir: Path, trial_id: str, number: 
     staging folder is removed right after (also when ``report`` raises ``SystemExit``)."""
     from ray import tune
 
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     if not (out_dir / ckpt.LAST).exists():
         tune.report(metrics)  # diverged in its first epoch: nothing to keep
@@ -55,7 +57,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def clear_checkpoints(out_dir: Path) -> None:
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     for name in (ckpt.LAST, ckpt.PREV, ckpt.BEST):
         (out_dir / name).unlink(missing_ok=True)
@@ -67,7 +69,7 @@ def restore_checkpoint(folder: Path, out_dir: Path, params: dict) -> dict | None
     The checkpoint may come from another trial (PBT exploit) or another node. When the
     trial's ``lr``/``momentum`` differ from those the checkpoint was trained with (PBT
     explore), the saved optimizer and scheduler state are rescaled to the new values."""
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
     clear_checkpoints(out_dir)
@@ -84,7 +86,7 @@ def restore_checkpoint(folder: Path, out_dir: Path, params: dict) -> dict | None
 def apply_new_hyperparams(path: Path, old: dict, new: dict) -> bool:
     """Rescale the learning rates in a ``last.pt`` by ``new lr / old lr`` and set the new
     momentum. Returns True when the file changed."""
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
     ratio = new["lr"] / old["lr"] if "lr" in new and "lr" in old and old["lr"] and new["lr"] != old["lr"] else None
     momentum = new.get("momentum") if "momentum" in new and new.get("momentum") != old.get("momentum") else None
@@ -123,7 +125,6 @@ def _scale_lrs(obj: Any, ratio: float) -> None:
 def existing_checkpoint(checkpoint_result):
     """``checkpoint_result`` (what Ray restores a trial from) if its folder exists, else the
     newest checkpoint of the same trial that does (None of them: unchanged, Ray reports it)."""
-    from ray.train._internal.session import _TrainingResult
     from ray.tune import Checkpoint
 
     checkpoint = getattr(checkpoint_result, "checkpoint", None)
@@ -135,5 +136,5 @@ def existing_checkpoint(checkpoint_result):
         return checkpoint_result
     meta = json.loads((found[-1] / CKPT_META).read_text())
     metrics = {"training_iteration": meta.get("epoch") or 0}
-    return _TrainingResult(checkpoint=Checkpoint.from_directory(str(found[-1])), metrics=metrics)
+    return training_result(Checkpoint.from_directory(str(found[-1])), metrics)
 

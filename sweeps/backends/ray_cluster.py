@@ -15,6 +15,7 @@ from typing import Any
 from sweeps.backends.driver_signals import DriverSignals
 from sweeps.backends.ray_guardian import Guardian
 from sweeps.errors import BackendError
+from sweeps.pool import cpu_threads_available
 from sweeps.spec import StudySpec
 
 _GUARDIANS: list[Guardian] = []  # of the local Ray this process started (at most one)
@@ -39,8 +40,6 @@ def init_ray(spec: StudySpec) -> bool:
 
     if ray.is_initialized():
         return False  # the caller (a notebook, a test) owns the connection
-    from sweeps.pool import cpu_threads_available
-
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     env_vars = _worker_pythonpath(spec)
     if env_vars:

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from core.io_utils import save_json_atomic
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.ray_trainable import (
     R_DONE,
@@ -33,6 +34,7 @@ from sweeps.backends.ray_trainable import (
     R_STATE,
     R_VALUE,
     TAG_RAY_TRIAL_ID,
+    ended_for_good,
     number_of,
     r_objective,
 )
@@ -84,8 +86,6 @@ def read_meta(study_name: str) -> dict | None:
 
 
 def write_meta(study_name: str, meta: dict) -> None:
-    from core.io_utils import save_json_atomic
-
     path = meta_path(study_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_json_atomic(meta, path)
@@ -221,8 +221,6 @@ def trial_runs(reader: TrackingReader, parent_run_id: str) -> dict[str, Any]:
 def fill_from_mlflow(reader: TrackingReader, result: StudyResult) -> None:
     """Run ids of trials that never reported (failed at start), failure reasons, and the
     outcome of trials that finished after Ray's last snapshot (the driver died first)."""
-    from sweeps.backends.ray_trainable import ended_for_good
-
     if not result.parent_run_id:
         return
     try:

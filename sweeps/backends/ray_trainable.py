@@ -36,10 +36,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sweeps.backends.ray_checkpoints import clear_checkpoints, report_with_checkpoint, restore_checkpoint
+from sweeps import trial_folder
+from sweeps.backends.ray_adapter import running_trial_thread
+from sweeps.backends.ray_checkpoints import (
+    clear_checkpoints,
+    existing_checkpoint,
+    report_with_checkpoint,
+    restore_checkpoint,
+)
 from sweeps.backends.ray_continuing_run import TAG_RAY_TRIAL_ID, ContinuingTracker, adopt_lost_run, logged_up_to
 from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog, recorded_hang
+from sweeps.durations import stop_grace_seconds
 from sweeps.spec import StudySpec
+from sweeps.spec_objectives import DEPLOY_METRICS, is_deploy_metric
+from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 
@@ -67,8 +77,6 @@ def r_objective(i: int) -> str:
 def stop_wait_seconds() -> float:
     """How long an actor being stopped waits for its trial to stop at a step and close its MLflow
     run: the Optuna backend's grace for a worker (SWEEPS_STOP_GRACE_S, default 60)."""
-    from sweeps.backends.supervisor import stop_grace_seconds
-
     return stop_grace_seconds()
 
 
@@ -120,8 +128,6 @@ class TrialActorMixin:
       the trial's newest checkpoint that still exists instead of failing the trial."""
 
     def restore(self, checkpoint_path, *args, **kwargs):
-        from sweeps.backends.ray_checkpoints import existing_checkpoint
-
         return super().restore(existing_checkpoint(checkpoint_path), *args, **kwargs)
 
     def cleanup(self):
@@ -134,10 +140,8 @@ class TrialActorMixin:
 
 
 def _join_trial_thread() -> None:
-    from ray.train._internal.session import get_session
-
-    session = get_session()
-    if session is not None and session.training_started and session.training_thread.is_alive():
+    session = running_trial_thread()
+    if session is not None:
         stop = _CURRENT.get("stop")
         if stop is not None:
             stop.set()  # stop at the next optimizer step, with a checkpoint, not at the epoch's end
@@ -161,8 +165,6 @@ _TRACKERS_LOCK = threading.Lock()
 
 
 def _tracker(spec: StudySpec):
-    from sweeps.study_run import tracker_for
-
     with _TRACKERS_LOCK:
         uri = spec.tracking_store_uri()
         if uri not in _TRACKERS:
@@ -174,7 +176,7 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     import torch
     from ray import tune
 
-    from sweeps.objective import TrialSpec
+    from sweeps.objective import TrialSpec  # lazy: the Ray driver loads no torch
 
     spec = ctx.spec
     if os.path.isdir(ctx.cwd):
@@ -191,8 +193,6 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     params = {k: config[k] for k in spec.search if k in config}
     out_dir = Path(ctx.trials_dir) / f"trial-{number:04d}"
     tags: dict[str, Any] = {TAG_RAY_TRIAL_ID: trial_id, TAG_RAY_NODE: node_description()}
-
-    from sweeps.study_run import reader_for
 
     reader = reader_for(spec)
     existing = find_trial_run(reader, ctx.parent, trial_id)
@@ -239,8 +239,6 @@ def _own_folder(ctx: TrialContext, out_dir: Path, trial_id: str, number: int):
     if ctx.study_uid is None:
         yield None
         return
-    from sweeps import trial_folder
-
     # Parameters are not part of the owner: a PBT exploit changes them within the same trial.
     with trial_folder.claimed(out_dir, f"{ctx.study_uid}:{trial_id}:trial-{number:04d}", {}) as moved:
         yield moved
@@ -248,7 +246,7 @@ def _own_folder(ctx: TrialContext, out_dir: Path, trial_id: str, number: int):
 
 def _train(ctx: TrialContext, reader, existing: RunHandle | None, trial, trial_id: str) -> None:
     """Train the trial (its folder holds what it resumes from) and report its end to Ray."""
-    from sweeps.objective import run_trial, trial_config
+    from sweeps.objective import run_trial, trial_config  # lazy: the Ray driver loads no torch
 
     spec, number, params, out_dir = ctx.spec, trial.number, trial.params, trial.out_dir
     epochs = trial_config(spec, params).epochs
@@ -351,8 +349,6 @@ def final_values(spec, run, final: dict) -> dict:
     """For several objectives: each one's value from the finished run (the searcher's metrics and
     the figures ``_train`` would have reported): a deployment metric as logged, the trained
     objective as the run's ``objective``; NaN for what the run does not hold."""
-    from sweeps.spec_objectives import DEPLOY_METRICS, is_deploy_metric
-
     objectives = spec.objective_list()
     if len(objectives) < 2:
         return {}

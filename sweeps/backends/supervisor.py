@@ -30,20 +30,14 @@ from sweeps.backends.budget_outcome import max_failures_stop
 from sweeps.backends.driver_signals import DriverSignals
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
-from sweeps.durations import env_seconds
+from sweeps.durations import ENV_STOP_GRACE, stop_grace_seconds
 from sweeps.pool import WorkerSlot
 from sweeps.spec import StudySpec
 from sweeps.worker_identity import boot_id, worker_identity
 
 log = logging.getLogger("sweeps")
 _PR_SET_PDEATHSIG = 1
-STOP_GRACE_S = 60.0  # how long a stopped worker may take to checkpoint before it is killed
-ENV_STOP_GRACE = "SWEEPS_STOP_GRACE_S"
 CRASH_LOOP = 3  # workers in a row that die before their first trial stop the study
-
-
-def stop_grace_seconds() -> float:
-    return env_seconds(ENV_STOP_GRACE, STOP_GRACE_S)
 
 
 def _die_with_parent() -> None:

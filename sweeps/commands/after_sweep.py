@@ -6,11 +6,14 @@ Each command only parses its arguments here; the work lives in ``sweeps.registry
 """
 from __future__ import annotations
 
+# Each command imports what it runs inside its own function, lazily for start-up: `sweeps --help`
+# and every other command load none of it (torch, MLflow, Optuna, pandas).
 import argparse
 import os
 
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import UsageError
+from sweeps.moved_store import follow_moved_store
 
 # The per-file progress bars of MLflow downloads drown the tables these commands print.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -50,12 +53,10 @@ def _promote_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_promote(a: argparse.Namespace) -> int:
     from sweeps.registry import promote
-    from sweeps.spec import load_spec
+    from sweeps.spec_checks import load_spec
 
     spec = load_spec(a.spec)
     if not a.dry_run:  # a dry run writes nothing, and reads no artifact
-        from sweeps.moved_store import follow_moved_store
-
         follow_moved_store(spec.tracking_store_uri(), err_console)
     metric, direction = a.metric, a.direction
     if a.maximize or a.minimize:
@@ -101,7 +102,7 @@ def _positive_int(text: str) -> int:
 def cmd_rerun(a: argparse.Namespace) -> int:
     from sweeps.compare import find_trial_run, open_client, resolve_tracking_uri
     from sweeps.rerun import print_outcome, print_seed_summary, rerun_once, rerun_seeds
-    from sweeps.spec import load_spec
+    from sweeps.spec_checks import load_spec
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     spec = load_spec(a.spec) if a.spec else None
@@ -110,8 +111,6 @@ def cmd_rerun(a: argparse.Namespace) -> int:
                          "(or address the run directly: sweeps rerun --run-id ID)")
     uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
     open_client(uri)  # refuses a missing local store before anything is created
-    from sweeps.moved_store import follow_moved_store
-
     follow_moved_store(uri, err_console)  # runs/ moved: read and write artifacts where they are now
     tracker = MlflowTracker(uri)
     run_id = a.run_id or find_trial_run(open_client(uri), spec, a.trial)

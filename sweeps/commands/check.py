@@ -6,11 +6,14 @@ small batch and checks the data pipeline. Every finding is printed; any problem 
 """
 from __future__ import annotations
 
+# Each command imports what it runs inside its own function, lazily for start-up: `sweeps --help`
+# and every other command load none of it (torch, MLflow, Optuna, pandas).
 import argparse
 import time
 from typing import Any
 
 from sweeps.commands.base import Command, console, err_console, load_spec_file
+from sweeps.errors import SpecError, UsageError
 
 
 def _check_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +35,6 @@ def cmd_check(a: argparse.Namespace) -> int:
     from core.config import ConfigError, apply_overrides
     from core.sanity import OVERFIT_STEPS, sanity_check
     from core.tasks.base import TaskError
-    from sweeps.errors import SpecError, UsageError
-
     steps = OVERFIT_STEPS if a.steps is None else a.steps
     if steps < 1 or not a.factor > 1:
         raise UsageError(f"--steps {steps} --factor {a.factor}: use --steps 1 or more and --factor above 1")

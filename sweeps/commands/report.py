@@ -11,11 +11,16 @@ dashboards) happen inside the command, not here.
 """
 from __future__ import annotations
 
+# Each command imports what it runs inside its own function, lazily for start-up: `sweeps --help`
+# and every other command load none of it (torch, MLflow, Optuna, pandas).
 import argparse
 from pathlib import Path
 
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
+from sweeps.errors import PathError
+from sweeps.moved_store import follow_moved_store
 from sweeps.tracking import layout
+from sweeps.tracking.base import RunHandle
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -28,8 +33,6 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_report(a: argparse.Namespace) -> int:
     from dashboards.report import load_study, write_report
-    from sweeps.moved_store import follow_moved_store
-
     spec = load_spec_file(a.spec)
     if a.output:
         _check_output(Path(a.output))  # before the study is read: a wrong -o fails at once
@@ -50,8 +53,6 @@ def cmd_report(a: argparse.Namespace) -> int:
     import tempfile
 
     from dashboards.report import REPORT_FILE
-    from sweeps.tracking.base import RunHandle
-
     with tempfile.TemporaryDirectory(prefix="sweeps-report-") as tmp:
         logged = path
         if path.name != REPORT_FILE:  # one name in the run, so that every call replaces the last page
@@ -65,8 +66,6 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def _check_output(out: Path) -> None:
-    from sweeps.errors import PathError
-
     if out.is_dir():
         raise PathError(f"report -o {out}: {out} is a folder; name the page file, e.g. -o {out / 'report.html'}")
     blocker = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)

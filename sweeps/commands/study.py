@@ -7,12 +7,17 @@ nothing. The heavy imports (backends, MLflow, the dashboards) happen inside the 
 """
 from __future__ import annotations
 
+# Each command imports what it runs inside its own function, lazily for start-up: `sweeps --help`
+# and every other command load none of it (torch, MLflow, Optuna, pandas).
 import argparse
 import json
 import sys
 
+from core.faults import pause_here
 from sweeps.backends.budget_outcome import EXIT_BUDGET_UNMET, no_trial_completed
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
+from sweeps.errors import SpecError, StudyStateError, UsageError
+from sweeps.moved_store import follow_moved_store
 
 STATUS_FORMATS = ("table", "csv", "json")
 
@@ -23,8 +28,6 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
-    from sweeps.errors import SpecError
-
     code = 0
     for path in a.spec:
         try:
@@ -46,10 +49,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from core.faults import pause_here
-    from sweeps.backends import get_backend
-    from sweeps.moved_store import follow_moved_store
-
+    from sweeps.backends.by_name import get_backend
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
     # runs/ moved: a resumed study's new trial runs must write where the artifacts are now.
@@ -88,8 +88,6 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from sweeps.errors import StudyStateError, UsageError
-
     spec = load_spec_file(a.spec)
     if spec.backend != "optuna":
         raise StudyStateError(f"{a.spec}: backend: {spec.backend!r}; workers join Optuna studies. For Ray, "
@@ -122,7 +120,7 @@ def _status_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from sweeps.backends import get_backend
+    from sweeps.backends.by_name import get_backend
 
     spec = load_spec_file(a.spec)
     result = get_backend(spec.backend, a.spec).load(spec)

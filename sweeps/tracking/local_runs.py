@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from sweeps.safe_names import safe_component
 from sweeps.tracking.layout import PARENT_TAG
 
 TAG_CLIENT_ID = "sweeps.client_run_id"
@@ -47,8 +48,6 @@ def new_run_record(experiment_id: str, run_name: str, tags: dict[str, str]) -> l
 
 
 def _map_path(spool_dir: Path, local_id: str) -> Path:
-    from sweeps.safe_names import safe_component
-
     return Path(spool_dir) / f"{safe_component(local_id, 'run id')}.real"
 
 

@@ -21,9 +21,16 @@ from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.experiments import experiment_id_of
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, known_store_id, new_client_id, new_run_record
-from sweeps.tracking.send import StoreRefusesEveryWrite, drain, is_transient, send_records
+from sweeps.tracking.send import StoreRefusesEveryWrite, drain, send_records
 from sweeps.tracking.spool import Spool
-from sweeps.tracking.store_errors import call_error, disk_full_error, disk_full_raised, short_reason, store_folder
+from sweeps.tracking.store_errors import (
+    call_error,
+    disk_full_error,
+    disk_full_raised,
+    is_transient,
+    short_reason,
+    store_folder,
+)
 from sweeps.tracking.sync import (
     apply_fast_fail_http_defaults,
     artifact_root_uri,

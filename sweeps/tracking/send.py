@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from sweeps.errors import TrackingError
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, store_id_for
 from sweeps.tracking.spool import Spool
+from sweeps.tracking.store_errors import is_transient, permanent_reason
 from sweeps.tracking.trial_model import TAG_MODEL_ERROR, make_trial_model
 
 log = logging.getLogger(__name__)
@@ -34,57 +34,6 @@ _ENTITY_OVERHEAD_BYTES = 64
 class StoreRefusesEveryWrite(TrackingError):
     """The store can take no write until someone fixes it (credentials, permissions, its
     schema): waiting would not help, so it is said at once, in one line. The writes are kept."""
-
-
-# Errors of the store itself, not of one write; a SQL store's OperationalError (which MLflow
-# answers as 503, "try again") says so only in its text.
-_PERMANENT = re.compile(r"no such (table|column)|relation \S+ does not exist|column \S+ does not exist|"
-                        r"readonly database|read-only|permission denied|access denied|password authentication failed",
-                        re.IGNORECASE)
-
-
-def permanent_reason(exc: BaseException) -> str | None:
-    """One line saying why the store refuses every write (HTTP 401/403, a schema or permission
-    error of its database), or None for an error of one write or one that may pass."""
-    from mlflow.exceptions import MlflowException
-
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    if isinstance(exc, MlflowException) and exc.get_http_status_code() in (401, 403):
-        what = "credentials" if exc.get_http_status_code() == 401 else "permission"
-        return (f"refuses the {what} of this process (HTTP {exc.get_http_status_code()}): {first}; set "
-                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an account "
-                "that may write")
-    said = next((line.strip() for line in str(exc).splitlines() if _PERMANENT.search(line)), None)
-    if said is not None:  # the line that says it (MLflow's SQL errors start with SQLAlchemy's hints)
-        return f"cannot be written: {said[:300]}; fix the store (its schema: `mlflow db upgrade URI`; its permissions)"
-    return None
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True when a failed write may succeed later unchanged: the store was unreachable,
-    timed out, was locked, or answered 5xx/429. Anything else (4xx: a refused value, a deleted
-    run; a store refusing every write, :func:`permanent_reason`) would fail again, so it must
-    not be retried."""
-    from mlflow.exceptions import MlflowException
-
-    if permanent_reason(exc) is not None:
-        return False
-    if isinstance(exc, MlflowException):
-        code = exc.get_http_status_code()
-        return code >= 500 or code == 429
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    with contextlib.suppress(ImportError):
-        import requests
-
-        if isinstance(exc, requests.exceptions.RequestException):
-            return True
-    with contextlib.suppress(ImportError):
-        from sqlalchemy.exc import DisconnectionError, OperationalError
-
-        if isinstance(exc, (OperationalError, DisconnectionError)):
-            return True
-    return False
 
 
 _ONE_CALL = ("a", "dt", "open", "end", "in", "lm", "new")  # records that are one store call each, never batched

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from sweeps.safe_names import safe_component, safe_subpath
+from sweeps.store_urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +248,6 @@ class Spool:
 
 def store_key(uri: str) -> str:
     """How a spool names its store: the URI with any password masked (never on disk in clear)."""
-    from sweeps.spec import redact_url  # sweeps.spec imports the tracking package
-
     return redact_url(str(uri))
 
 

@@ -10,12 +10,63 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from core.diskfull import describe_disk_full
 from sweeps.errors import TrackingDiskFullError, TrackingError
-from sweeps.tracking.sync import sqlite_path
+from sweeps.store_urls import sqlite_path
+
+# Errors of the store itself, not of one write; a SQL store's OperationalError (which MLflow
+# answers as 503, "try again") says so only in its text.
+_PERMANENT = re.compile(r"no such (table|column)|relation \S+ does not exist|column \S+ does not exist|"
+                        r"readonly database|read-only|permission denied|access denied|password authentication failed",
+                        re.IGNORECASE)
+
+
+def permanent_reason(exc: BaseException) -> str | None:
+    """One line saying why the store refuses every write (HTTP 401/403, a schema or permission
+    error of its database), or None for an error of one write or one that may pass."""
+    from mlflow.exceptions import MlflowException
+
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if isinstance(exc, MlflowException) and exc.get_http_status_code() in (401, 403):
+        what = "credentials" if exc.get_http_status_code() == 401 else "permission"
+        return (f"refuses the {what} of this process (HTTP {exc.get_http_status_code()}): {first}; set "
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an account "
+                "that may write")
+    said = next((line.strip() for line in str(exc).splitlines() if _PERMANENT.search(line)), None)
+    if said is not None:  # the line that says it (MLflow's SQL errors start with SQLAlchemy's hints)
+        return f"cannot be written: {said[:300]}; fix the store (its schema: `mlflow db upgrade URI`; its permissions)"
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when a failed write may succeed later unchanged: the store was unreachable,
+    timed out, was locked, or answered 5xx/429. Anything else (4xx: a refused value, a deleted
+    run; a store refusing every write, :func:`permanent_reason`) would fail again, so it must
+    not be retried."""
+    from mlflow.exceptions import MlflowException
+
+    if permanent_reason(exc) is not None:
+        return False
+    if isinstance(exc, MlflowException):
+        code = exc.get_http_status_code()
+        return code >= 500 or code == 429
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    with contextlib.suppress(ImportError):
+        import requests
+
+        if isinstance(exc, requests.exceptions.RequestException):
+            return True
+    with contextlib.suppress(ImportError):
+        from sqlalchemy.exc import DisconnectionError, OperationalError
+
+        if isinstance(exc, (OperationalError, DisconnectionError)):
+            return True
+    return False
 
 
 def store_folder(tracking_uri: str, spool_dir: str | Path) -> Path:
@@ -78,8 +129,6 @@ def call_error(what: str, subject: str, tracking_uri: str, exc: BaseException,
                store_dir: str | Path) -> TrackingError:
     """The error to raise for the store call ``what`` on ``subject`` that failed with ``exc``: a
     full disk named, else the reason and whether to start the store or fix the request."""
-    from sweeps.tracking.send import is_transient  # it imports the spool, which must not import this at load
-
     hint = ("The store is unreachable: start it or fix the tracking URI, then resume the study."
             if is_transient(exc) else "The store refused the request: see the reason above.")
     return (disk_full_error(exc, f"MLflow {what} for {subject!r} at {tracking_uri}", store_dir)

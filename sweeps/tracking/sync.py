@@ -10,11 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sweeps.durations import env_seconds
 from sweeps.errors import TrackingError, TrackingPathError
 from sweeps.interruptible import interrupted_by_signals
-from sweeps.tracking.send import COUNT_KEYS, StoreRefusesEveryWrite, drain, is_transient
-from sweeps.tracking.spool import Spool
+from sweeps.store_urls import RDB_DIALECTS, sqlite_path
+from sweeps.tracking.local_runs import is_local
+from sweeps.tracking.send import COUNT_KEYS, StoreRefusesEveryWrite, drain
+from sweeps.tracking.spool import Spool, store_key
 from sweeps.tracking.store_access import TrackingAuthError, host_header_refusal, http_credentials, sqlite_locked_error
+from sweeps.tracking.store_errors import disk_full_error, is_transient, store_folder
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +47,6 @@ _FAST_FAIL_HTTP_ENV = {
 }
 
 
-RDB_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")  # SQLAlchemy URL schemes
-
-
 def is_http_uri(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
@@ -69,8 +70,6 @@ RETRY_S = 30.0  # after a failed write, how long a tracker spools without trying
 
 def retry_seconds() -> float:
     """How long a tracker leaves an unreachable store alone (``SWEEPS_TRACKING_RETRY_S``, default 30)."""
-    from sweeps.durations import env_seconds
-
     return env_seconds(ENV_RETRY_S, RETRY_S)
 
 
@@ -109,8 +108,6 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
             raise
         raise locked from exc
     except Exception as exc:  # any error here means the store is not usable: say so now
-        from sweeps.tracking.store_errors import disk_full_error, store_folder  # it imports this module
-
         raise (sqlite_locked_error(tracking_uri, sqlite_path(tracking_uri), exc)
                or disk_full_error(exc, f"opening {tracking_uri}", store_folder(tracking_uri, "."))
                or TrackingError(
@@ -119,14 +116,6 @@ def check_store(tracking_uri: str, get_client: Callable[[], Any]) -> None:
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The file of a ``sqlite:///`` URI (``sqlite:////abs`` is absolute); None for others and memory."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    rest = uri[len("sqlite:///"):].split("?", 1)[0]
-    return Path(rest) if rest and rest != ":memory:" else None
 
 
 def check_sqlite_store(uri: str) -> None:
@@ -283,9 +272,6 @@ def sync_spool(tracking_uri: str, spool_dir: str | Path, client: Any = None) -> 
     client = get_client()
     totals = dict.fromkeys(COUNT_KEYS, 0)
     result: dict[str, Any] = {"runs": {}, "totals": totals, "refused": [], "failed": {}}
-    from sweeps.tracking.local_runs import is_local
-    from sweeps.tracking.spool import store_key
-
     for run_id in spool.run_ids():
         stamped = spool.store_of(run_id)
         if is_local(run_id) and stamped is not None and stamped != store_key(tracking_uri):

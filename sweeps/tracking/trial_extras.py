@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps.tracking.base import RunHandle, Tracker
+from sweeps.tracking.confusion_image import IMAGE_FILE, render
+from sweeps.tracking.mlflow_tracker import MlflowTracker
 from sweeps.tracking.system_metrics import SystemMetrics
+from sweeps.tracking.trial_model import TAG_MODEL_ERROR, model_record
 
 if TYPE_CHECKING:
     from core.results import TrainResult
@@ -28,8 +31,6 @@ CONTEXTS = {"train": "training", "val": "validation"}  # MLflow's usual mlflow.d
 def mlflow_tracker_of(tracker: Any) -> MlflowTracker | None:
     """The MlflowTracker under ``tracker`` (Ray's ContinuingTracker wraps one as ``inner``), or
     None for another Tracker: dataset inputs and logged models are MLflow calls beyond the five."""
-    from sweeps.tracking.mlflow_tracker import MlflowTracker
-
     for _ in range(4):
         if isinstance(tracker, MlflowTracker):
             return tracker
@@ -111,8 +112,6 @@ class TrialExtras:
 
     # -- confusion matrix image --------------------------------------------------------------
     def confusion_image(self, matrix_json: Path, artifact_dir: str) -> None:
-        from sweeps.tracking.confusion_image import IMAGE_FILE, render
-
         try:
             # The PNG lives next to the JSON in the trial's folder, like every artifact core writes.
             out = render(matrix_json, matrix_json.with_name(IMAGE_FILE))
@@ -126,8 +125,6 @@ class TrialExtras:
         self.system.stop()
         if result is None or result.checkpoint_best is None or self.mlflow is None:
             return
-        from sweeps.tracking.trial_model import TAG_MODEL_ERROR, model_record
-
         try:
             # Made now, or kept in the outbox with the run's other writes while the store is down.
             self.mlflow.log_trial_model(self.run, model_record(number, params, result, self.datasets,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_peers import ARMS, PEERS
+from benchmarks.bench_peers import ARMS, PEERS, first_trial_seconds
 from benchmarks.common import bench_main
 from benchmarks.peers.records import recorded, table
 from tests.benchmarks.test_bench_smoke import check_schema
@@ -40,6 +40,7 @@ def test_peers_quick_every_arm_completes_and_records_what_the_table_says(tmp_pat
         # Without pruning every sweeps trial completes, so each has a verified ONNX model; no peer exports one.
         assert rec["onnx"] == (N_TRIALS if arm_name == "sweeps run" else 0), arm_name
         assert rec["system_metrics"] == (N_TRIALS if arm_name == "sweeps run" else 0), arm_name
+        assert 0 < res["first_trial_s"] <= res["first_epoch_s"], arm_name  # two events, in order, one clock
     details = row["details"]
     assert details["records"] == {a: round_[a]["records"] for a in ARMS}  # the table shows the last round
     lines = details["records_table"]
@@ -81,3 +82,21 @@ def test_records_are_read_from_the_store_not_assumed(tmp_path):
     assert (rec["step_curves"], rec["epoch_curves"], rec["checkpoints"], rec["onnx"]) == (1, 2, 1, 0)
     assert rec["step_keys"] == ["step/train_loss"] and rec["epoch_keys"] == ["val_acc", "val_loss"]
     assert table({"x": rec})[2].startswith("| x | 3 | 2 | 0 | 2 | 1 | 0 | 1 | 0 | 0 |")
+
+
+def test_time_to_the_first_trial_is_read_from_the_runs_start_and_first_epoch(tmp_path):
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("s", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(exp, start_time=1_000_000).info.run_id
+    first = client.create_run(exp, tags={"mlflow.parentRunId": parent}, start_time=1_004_500).info.run_id
+    later = client.create_run(exp, tags={"mlflow.parentRunId": parent}, start_time=1_006_000).info.run_id
+    client.log_batch(first, metrics=[Metric("val_loss", 1.0, 1_007_250, 0), Metric("val_loss", 1.0, 1_009_000, 1)])
+    client.log_batch(later, metrics=[Metric("val_loss", 1.0, 1_008_000, 0)])
+    rec = recorded(uri, "s")
+    assert (rec["first_trial_start_ms"], rec["first_epoch_ms"]) == (1_004_500, 1_007_250)
+    assert first_trial_seconds(rec, 1_000.0) == {"first_trial_s": 4.5, "first_epoch_s": 7.25}
+    assert first_trial_seconds({}, 1_000.0) == {"first_trial_s": None, "first_epoch_s": None}

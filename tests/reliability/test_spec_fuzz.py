@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sweeps.errors import SpecError
-from sweeps.spec import spec_from_dict
+from sweeps.spec_checks import spec_from_dict
 from sweeps.yaml_loader import parse_yaml_text
 
 KEYS = ["name", "description", "task", "train", "search", "objective", "backend", "sampler", "pruner", "budget",

@@ -126,10 +126,3 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path
     assert [t.state.name for t in _trials(tmp_path)] == ["FAIL", "WAITING"]
     _assert_nothing_running(tmp_path)
 
-
-def test_workers_are_capped_at_the_number_of_trials(tmp_path):
-    spec = save_spec(tmp_path, tiny_spec("cap", budget={"n_trials": 2}, resources={"workers": 8}))
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (parent,) = [r for r in mlflow_runs(tmp_path, "cap") if r.data.tags.get("sweeps.role") == "study"]
-    assert parent.data.tags["sweeps.workers"] == "2"

@@ -11,6 +11,7 @@ import pytest
 
 from sweeps import cli
 from sweeps.commands.base import Command
+from tests.sweeps.study_helpers import write_spec
 
 EVERY_COMMAND = ["validate", "run", "worker", "status", "sync-tracking", "repair-journal", "check", "doctor", "slurm",
                  "promote", "rerun", "compare", "report"]
@@ -70,7 +71,7 @@ def test_a_command_module_that_cannot_be_imported_stops_the_cli():
 
 # ---- errors --------------------------------------------------------------------------------------
 def test_an_unknown_backend_is_a_sweeps_error_with_exit_2():
-    from sweeps.backends import get_backend
+    from sweeps.backends.by_name import get_backend
     from sweeps.errors import SweepsError, UnknownBackendError
 
     with pytest.raises(UnknownBackendError) as info:
@@ -86,7 +87,7 @@ def test_the_cli_names_an_unknown_backend_in_one_line_and_exits_2(command, tmp_p
     # A spec file cannot hold an unknown backend (validation refuses it first); a spec built in
     # code can, so the command is handed one.
     from sweeps.commands import study
-    from sweeps.spec import load_spec
+    from sweeps.spec_checks import load_spec
     from tests.sweeps.study_helpers import write_spec
 
     path = write_spec(tmp_path, name="nobackend", seed_store=False)
@@ -96,3 +97,15 @@ def test_the_cli_names_an_unknown_backend_in_one_line_and_exits_2(command, tmp_p
     err = capsys.readouterr().err
     assert err == (f"error: {path}: backend: 'tune' is not one of optuna, ray; write backend: optuna (the "
                    "default) or backend: ray in the study spec\n")
+
+
+def test_run_with_a_bad_spec_exits_2_naming_each_field_and_creates_nothing(in_tmp, capsys):
+    """Validation and the exit code are the CLI's own: run in this process (no study starts)."""
+    spec = write_spec(in_tmp, name="bad", seed_store=False,
+                      search={"lr": {"type": "float", "low": 0.0, "high": 1.0, "log": True}},
+                      budget={"n_trials": 0})
+    before = sorted(p.name for p in in_tmp.iterdir())
+    assert cli.main(["run", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "search.lr" in err and "budget.n_trials" in err and "Traceback" not in err
+    assert sorted(p.name for p in in_tmp.iterdir()) == before

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from sweeps import pool as pool_mod
+from sweeps.backends.optuna_backend import plan_local_workers
 from sweeps.errors import SweepsError
 from sweeps.pool import (
     ResourcesError,
@@ -16,6 +17,8 @@ from sweeps.pool import (
     discover_devices,
     plan_workers,
 )
+from sweeps.spec_checks import spec_from_dict
+from tests.sweeps.study_helpers import tiny_spec
 
 # --------------------------------------------------------------------------- device groups
 
@@ -228,3 +231,13 @@ def test_plan_workers_default_threads_from_machine():
 )
 def test_ddp_processes_one_rank_per_leased_gpu(gpus_per_trial, devices, device, explicit, visible, expected):
     assert pool_mod.ddp_processes(gpus_per_trial, devices, device, explicit, visible) == expected
+
+
+@pytest.mark.parametrize("n_trials, workers, started", [(2, 8, 2), (8, 3, 3)])
+def test_sweeps_run_starts_no_more_workers_than_the_study_has_trials(n_trials, workers, started):
+    """The plan ``sweeps run`` starts its workers from (OptunaBackend.run: one worker per slot,
+    recorded in the study run's ``sweeps.workers`` tag): a worker with no trial would only cost
+    memory."""
+    spec = spec_from_dict(tiny_spec("cap", budget={"n_trials": n_trials}, resources={"workers": workers}))
+    slots = plan_local_workers(spec)
+    assert [s.index for s in slots] == list(range(started))

@@ -10,7 +10,9 @@ import pytest
 
 from core.config import TrainConfig
 from sweeps.errors import SpecError
-from sweeps.spec import StudySpec, dump_spec_dict, load_spec, redact_url, spec_from_dict
+from sweeps.spec import StudySpec, dump_spec_dict
+from sweeps.spec_checks import load_spec, spec_from_dict
+from sweeps.store_urls import redact_url
 from sweeps.yaml_loader import load_yaml
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
@@ -359,7 +361,7 @@ def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import
     code = textwrap.dedent(f"""
         import sys
         from sweeps.errors import SpecError
-        from sweeps.spec import load_spec
+        from sweeps.spec_checks import load_spec
         import sweeps.backends.optuna_backend, sweeps.live, sweeps.study_run
         load_spec({str(spec)!r})
         try:

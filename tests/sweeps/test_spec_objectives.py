@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from sweeps.errors import SpecError
-from sweeps.spec import dump_spec_dict, load_spec, spec_from_dict
+from sweeps.spec import dump_spec_dict
+from sweeps.spec_checks import load_spec, spec_from_dict
 from sweeps.spec_objectives import Bound
 from tests.sweeps.test_spec import write
 

@@ -13,8 +13,9 @@ from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 
 from sweeps.errors import TrackingError
 from sweeps.tracking import layout, sync_spool
-from sweeps.tracking.send import MAX_BATCH_BYTES, _plan, drain, is_transient
+from sweeps.tracking.send import MAX_BATCH_BYTES, _plan, drain
 from sweeps.tracking.spool import Spool
+from sweeps.tracking.store_errors import is_transient
 
 from .conftest import FAST_HTTP_ENV, CountingClient, pick_free_port
 
