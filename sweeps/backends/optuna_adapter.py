@@ -19,6 +19,7 @@ import optuna
 from optuna.storages import BaseStorage, RDBStorage
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.storages.journal._file import LOCK_FILE_SUFFIX
+from optuna.storages.journal._storage import JournalOperation
 from optuna.trial import FrozenTrial
 
 OPTUNA_CHECKED = "5.1.0"  # the Optuna version every function below was read against
@@ -28,6 +29,9 @@ OPTUNA_CHECKED = "5.1.0"  # the Optuna version every function below was read aga
 # plain Optuna process appending to a sweeps journal waits for sweeps; Optuna exports the
 # lock class, not the name of its link.
 JOURNAL_LOCK_SUFFIX: str = LOCK_FILE_SUFFIX
+# The record kinds (``op_code``) this Optuna's journal reader replays; it stops on any other with
+# a bare ``AssertionError``, so sweeps checks each record's kind before Optuna reads the file.
+JOURNAL_OP_CODES: frozenset[int] = frozenset(int(op) for op in JournalOperation)
 
 AnyTrial = optuna.Trial | FrozenTrial
 
