@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -69,11 +70,13 @@ class OptunaBackend:
         return optuna_study.study_result(spec, study)
 
     # ---- run ---------------------------------------------------------------------------------
-    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False,
+            on_locked: Callable[[], None] | None = None) -> StudyResult:
         with DriverSignals() as signals:  # outside the supervisor: while the study starts and ends
-            return self._run(spec, fresh, quiet, signals)
+            return self._run(spec, fresh, quiet, signals, on_locked or (lambda: None))
 
-    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals) -> StudyResult:
+    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals,
+             on_locked: Callable[[], None]) -> StudyResult:
         from sweeps.live import LiveView
 
         slots = self._plan(spec)
@@ -81,6 +84,7 @@ class OptunaBackend:
         # The workers start first: their imports take seconds, on the cores this set-up leaves idle.
         # After the run lock: a run refused because another holds the study starts none.
         with self._run_lock(spec), EarlyWorkers(slots) as early:
+            on_locked()
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
             uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
