@@ -248,6 +248,7 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
     the changed parameters: its trials would not be comparable."""
     storage = open_storage(spec, create=create)
     name = current_study_name(storage, spec.name)
+    exists = name is not None and not fresh
     if name is None and not create:
         raise StudyStateError(f"study {spec.name!r} is not in {spec.storage_url()}; run: sweeps run {spec.path}")
     if fresh and name is not None:
@@ -255,37 +256,51 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
         name = f"{spec.name}-v{version}"
     name = name or spec.name
     directions = spec.directions()
-    if create:
+    sampler, pruner = make_sampler(spec, worker_index), make_pruner(spec)
+    if create and not exists:
         study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, directions=directions,
-                                    sampler=make_sampler(spec, worker_index), pruner=make_pruner(spec))
-    else:  # read-only: create_study(load_if_exists) would append a create record to a journal
-        study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(spec, worker_index),
-                                  pruner=make_pruner(spec))
-    if create and ATTR_STUDY_UID not in study.user_attrs:  # new (or made before identities existed)
-        study.set_user_attr(ATTR_STUDY_UID, uuid.uuid4().hex)
+                                    sampler=sampler, pruner=pruner)
+    else:  # it exists: create_study(load_if_exists) would append a create record to a journal, refused or not
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+    _check_resumable(spec, study, directions)  # a refused resume writes nothing
+    if create:
+        _store_identity(spec, study)
+    return study
+
+
+def _check_resumable(spec: StudySpec, study: optuna.Study, directions: list[str]) -> None:
+    """Refuse a study resumed under its name with a changed search space, training, objectives
+    or constraints (naming what changed): its trials would not be comparable. Reads only."""
+    name = study.study_name
     stored = study.user_attrs.get(ATTR_SEARCH)
     wanted = ss.signature(spec.search)
-    if stored is None and create:
-        study.set_user_attr(ATTR_SEARCH, wanted)
-        study.set_user_attr(ATTR_SPEC_HASH, spec.spec_hash())
-    elif stored is not None and stored != wanted:
+    if stored is not None and stored != wanted:
         changed = sorted(k for k in set(stored) | set(wanted) if stored.get(k) != wanted.get(k))
         raise StudyStateError(
             f"search space of study {name!r} changed since it started: {', '.join(changed)} differ "
             f"(stored {[stored.get(k) for k in changed]}, spec {[wanted.get(k) for k in changed]}). "
             f"Its trials would not be comparable: restore the search section, or start a new study "
             f"with: sweeps run {spec.path} --fresh")
-    judged, stored_judged = judged_by(spec), study.user_attrs.get(ATTR_JUDGED_BY, {})
-    if message := judged_by_changes(stored_judged, judged, name, spec.path):
+    if message := judged_by_changes(study.user_attrs.get(ATTR_JUDGED_BY, {}), judged_by(spec), name, spec.path):
         raise StudyStateError(message)
-    if create and set(judged) - set(stored_judged):  # new (or made before a part was stored: from now on)
-        study.set_user_attr(ATTR_JUDGED_BY, {**judged, **stored_judged})
     stored_dirs = [d.name.lower() for d in study.directions]
     if stored_dirs != directions:
         field = "objective.direction" if len(directions) == 1 == len(stored_dirs) else "objectives"
         raise StudyStateError(f"{field}: study {name!r} was created to {', '.join(stored_dirs)}, the spec says "
                               f"{', '.join(directions)}; use --fresh")
-    return study
+
+
+def _store_identity(spec: StudySpec, study: optuna.Study) -> None:
+    """Once the study is accepted: what a new study (or one made before a part was stored) lacks,
+    its identity, search space and what judges its trials, for later resumes to compare."""
+    if ATTR_STUDY_UID not in study.user_attrs:
+        study.set_user_attr(ATTR_STUDY_UID, uuid.uuid4().hex)
+    if ATTR_SEARCH not in study.user_attrs:
+        study.set_user_attr(ATTR_SEARCH, ss.signature(spec.search))
+        study.set_user_attr(ATTR_SPEC_HASH, spec.spec_hash())
+    judged, stored_judged = judged_by(spec), study.user_attrs.get(ATTR_JUDGED_BY, {})
+    if set(judged) - set(stored_judged):
+        study.set_user_attr(ATTR_JUDGED_BY, {**judged, **stored_judged})
 
 
 # ---- records -------------------------------------------------------------------------------
