@@ -30,6 +30,7 @@ from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
 from sweeps.spec import StudySpec, redact_url
+from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 
@@ -39,7 +40,8 @@ ENV_HOLD_TRIAL = "SWEEPS_HOLD_TRIAL"  # tests: see _hold_if_asked
 
 
 class _Signals:
-    """SIGTERM / SIGINT set an event the running trial polls at every optimizer step: it then
+    """SIGTERM / SIGINT / SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) set an event the
+    running trial polls at every optimizer step: it then
     saves a checkpoint and stops; the worker marks it FAIL and requeues it. While the trial is
     still setting up (the task's imports, datasets and model: nothing to checkpoint yet, and
     no step to poll at), ``run_trial`` marks the event ``abortable`` and the handler raises
@@ -48,10 +50,11 @@ class _Signals:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signum: int | None = None
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        after_hangup(signum)
         self.signum = signum
         self.event.set()
         if getattr(self.event, "abortable", False):
@@ -377,7 +380,7 @@ def main() -> int:
     # save yet and leaves without a traceback (as supervisor._WORKER_BOOT set it up before any
     # import; again here for a worker started with -m). After the go, a signal means what it
     # always does.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _quiet_exit)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     for module in TRIAL_IMPORTS:
@@ -386,6 +389,7 @@ def main() -> int:
     line = sys.stdin.readline()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     if not line.strip():
         return 0  # the orchestrator stopped before sending the go
     go = WorkerGo.from_line(line)

@@ -33,6 +33,7 @@ from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import env_seconds
 from sweeps.pool import WorkerSlot
 from sweeps.spec import StudySpec
+from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.worker_identity import boot_id, worker_identity
 
 log = logging.getLogger("sweeps")
@@ -69,12 +70,12 @@ def describe_exit(returncode: int) -> str:
 
 
 WORKER_MODULE = "sweeps.backends.optuna_worker"
-# A worker's first lines: SIGINT and SIGTERM end it quietly (128 + n) before anything is imported,
+# A worker's first lines: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) before anything is imported,
 # so a Ctrl-C while `sweeps run` sets up (its workers still importing, the packages' __init__s
 # included) prints no traceback; the worker sets its own handlers once it has its go. The module
 # is its own argument, so `ps` shows which process this is.
 _WORKER_BOOT = ("import os, runpy, signal, sys\n"
-                "for s in (signal.SIGINT, signal.SIGTERM):\n"
+                "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
                 "    signal.signal(s, lambda n, _f: os._exit(128 + n))\n"
                 "from core.faults import pause_here\n"  # stdlib only: cheap
                 "pause_here('worker_importing')\n"
@@ -157,7 +158,7 @@ class Supervisor:
     def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
         """Start a worker per slot and watch them until all have exited and none is to be
         replaced. Returns why it stopped ("" when the budget finished) and the exit code."""
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         monitor: StaleTrialMonitor | None = None
         try:
             # Dead workers' trials (another machine's, or one of ours that the heartbeat finds
@@ -194,6 +195,7 @@ class Supervisor:
         return self._verdict()
 
     def _on_signal(self, signum, _frame) -> None:
+        after_hangup(signum)
         if self.signum is not None:  # a second Ctrl-C / SIGTERM: stop now, not at the next checkpoint
             for w in self.workers:
                 self._kill(w, f"stopped by a second {signal.Signals(signum).name} before it checkpointed")
