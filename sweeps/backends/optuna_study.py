@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.pool import NullPool
 
 from sweeps import search_space as ss
-from sweeps.backends import optuna_adapter
+from sweeps.backends import optuna_adapter, optuna_outage
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
@@ -69,13 +69,17 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
     url = spec.storage_url()
     if spec.is_rdb_storage():
         heartbeat_s, grace_s = heartbeat_settings()
+        outage = optuna_outage.outage_wait(redact_url(url))  # waited out once this process has used it
         try:
-            return RDBStorage(
+            rdb = outage.call(lambda: RDBStorage(
                 sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True} if pooled else {"poolclass": NullPool},
                 skip_table_creation=not create,
                 heartbeat_interval=heartbeat_s, grace_period=grace_s,
                 heartbeat_stale_trial_callback=_stale_trial_callback(spec.tracking_store_uri()),
-            )
+            ))
+            return optuna_adapter.outage_tolerant(rdb, outage)
+        except optuna_outage.StorageUnavailable:
+            raise
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
             root: BaseException = exc
             while root.__cause__ is not None:  # Optuna wraps the database's own message
@@ -157,13 +161,29 @@ def ask_lock(spec: StudySpec) -> Iterator[None]:
 
         engine = sqlalchemy.create_engine(sqlalchemy_url(url), poolclass=sqlalchemy.pool.NullPool)
         key = int.from_bytes(spec.name.encode()[:8].ljust(8, b"\0"), "big") & 0x7FFFFFFFFFFFFFFF
-        with engine.connect() as conn:
-            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        outage = optuna_outage.outage_wait(redact_url(url))
+
+        def locked() -> sqlalchemy.Connection:
+            conn = engine.connect()
             try:
-                yield
-            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        conn = outage.call(locked)
+        try:
+            yield
+        finally:
+            try:
                 conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-        engine.dispose()
+            except sqlalchemy.exc.DBAPIError as exc:  # the connection died: its session's lock went with it
+                if optuna_outage.classify(exc) != optuna_outage.TRANSIENT:
+                    raise
+            finally:
+                conn.close()
+                engine.dispose()
         return
     yield
 
@@ -349,6 +369,8 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
         return []
     storage = optuna_adapter.storage_of(study)
     grace = optuna_adapter.heartbeat_grace_seconds(study)
+    if isinstance(storage, optuna_adapter.OutageTolerantStorage) and storage.outage.quiet_for(grace):
+        return []  # no heartbeat could be recorded during the outage: silence is no sign of a dead worker
     failed = []
     for trial_id in optuna_adapter.stale_trial_ids(study):
         worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")

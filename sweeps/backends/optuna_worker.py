@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 
 import optuna
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from core.faults import pause_here
 from sweeps import deploy_check
 from sweeps import search_space as ss
 from sweeps.backends import driver_faults, optuna_adapter, optuna_study
+from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
@@ -50,6 +51,7 @@ class _Signals:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signum: int | None = None
+        self.storage_lost: StorageUnavailable | None = None
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
 
@@ -63,6 +65,13 @@ class _Signals:
 
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else EXIT_OK
+
+    def storage_gone(self, exc: StorageUnavailable) -> None:
+        """The storage did not come back within its wait: the trial stops as on SIGTERM (it
+        checkpoints at its next step), and the worker then exits with ``exc``."""
+        self.storage_lost = self.storage_lost or exc
+        self.signum = self.signum or signal.SIGTERM
+        self.event.set()
 
 
 def trial_dir(spec: StudySpec, study_name: str, number: int) -> Path:
@@ -201,8 +210,9 @@ def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None
         if optuna_study.current_study_name(storage, spec.name) is None:
             return None, f"study {spec.name!r} does not exist yet"
     finally:
-        if isinstance(storage, RDBStorage):  # polled every 2 s: do not pile up connection pools
-            storage.engine.dispose()
+        rdb = optuna_adapter.rdb_of(storage)
+        if rdb is not None:  # polled every 2 s: do not pile up connection pools
+            rdb.engine.dispose()
     return optuna_study.open_study(spec, worker_index=worker_index, create=False), ""
 
 
@@ -259,6 +269,8 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
                     "this attempt's result is dropped and its retry counts instead", trial.number,
                     optuna_study.ENV_GRACE, optuna_study.heartbeat_settings()[1])
         exhausted = False
+    if signals.storage_lost is not None:  # the trial is checkpointed (and requeued if the storage is back)
+        raise signals.storage_lost
     if outcome.state == "INTERRUPTED":
         return signals.exit_code()
     if exhausted:
@@ -277,9 +289,13 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
     def should_prune(epoch: int, value: float) -> bool:
         if several:  # Optuna keeps no intermediate values for several objectives; no pruner runs (spec)
             return False
-        trial.report(value, epoch)
-        driver_faults.hold_mid_trial(signals.event)
-        return trial.should_prune()
+        try:
+            trial.report(value, epoch)
+            driver_faults.hold_mid_trial(signals.event)
+            return trial.should_prune()
+        except StorageUnavailable as exc:
+            signals.storage_gone(exc)
+            return False
 
     # The folder is this trial's (the study's identity and its original number): a retry (crash,
     # SIGTERM) resumes from the checkpoint there, and anything else found there is moved aside.
@@ -287,7 +303,10 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
     spec_trial = TrialSpec(trial.number, params, out_dir, tags=tags, overrides=overrides, owner=owner)
 
     def on_start(run) -> None:
-        trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
+        try:
+            trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
+        except StorageUnavailable as exc:  # the trial stops before its first step; its run is closed
+            signals.storage_gone(exc)
         beat()
 
     return run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,

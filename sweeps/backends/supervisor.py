@@ -28,6 +28,7 @@ from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
 from sweeps.backends.budget_outcome import max_failures_stop
 from sweeps.backends.driver_signals import DriverSignals
+from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import env_seconds
@@ -153,6 +154,7 @@ class Supervisor:
     max_failures_code: int = 1  # the exit code for budget.max_failures (`sweeps worker` says 3)
     early: EarlyWorkers | None = None  # processes started before the study was ready, one per slot
     driver_signals: DriverSignals | None = None  # what took the signals before this (sweeps run's driver)
+    storage_lost: StorageUnavailable | None = None  # the Optuna storage stayed away past its wait
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
@@ -172,12 +174,16 @@ class Supervisor:
                     break
                 self._start(slot)
             while True:
-                for w in list(self.workers):
-                    if w.proc.poll() is not None and not w.handled:
-                        self._handle_exit(w)
-                if not any(w.proc.poll() is None for w in self.workers):
-                    break
-                self.on_progress()
+                try:
+                    for w in list(self.workers):
+                        if w.proc.poll() is not None and not w.handled:
+                            self._handle_exit(w)
+                    if not any(w.proc.poll() is None for w in self.workers):
+                        break
+                    self.on_progress()
+                except StorageUnavailable as exc:  # waited for as long as allowed: stop as on SIGTERM
+                    self.storage_lost = self.storage_lost or exc
+                    self._stop(str(exc))
                 self._check_hung()
                 self._check_deadline()
                 self._check_stop_grace()
@@ -290,6 +296,8 @@ class Supervisor:
 
     def _verdict(self) -> tuple[str, int]:
         study, spec = self.study, self.spec
+        if self.storage_lost is not None:
+            return str(self.storage_lost), self.storage_lost.exit_code
         if self.signum is not None:
             return f"{self.stopping}; running trials were checkpointed and requeued", 128 + self.signum
         if optuna_study.failures_in_a_row(study, self.since) >= spec.budget.max_failures:
