@@ -6,17 +6,14 @@ stale-trial retry are on, so a worker machine that dies has its trial failed and
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
-import fcntl
 import importlib.util
 import logging
 import os
 import re
 import uuid
 import warnings
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
@@ -137,55 +134,6 @@ def sqlalchemy_url(url: str) -> str:
             and importlib.util.find_spec("psycopg2") is not None):
         return "postgresql+psycopg2://" + url[len("postgresql://"):]
     return url
-
-
-@contextlib.contextmanager
-def ask_lock(spec: StudySpec) -> Iterator[None]:
-    """Serialise "count the budget, then ask" across workers, so the total never overshoots.
-
-    Journal storage: an flock next to the journal (all its workers share this machine).
-    PostgreSQL: a session advisory lock, which holds across machines. Other RDBs: none
-    (overshoot is then bounded by the trials already running)."""
-    url = spec.storage_url()
-    if not spec.is_rdb_storage():
-        lock_path = Path(f"{journal_file(spec)}.asklock")  # not ".lock": Optuna's own journal lock uses that name
-        with open(lock_path, "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-        return
-    if url.startswith("postgresql"):
-        import sqlalchemy
-
-        engine = sqlalchemy.create_engine(sqlalchemy_url(url), poolclass=sqlalchemy.pool.NullPool)
-        key = int.from_bytes(spec.name.encode()[:8].ljust(8, b"\0"), "big") & 0x7FFFFFFFFFFFFFFF
-        outage = optuna_outage.outage_wait(redact_url(url))
-
-        def locked() -> sqlalchemy.Connection:
-            conn = engine.connect()
-            try:
-                conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-            except BaseException:
-                conn.close()
-                raise
-            return conn
-
-        conn = outage.call(locked)
-        try:
-            yield
-        finally:
-            try:
-                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-            except sqlalchemy.exc.DBAPIError as exc:  # the connection died: its session's lock went with it
-                if optuna_outage.classify(exc) != optuna_outage.TRANSIENT:
-                    raise
-            finally:
-                conn.close()
-                engine.dispose()
-        return
-    yield
 
 
 # ---- sampler and pruner ------------------------------------------------------------------
