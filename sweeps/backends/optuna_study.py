@@ -14,6 +14,7 @@ import os
 import re
 import uuid
 import warnings
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
@@ -236,7 +237,7 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
     return study
 
 
-def _check_resumable(spec: StudySpec, study: optuna.Study, directions: list[str]) -> None:
+def _check_resumable(spec: StudySpec, study: optuna.Study, directions: Sequence[str]) -> None:
     """Refuse a study resumed under its name with a changed search space, training, objectives
     or constraints (naming what changed): its trials would not be comparable. Reads only."""
     name = study.study_name
@@ -252,7 +253,7 @@ def _check_resumable(spec: StudySpec, study: optuna.Study, directions: list[str]
     if message := judged_by_changes(study.user_attrs.get(ATTR_JUDGED_BY, {}), judged_by(spec), name, spec.path):
         raise StudyStateError(message)
     stored_dirs = [d.name.lower() for d in study.directions]
-    if stored_dirs != directions:
+    if stored_dirs != list(directions):
         field = "objective.direction" if len(directions) == 1 == len(stored_dirs) else "objectives"
         raise StudyStateError(f"{field}: study {name!r} was created to {', '.join(stored_dirs)}, the spec says "
                               f"{', '.join(directions)}; use --fresh")

@@ -53,9 +53,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
     # runs/ moved: a resumed study's new trial runs must write where the artifacts are now. Under
     # the study's run lock: a store another run of the study is using is never rewritten under it.
-    uri = spec.tracking_store_uri()
-    result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet,
-                                                   on_locked=lambda: follow_moved_store(uri, err_console))
+    def follow_moved() -> None:
+        follow_moved_store(spec.tracking_store_uri(), err_console)
+
+    result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet, on_locked=follow_moved)
     if result.exit_code == 0 and result.finished() and all(t.rejected for t in result.finished()) \
             and not any(t.state == "COMPLETE" for t in result.trials):
         # The budget was spent, yet no model trained: nothing to compare or promote.
