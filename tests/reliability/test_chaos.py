@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 from sqlalchemy.pool import NullPool
 
 from tests.scaleout.scaleout_helpers import start_mlflow_server, stop_group
+from tests.sweeps.backends.conftest import _pids_using
 from tests.sweeps.study_helpers import sweeps_env, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(3000)]
@@ -149,21 +150,10 @@ class Chaos:
         stop_group(self.server)
 
 
-def _left_behind(folder: Path) -> list[str]:
-    """Processes working in the study's folder (the driver, its workers), but the MLflow server."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if os.path.realpath(entry / "cwd") != os.path.realpath(folder):
-                continue
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "mlflow server" not in cmdline and "uvicorn" not in cmdline and "mlflow.server" not in cmdline:
-            out.append(f"{entry.name}: {cmdline}")
-    return out
+def _left_behind(folder: Path) -> list[int]:
+    """Live processes of the study working in its folder: a driver or one of its workers."""
+    return [pid for marker in ("sweeps.cli", "sweeps.backends.optuna_worker") for pid in _pids_using(marker)
+            if os.path.realpath(f"/proc/{pid}/cwd") == os.path.realpath(folder)]
 
 
 def test_a_study_comes_through_random_faults_with_every_record_once(tmp_path, own_postgres):
