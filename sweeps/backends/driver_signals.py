@@ -10,14 +10,14 @@ from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 
 
 class DriverSignals:
-    """SIGINT, SIGTERM and SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) that reach a
-    driver (``sweeps run``) outside the part where its
-    backend takes them (the Optuna supervisor, Ray's fit): while it starts (the store, the parent
-    run, ``ray.init``: seconds) and while it ends (the summary, the Pareto tags, closing the
-    study run). They are recorded, not fatal: the driver skips what is left to run, closes the
-    study run KILLED and exits 128+n, as a signal mid-study does, instead of dying with the
-    study run RUNNING. ``ray.init`` installs Ray's own SIGTERM handler (``sys.exit(15)``):
-    :meth:`around_ray_init` puts this one back and turns that exit into the recorded signal."""
+    """SIGINT, SIGTERM and SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) that reach a driver
+    (``sweeps run``) outside the part where its backend takes them (the Optuna supervisor, Ray's
+    fit): while it starts (the store, the parent run, ``ray.init``: seconds) and while it ends
+    (the summary, the Pareto tags, closing the study run). They are recorded, not fatal: the
+    driver skips what is left to run, closes the study run KILLED and exits 128+n, as a signal
+    mid-study does, instead of dying with the study run RUNNING. ``ray.init`` installs Ray's own
+    SIGTERM handler (``sys.exit(15)``): :meth:`around_ray_init` puts this one back and turns
+    that exit into the recorded signal."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

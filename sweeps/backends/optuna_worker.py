@@ -43,12 +43,12 @@ ENV_HOLD_TRIAL = "SWEEPS_HOLD_TRIAL"  # tests: see _hold_if_asked
 
 
 class _Signals:
-    """SIGTERM / SIGINT / SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) set an event the
-    running trial polls at every optimizer step: it then
-    saves a checkpoint and stops; the worker marks it FAIL and requeues it. While the trial is
-    still setting up (the task's imports, datasets and model: nothing to checkpoint yet, and
-    no step to poll at), ``run_trial`` marks the event ``abortable`` and the handler raises
-    :class:`TrialInterrupted` instead, so a hang there stops as well."""
+    """SIGTERM / SIGINT / SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) set an event the running
+    trial polls at every optimizer step: it then saves a checkpoint and stops; the worker marks
+    it FAIL and requeues it. While the trial is still setting up (the task's imports, datasets
+    and model: nothing to checkpoint yet, and no step to poll at), ``run_trial`` marks the event
+    ``abortable`` and the handler raises :class:`TrialInterrupted` instead, so a hang there
+    stops as well."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
