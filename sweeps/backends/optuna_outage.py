@@ -85,8 +85,10 @@ def classify(exc: BaseException) -> str | None:
 
 
 def root_cause(exc: BaseException) -> str:
-    """``Type: first line`` of the innermost error (Optuna wraps the database's own message)."""
-    root = list(_chain(exc))[-1]
+    """``Type: first line`` of the innermost error that says something (Optuna wraps the database's
+    own message; SQLAlchemy's pool adds wordless ones of its own under it)."""
+    said = [link for link in _chain(exc) if str(link).strip() not in ("", "()")] or [exc]
+    root = said[-1]
     return f"{type(root).__name__}: {(str(root).strip() or '?').splitlines()[0]}"
 
 
