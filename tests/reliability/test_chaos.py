@@ -7,6 +7,9 @@ its logged model and its dataset inputs, nothing RUNNING, nothing left to sync, 
 The draw is seeded and the seed printed (``SWEEPS_CHAOS_SEED=<seed>`` replays a draw). Each fault
 fires at a known moment, after the k-th trial has finished in the study's storage (k = 3, 6, ...,
 30), never on a timer; how long a server stays down is drawn too, and nothing is timed against it.
+While a server is down the trials already training train on into the outage and end in it, and
+new trials wait at their start (``SWEEPS_HOLD_TRIAL``) until it is back: tiny trials would
+otherwise finish the whole study inside one outage, and the later faults would hit nothing.
 Run it with: ``pytest -n 0 tests/reliability/test_chaos.py``.
 """
 from __future__ import annotations
@@ -64,7 +67,9 @@ class Chaos:
             train={"epochs": EPOCHS, "batch_size": 64}, pruner={"name": "none"},
             budget={"n_trials": N_TRIALS, "max_failures": 20}, resources={"devices": "cpu", "workers": WORKERS})
         self.log = tmp_path / "driver.log"
-        self.env = sweeps_env(OMP_NUM_THREADS="1", SWEEPS_TRACKING_RETRY_S="1")
+        self.gate = tmp_path / "trials-may-start"
+        self.gate.touch()
+        self.env = sweeps_env(OMP_NUM_THREADS="1", SWEEPS_TRACKING_RETRY_S="1", SWEEPS_HOLD_TRIAL=str(self.gate))
         self.driver: subprocess.Popen | None = None
         self.storage: optuna.storages.RDBStorage | None = None
         self.exits: list[int] = []
@@ -124,17 +129,22 @@ class Chaos:
     def do(self, kind: str, down_s: int) -> None:
         if kind == "worker_kill":
             while not (pids := self.workers()):
+                assert self.driver is not None and self.driver.poll() is None, f"the driver ended:\n{self.text()}"
                 time.sleep(0.2)  # a fresh worker is on its way
             os.kill(self.rng.choice(pids), signal.SIGKILL)
         elif kind == "mlflow_down":
+            self.gate.unlink()
             os.killpg(self.server.pid, signal.SIGKILL)
             self.server.wait(timeout=60)
             time.sleep(down_s)
             self.server, _, _, _ = start_mlflow_server(self.tmp, f"sqlite:///{self.tmp / 'server.db'}", self.port)
+            self.gate.touch()
         elif kind == "postgres_restart":
+            self.gate.unlink()
             self.pg.stop()
             time.sleep(down_s / 2)
             self.pg.start()
+            self.gate.touch()
         else:
             assert self.driver is not None
             signum = signal.SIGHUP if kind == "driver_sighup" else signal.SIGTERM
@@ -159,13 +169,13 @@ def _left_behind(folder: Path) -> list[int]:
 def test_a_study_comes_through_random_faults_with_every_record_once(tmp_path, own_postgres):
     seed = int(os.environ.get("SWEEPS_CHAOS_SEED") or secrets.randbelow(2**31))
     plan = _plan(seed)
-    print(f"chaos seed {seed} (replay with SWEEPS_CHAOS_SEED={seed}); faults: {plan}")
+    print(f"chaos seed {seed} (replay with SWEEPS_CHAOS_SEED={seed}); faults: {plan}", flush=True)
     chaos = Chaos(tmp_path, own_postgres, seed)
     try:
         chaos.start_driver()
         for after, kind, down_s in plan:
             chaos.until_finished(after)
-            print(f"after {after} finished trials: {kind}" + (f" ({down_s} s)" if "down" in kind else ""))
+            print(f"after {after} finished trials: {kind}" + (f" ({down_s} s)" if "down" in kind else ""), flush=True)
             chaos.do(kind, down_s)
         code = chaos.wait_driver()
         assert code == 0, f"exit {code}\n{chaos.text()}"
