@@ -109,7 +109,7 @@ def test_past_the_wait_both_stop_as_on_sigterm_and_the_same_command_finishes(tmp
     assert [p.info.status for p in parents] == ["KILLED"]
     assert "RUNNING" not in {c.info.status for c in children}, [c.info.status for c in children]
 
-    done = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_GRACE_S="2", SWEEPS_HEARTBEAT_S="1", timeout=600)
+    done = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_GRACE_S="20", SWEEPS_HEARTBEAT_S="2", timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     finished = [t for t in _trials(own_postgres.url, "gone") if t.state == TrialState.COMPLETE]
     assert len(finished) == 2
