@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from sweeps.errors import SweepsError, TrackingError
-from sweeps.spec import StudySpec, redact_url
+from sweeps.spec import StudySpec
+from sweeps.store_urls import redact_url
 from sweeps.study_run import package_versions
 from sweeps.tracking import layout
 from sweeps.tracking.store_access import check_experiment_writable, host_header_refusal, http_credentials

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 
 from sweeps.errors import StoppedBySignal
+from sweeps.stop_signals import STOP_SIGNALS
 
 
 class _Signalled(BaseException):  # not an Exception: no library's `except Exception` swallows it
@@ -24,7 +25,7 @@ class _Signalled(BaseException):  # not an Exception: no library's `except Excep
 
 @contextlib.contextmanager
 def interrupted_by_signals(waiting_for: str) -> Iterator[None]:
-    """SIGINT or SIGTERM inside the block raise :class:`StoppedBySignal` ("stopped by SIGINT while
+    """SIGINT, SIGTERM or SIGHUP inside the block raise :class:`StoppedBySignal` ("stopped by SIGINT while
     ``waiting_for``; no study, run or trial was created"); the handlers before it are put back. Only
     for code that writes nothing; a no-op outside the main thread (signals reach only it)."""
     if threading.current_thread() is not threading.main_thread():
@@ -34,7 +35,7 @@ def interrupted_by_signals(waiting_for: str) -> Iterator[None]:
     def stop(signum, _frame) -> None:
         raise _Signalled(signum)
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         yield
     except _Signalled as exc:

@@ -13,6 +13,7 @@ reject a trial before its first epoch.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.config import TrainConfig
+from core.tasks.base import TaskError, resolve_factory
 
 # Lower is better for every one of them. gpu_latency_ms exists only where onnxruntime has CUDA.
 DEPLOY_METRICS = ("onnx_latency_ms", "onnx_latency_p95_ms", "onnx_latency_spread_ms", "params",
@@ -204,7 +206,7 @@ def trained_by(spec: Any) -> dict[str, Any]:
     model, args), the train settings other than the operational ones, and the LR range test when
     it is on."""
     train = json.loads(json.dumps(dict(sorted(spec.train.items())), default=str))
-    return {"task": spec.task.model_dump(mode="json"), "train": _without_defaults(train),
+    return {"task": _task_without_defaults(spec.task.model_dump(mode="json")), "train": _without_defaults(train),
             "lr_finder": spec.lr_finder.model_dump(mode="json") if spec.lr_finder.enabled else None}
 
 
@@ -227,6 +229,22 @@ def _without_defaults(train: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in train.items() if k not in _OPERATIONAL_TRAIN_KEYS and not at_default(k, v)}
 
 
+def _task_without_defaults(task: dict[str, Any]) -> dict[str, Any]:
+    """The ``task`` section as the task builds it: ``model`` unset reads as the factory's default
+    model, and each of ``args`` written at the factory's own default is taken out (as for train
+    settings), so spelling a default out changes nothing. A task that cannot be resolved here is
+    kept as written."""
+    try:
+        factory = resolve_factory(task.get("name"), task.get("target"))
+        defaults = {p.name: p.default for p in inspect.signature(factory).parameters.values()
+                    if p.default is not inspect.Parameter.empty}
+    except (TaskError, TypeError, ValueError):
+        return task
+    args = {k: v for k, v in (task.get("args") or {}).items() if k not in defaults or v != defaults[k]}
+    model = task.get("model")
+    return {**task, "model": defaults.get("model") if model is None else model, "args": args}
+
+
 def judged_by(spec: Any) -> dict[str, Any]:
     """What makes a study's trials comparable: how each was trained (:func:`trained_by`), its
     objectives (metric and direction, in order), its constraints and how the deployment figures
@@ -243,8 +261,13 @@ def judged_by_changes(stored: dict[str, Any], wanted: dict[str, Any], study: str
     """The message refusing a resumed study whose training, objectives, constraints or
     deployment measurement changed ("" when none did). A part a study stored nothing for (it
     started before that part was stored) is not compared."""
-    if isinstance((stored.get("training") or {}).get("train"), dict):  # as stored by any version
-        stored = {**stored, "training": {**stored["training"], "train": _without_defaults(stored["training"]["train"])}}
+    training = stored.get("training") or {}
+    if isinstance(training.get("train"), dict):  # as stored by any version
+        training = {**training, "train": _without_defaults(training["train"])}
+    if isinstance(training.get("task"), dict):
+        training = {**training, "task": _task_without_defaults(training["task"])}
+    if training:
+        stored = {**stored, "training": training}
     changed = sorted(k for k in wanted if k in stored and stored[k] != wanted[k])
     if not changed:
         return ""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweeps.backends.base import StudyResult
 from sweeps.spec import StudySpec, dump_spec_dict
+from sweeps.stop_signals import STOP_SIGNALS
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.local_runs import TAG_CLIENT_ID
@@ -129,8 +130,8 @@ def update_parent_best(tracker: MlflowTracker, parent: RunHandle, result: StudyR
 
 def parent_status(result: StudyResult, exit_code: int) -> RunStatus:
     """FINISHED when the invocation ended normally (budget met or timeout), KILLED after a
-    signal, FAILED when it stopped on errors (max_failures, crashed workers)."""
-    if exit_code in (130, 143):
+    stop signal, FAILED when it stopped on errors (max_failures, crashed workers)."""
+    if exit_code - 128 in STOP_SIGNALS:
         return "KILLED"
     return "FINISHED" if exit_code == 0 else "FAILED"
 

@@ -1,6 +1,7 @@
 """The Backend interface and the read-only view of a study that every command shares."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
@@ -76,9 +77,12 @@ class StudyResult:
 class Backend(Protocol):
     name: str
 
-    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False,
+            on_locked: Callable[[], None] | None = None) -> StudyResult:
         """Called by ``sweeps run``: creates or resumes the study and runs trials until the
-        total budget is met (or the timeout, a signal, or ``max_failures`` in a row)."""
+        total budget is met (or the timeout, a signal, or ``max_failures`` in a row).
+        ``on_locked`` runs once this run holds the study's run lock, before the study or its
+        tracking store is written: what may only change a store no other run is using."""
         ...
 
     def load(self, spec: StudySpec) -> StudyResult:

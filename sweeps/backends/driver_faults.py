@@ -17,7 +17,10 @@ from sweeps.faults import armed
 
 DRIVER_SIGINT_MID_TRIAL = "driver_sigint_mid_trial"
 DRIVER_SIGTERM_MID_TRIAL = "driver_sigterm_mid_trial"
+DRIVER_SIGHUP_MID_TRIAL = "driver_sighup_mid_trial"
 DRIVER_KILL_MID_TRIAL = "driver_kill_mid_trial"
+# A closed terminal: SIGHUP to the driver's whole process group (its local workers with it).
+DRIVER_HANGUP_MID_TRIAL = "driver_hangup_mid_trial"
 # While the driver starts (its study run made; on Ray right after ray.init, whose own SIGTERM
 # handler is then in place), and while it ends (every trial done, before the summary and tags).
 DRIVER_SIGTERM_AT_START = "driver_sigterm_at_start"
@@ -26,7 +29,9 @@ DRIVER_SIGTERM_AT_END = "driver_sigterm_at_end"
 # the signals over: a Ctrl-C there must stop the study as one mid-study does.
 DRIVER_SIGINT_AT_HANDOVER = "driver_sigint_at_handover"
 _SIGNAL_OF = {DRIVER_SIGINT_MID_TRIAL: signal.SIGINT, DRIVER_SIGTERM_MID_TRIAL: signal.SIGTERM,
-              DRIVER_KILL_MID_TRIAL: signal.SIGKILL}
+              DRIVER_SIGHUP_MID_TRIAL: signal.SIGHUP, DRIVER_KILL_MID_TRIAL: signal.SIGKILL,
+              DRIVER_HANGUP_MID_TRIAL: signal.SIGHUP}
+_TO_GROUP = {DRIVER_HANGUP_MID_TRIAL}
 _fired: set[str] = set()
 
 
@@ -74,4 +79,7 @@ def trial_mid_way() -> None:
     for point, signum in _SIGNAL_OF.items():
         if armed(point) and point not in _fired:
             _fired.add(point)
-            os.kill(os.getpid(), signum)
+            if point in _TO_GROUP:
+                os.killpg(os.getpgrp(), signum)
+            else:
+                os.kill(os.getpid(), signum)

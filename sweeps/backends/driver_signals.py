@@ -6,15 +6,18 @@ import contextlib
 import signal
 import threading
 
+from sweeps.stop_signals import STOP_SIGNALS, after_hangup
+
 
 class DriverSignals:
-    """SIGINT and SIGTERM that reach a driver (``sweeps run``) outside the part where its
-    backend takes them (the Optuna supervisor, Ray's fit): while it starts (the store, the parent
-    run, ``ray.init``: seconds) and while it ends (the summary, the Pareto tags, closing the
-    study run). They are recorded, not fatal: the driver skips what is left to run, closes the
-    study run KILLED and exits 128+n, as a signal mid-study does, instead of dying with the
-    study run RUNNING. ``ray.init`` installs Ray's own SIGTERM handler (``sys.exit(15)``):
-    :meth:`around_ray_init` puts this one back and turns that exit into the recorded signal."""
+    """SIGINT, SIGTERM and SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) that reach a driver
+    (``sweeps run``) outside the part where its backend takes them (the Optuna supervisor, Ray's
+    fit): while it starts (the store, the parent run, ``ray.init``: seconds) and while it ends
+    (the summary, the Pareto tags, closing the study run). They are recorded, not fatal: the
+    driver skips what is left to run, closes the study run KILLED and exits 128+n, as a signal
+    mid-study does, instead of dying with the study run RUNNING. ``ray.init`` installs Ray's own
+    SIGTERM handler (``sys.exit(15)``): :meth:`around_ray_init` puts this one back and turns
+    that exit into the recorded signal."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -22,10 +25,11 @@ class DriverSignals:
 
     def __enter__(self) -> DriverSignals:
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._record) for s in (signal.SIGTERM, signal.SIGINT)}
+            self._old = {s: signal.signal(s, self._record) for s in STOP_SIGNALS}
         return self
 
     def _record(self, signum, _frame) -> None:
+        after_hangup(signum)
         self.signum = self.signum or signum
 
     @contextlib.contextmanager
@@ -40,10 +44,10 @@ class DriverSignals:
             self.reinstall()
 
     def reinstall(self) -> None:
-        """Take SIGINT and SIGTERM back from a library that set its own (``ray.init``) or reset
+        """Take the stop signals back from a library that set its own (``ray.init``) or reset
         them (``ray.shutdown``)."""
         if self._old:
-            for s in (signal.SIGTERM, signal.SIGINT):
+            for s in STOP_SIGNALS:
                 signal.signal(s, self._record)
 
     def __exit__(self, *exc) -> None:

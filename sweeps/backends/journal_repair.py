@@ -16,9 +16,26 @@ import shutil
 import time
 from pathlib import Path
 
+from sweeps.backends import optuna_adapter
 from sweeps.errors import PathError, StudyStateError
 
 log = logging.getLogger("sweeps")
+
+
+def _problem(line: bytes) -> str | None:
+    """What is wrong with one journal line ending in a newline, or None: not JSON, or a record of
+    a kind (``op_code``) this Optuna does not know (a newer Optuna's, or one written by hand),
+    on which Optuna's reader stops with a bare ``AssertionError: Should not reach.``."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "is corrupt"
+    kind = record.get("op_code") if isinstance(record, dict) else None
+    if isinstance(kind, bool) or not isinstance(kind, int) or kind not in optuna_adapter.JOURNAL_OP_CODES:
+        known = sorted(optuna_adapter.JOURNAL_OP_CODES)
+        return (f"has an unknown kind (op_code {kind!r}; this Optuna knows {known[0]}-{known[-1]}: written by "
+                "a newer Optuna or by hand)")
+    return None
 
 
 def _scan(path: Path) -> tuple[int, int, int | None]:
@@ -28,9 +45,7 @@ def _scan(path: Path) -> tuple[int, int, int | None]:
         for number, line in enumerate(fh, start=1):
             if not line.endswith(b"\n"):
                 return good, offset, number  # torn: the last append never finished
-            try:
-                json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            if _problem(line) is not None:
                 return good, offset, number
             good += 1
             offset += len(line)
@@ -61,8 +76,10 @@ def corrupt_message(path: str | Path, damage: tuple[str, int, int, int]) -> str:
     _, good, offset, bad_line = damage
     with open(path, "rb") as fh:
         fh.seek(offset)
-        following = fh.read().count(b"\n") - 1
-    return (f"{path}: line {bad_line}: record {bad_line} is corrupt and {following} more "
+        rest = fh.read()
+    following = rest.count(b"\n") - 1
+    what = _problem(rest.split(b"\n", 1)[0] + b"\n") or "is corrupt"
+    return (f"{path}: line {bad_line}: record {bad_line} {what} and {following} more "
             f"line{'s' if following != 1 else ''} follow it, so Optuna cannot read the study. To keep the "
             f"{good} good records before it (a backup of the whole file is kept), run: sweeps repair-journal {path}")
 
@@ -114,6 +131,8 @@ def check_journal_file(path: Path) -> None:
 
 
 def _is_last_line(rest: bytes) -> bool:
+    """Whether the one bad line left is a garbled last append (not JSON); a whole record of an
+    unknown kind is no torn write and is never cut silently."""
     try:
         json.loads(rest)
         return False
@@ -130,7 +149,11 @@ def repair_journal(path: str | Path) -> str:
         return f"{path}: all {good} records are intact; nothing to repair"
     backup = path.with_name(f"{path.name}.bak-{int(time.time())}")
     shutil.copy2(path, backup)
-    msg = _truncate(path, offset, path.stat().st_size, good, reason=f"corrupt record at line {bad_line}")
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        what = _problem(fh.readline()) or "is corrupt"
+    what = "corrupt" if what == "is corrupt" else "record of an unknown kind"
+    msg = _truncate(path, offset, path.stat().st_size, good, reason=f"{what} at line {bad_line}")
     return f"{msg}; the original is kept at {backup}"
 
 

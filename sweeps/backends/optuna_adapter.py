@@ -13,13 +13,17 @@ methods) with them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import optuna
-from optuna.storages import BaseStorage, RDBStorage
+from optuna.storages import BaseStorage, RDBStorage, _CachedStorage
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.storages.journal._file import LOCK_FILE_SUFFIX
+from optuna.storages.journal._storage import JournalOperation
 from optuna.trial import FrozenTrial
+
+from sweeps.backends.optuna_outage import OutageWait, StorageUnavailable, classify, permanent_message
+from sweeps.errors import BackendError
 
 OPTUNA_CHECKED = "5.1.0"  # the Optuna version every function below was read against
 
@@ -28,6 +32,9 @@ OPTUNA_CHECKED = "5.1.0"  # the Optuna version every function below was read aga
 # plain Optuna process appending to a sweeps journal waits for sweeps; Optuna exports the
 # lock class, not the name of its link.
 JOURNAL_LOCK_SUFFIX: str = LOCK_FILE_SUFFIX
+# The record kinds (``op_code``) this Optuna's journal reader replays; it stops on any other with
+# a bare ``AssertionError``, so sweeps checks each record's kind before Optuna reads the file.
+JOURNAL_OP_CODES: frozenset[int] = frozenset(int(op) for op in JournalOperation)
 
 AnyTrial = optuna.Trial | FrozenTrial
 
@@ -69,12 +76,12 @@ def heartbeat_enabled(study: optuna.Study) -> bool:
 def heartbeat_grace_seconds(study: optuna.Study) -> int:
     """Silence after which a RUNNING trial of a heartbeat-enabled study counts as stale.
 
-    Optuna wraps an ``RDBStorage`` in ``_CachedStorage``, which forwards the heartbeat interval
-    (``get_heartbeat_interval``) but not the grace period; the ``RDBStorage`` it wraps has both
-    as public attributes. ``None`` as grace period means twice the interval (RDBStorage's rule)."""
-    storage = storage_of(study)
-    rdb = cast(RDBStorage, getattr(storage, "_backend", storage))
-    assert rdb.heartbeat_interval is not None, "the study's storage records no heartbeats"
+    The caches in front of an ``RDBStorage`` (Optuna's ``_CachedStorage``, sweeps'
+    :class:`OutageTolerantStorage`) forward the heartbeat interval but not the grace period; the
+    ``RDBStorage`` they wrap has both as public attributes. ``None`` as grace period means twice
+    the interval (RDBStorage's rule)."""
+    rdb = rdb_of(storage_of(study))
+    assert rdb is not None and rdb.heartbeat_interval is not None, "the study's storage records no heartbeats"
     return rdb.grace_period or 2 * rdb.heartbeat_interval
 
 
@@ -108,3 +115,90 @@ def _heartbeat_storage(study: optuna.Study) -> BaseHeartbeat:
     """The storage of a heartbeat-enabled study (``RDBStorage`` or the cache around it), as
     Optuna's heartbeat interface."""
     return cast(BaseHeartbeat, storage_of(study))
+
+
+# ---- an RDB storage that waits out an outage -----------------------------------------------------
+def outage_tolerant(rdb: RDBStorage, outage: OutageWait) -> BaseStorage:
+    """``rdb`` behind Optuna's own cache (what ``optuna.create_study`` would put in front of it),
+    every call of both interfaces (``BaseStorage``, ``BaseHeartbeat``) through ``outage``: a study
+    opened on it waits out a database restart instead of raising ``StorageInternalError``."""
+    return OutageTolerantStorage(_CachedStorage(rdb), rdb, outage)
+
+
+def rdb_of(storage: BaseStorage) -> RDBStorage | None:
+    """The ``RDBStorage`` under a storage sweeps opened (None for a journal): its engine to
+    dispose of, its grace period to read."""
+    if isinstance(storage, OutageTolerantStorage):
+        return storage.rdb
+    if isinstance(storage, _CachedStorage):
+        return storage._backend
+    return storage if isinstance(storage, RDBStorage) else None
+
+
+def _forwarded(name: str) -> Callable[..., Any]:
+    def call(self: OutageTolerantStorage, *args: Any, **kwargs: Any) -> Any:
+        return self._call(name, *args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+class OutageTolerantStorage(BaseStorage, BaseHeartbeat):
+    """Forwards each storage call to Optuna's cached RDB storage through an :class:`OutageWait`.
+    A permanent database error becomes one clear :class:`BackendError`."""
+
+    def __init__(self, cached: BaseStorage, rdb: RDBStorage, outage: OutageWait) -> None:
+        self.cached, self.rdb, self.outage = cached, rdb, outage
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.outage.call(getattr(self.cached, name), *args, **kwargs)
+        except StorageUnavailable:
+            raise
+        except Exception as exc:
+            if classify(exc) is None:
+                raise  # Optuna's own answer (no such study, a finished trial): the caller's to handle
+            raise BackendError(permanent_message(self.outage.where, exc)) from exc
+
+    # Every call of BaseStorage and BaseHeartbeat that reaches the database.
+    create_new_study = _forwarded("create_new_study")
+    delete_study = _forwarded("delete_study")
+    set_study_user_attr = _forwarded("set_study_user_attr")
+    set_study_system_attr = _forwarded("set_study_system_attr")
+    get_study_id_from_name = _forwarded("get_study_id_from_name")
+    get_study_name_from_id = _forwarded("get_study_name_from_id")
+    get_study_directions = _forwarded("get_study_directions")
+    get_study_user_attrs = _forwarded("get_study_user_attrs")
+    get_study_system_attrs = _forwarded("get_study_system_attrs")
+    get_all_studies = _forwarded("get_all_studies")
+    create_new_trial = _forwarded("create_new_trial")
+    set_trial_param = _forwarded("set_trial_param")
+    get_trial_id_from_study_id_trial_number = _forwarded("get_trial_id_from_study_id_trial_number")
+    get_trial_number_from_id = _forwarded("get_trial_number_from_id")
+    get_trial_param = _forwarded("get_trial_param")
+    set_trial_state_values = _forwarded("set_trial_state_values")
+    set_trial_intermediate_value = _forwarded("set_trial_intermediate_value")
+    set_trial_user_attr = _forwarded("set_trial_user_attr")
+    set_trial_system_attr = _forwarded("set_trial_system_attr")
+    get_trial = _forwarded("get_trial")
+    get_all_trials = _forwarded("get_all_trials")
+    get_n_trials = _forwarded("get_n_trials")
+    get_best_trial = _forwarded("get_best_trial")
+    get_trial_params = _forwarded("get_trial_params")
+    get_trial_user_attrs = _forwarded("get_trial_user_attrs")
+    get_trial_system_attrs = _forwarded("get_trial_system_attrs")
+    check_trial_is_updatable = _forwarded("check_trial_is_updatable")
+    record_heartbeat = _forwarded("record_heartbeat")
+    _get_stale_trial_ids = _forwarded("_get_stale_trial_ids")
+
+    def remove_session(self) -> None:
+        self.cached.remove_session()
+
+    def get_heartbeat_interval(self) -> int | None:
+        return self.rdb.get_heartbeat_interval()
+
+    def get_heartbeat_stale_trial_callback(self) -> Callable[[optuna.Study, FrozenTrial], None] | None:
+        return self.rdb.get_heartbeat_stale_trial_callback()
+
+    def get_failed_trial_callback(self) -> Callable[[optuna.Study, FrozenTrial], None] | None:
+        return self.rdb.get_failed_trial_callback()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
@@ -20,6 +21,7 @@ from sweeps.backends.base import StudyResult
 from sweeps.backends.driver_signals import DriverSignals, stopped_by
 from sweeps.backends.journal_file import LINK_SUFFIX
 from sweeps.backends.journal_repair import check_journal
+from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.run_lock import run_lock
 from sweeps.backends.supervisor import EarlyWorkers, Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
@@ -59,6 +61,17 @@ def plan_local_workers(spec: StudySpec) -> list[WorkerSlot]:
     return slots
 
 
+@contextlib.contextmanager
+def _killed_if_storage_lost(tracker, parent) -> Iterator[None]:
+    """The Optuna storage stayed away past its wait (optuna_outage): no summary can be read, so the
+    study run is closed KILLED, as on SIGTERM, and the error (its message, exit 143) goes on."""
+    try:
+        yield
+    except StorageUnavailable:
+        tracker.end_run(parent, "KILLED")
+        raise
+
+
 def _stopped_while(signum: int, when: str) -> tuple[str, int]:
     return stopped_by(signum, f"it came while {when}; run the same command to go on")
 
@@ -72,52 +85,56 @@ class OptunaBackend:
         return optuna_study.study_result(spec, study)
 
     # ---- run ---------------------------------------------------------------------------------
-    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False,
+            on_locked: Callable[[], None] | None = None) -> StudyResult:
         with DriverSignals() as signals:  # outside the supervisor: while the study starts and ends
-            return self._run(spec, fresh, quiet, signals)
+            return self._run(spec, fresh, quiet, signals, on_locked or (lambda: None))
 
-    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals) -> StudyResult:
+    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals,
+             on_locked: Callable[[], None]) -> StudyResult:
         slots = self._plan(spec)
         tracker = tracker_for(spec)
         # The workers start first: their imports take seconds, on the cores this set-up leaves idle.
         # After the run lock: a run refused because another holds the study starts none.
         with self._run_lock(spec), EarlyWorkers(slots) as early:
+            on_locked()
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
             uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
             parent = find_or_create_parent(tracker, spec, study.study_name, self.name, study_uid=uid)
             if study.user_attrs.get(optuna_study.ATTR_PARENT_RUN) != parent.run_id:
                 study.set_user_attr(optuna_study.ATTR_PARENT_RUN, parent.run_id)
-            driver_faults.starting()
-            recovered = self._recover_orphans(spec, study, tracker)
-            if spec.lr_finder.enabled:
-                from sweeps.study_lr_finder import run_study_lr_finder  # lazy: torch, only when used
+            with _killed_if_storage_lost(tracker, parent):
+                driver_faults.starting()
+                recovered = self._recover_orphans(spec, study, tracker)
+                if spec.lr_finder.enabled:
+                    from sweeps.study_lr_finder import run_study_lr_finder  # lazy: torch, only when used
 
-                run_study_lr_finder(spec, study, tracker, parent)
-            started = time.time()
-            timeout = spec.timeout_seconds()
-            deadline = started + timeout if timeout else None
-            view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered)
-            if optuna_study.budget_left(study, spec.budget.n_trials) <= 0 and not study.get_trials(
-                    deepcopy=False, states=(TrialState.RUNNING,)):
-                stopped, code = (f"nothing to run: all {spec.budget.n_trials} trials of budget.n_trials have run; "
-                                 "raise it to run more"), 0
-            elif signals.signum:  # while it started: no worker is started
-                stopped, code = _stopped_while(signals.signum, "the study started")
-            else:
-                driver_faults.handing_over()
-                stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker,
-                                                early, signals)
-            result = optuna_study.study_result(spec, optuna.load_study(
-                study_name=study.study_name, storage=optuna_study.open_storage(spec)))
-            result.stopped_reason = stopped
-            driver_faults.ending()
-            write_summary(tracker, parent, result)
-            if signals.signum and code < 128:  # while it ended: the summary above is complete
-                stopped, code = _stopped_while(signals.signum, "the study ended")
+                    run_study_lr_finder(spec, study, tracker, parent)
+                started = time.time()
+                timeout = spec.timeout_seconds()
+                deadline = started + timeout if timeout else None
+                view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered)
+                if optuna_study.budget_left(study, spec.budget.n_trials) <= 0 and not study.get_trials(
+                        deepcopy=False, states=(TrialState.RUNNING,)):
+                    stopped, code = (f"nothing to run: all {spec.budget.n_trials} trials of budget.n_trials have run; "
+                                     "raise it to run more"), 0
+                elif signals.signum:  # while it started: no worker is started
+                    stopped, code = _stopped_while(signals.signum, "the study started")
+                else:
+                    driver_faults.handing_over()
+                    stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker,
+                                                    early, signals)
+                result = optuna_study.study_result(spec, optuna.load_study(
+                    study_name=study.study_name, storage=optuna_study.open_storage(spec)))
                 result.stopped_reason = stopped
-            tracker.end_run(parent, parent_status(result, code))
-            view.finish(result)
+                driver_faults.ending()
+                write_summary(tracker, parent, result)
+                if signals.signum and code < 128:  # while it ended: the summary above is complete
+                    stopped, code = _stopped_while(signals.signum, "the study ended")
+                    result.stopped_reason = stopped
+                tracker.end_run(parent, parent_status(result, code))
+                view.finish(result)
         result.exit_code = code
         return result
 

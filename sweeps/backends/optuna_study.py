@@ -6,17 +6,15 @@ stale-trial retry are on, so a worker machine that dies has its trial failed and
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
-import fcntl
 import importlib.util
 import logging
 import os
 import re
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
@@ -27,7 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.pool import NullPool
 
 from sweeps import search_space as ss
-from sweeps.backends import optuna_adapter
+from sweeps.backends import optuna_adapter, optuna_outage
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
 from sweeps.backends.optuna_attrs import (
@@ -49,6 +47,7 @@ from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED, ConstraintsFunc
 from sweeps.errors import BackendError, PathError, StudyStateError
 from sweeps.spec import StudySpec
 from sweeps.spec_objectives import judged_by, judged_by_changes
+from sweeps.store_urls import redact_url
 
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
 GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
@@ -72,13 +71,17 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
     url = spec.storage_url()
     if spec.is_rdb_storage():
         heartbeat_s, grace_s = heartbeat_settings()
+        outage = optuna_outage.outage_wait(redact_url(url))  # waited out once this process has used it
         try:
-            return RDBStorage(
+            rdb = outage.call(lambda: RDBStorage(
                 sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True} if pooled else {"poolclass": NullPool},
                 skip_table_creation=not create,
                 heartbeat_interval=heartbeat_s, grace_period=grace_s,
                 heartbeat_stale_trial_callback=StaleTrialCallback(spec.tracking_store_uri()),
-            )
+            ))
+            return optuna_adapter.outage_tolerant(rdb, outage)
+        except optuna_outage.StorageUnavailable:
+            raise
         except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
             raise storage_error(url, exc) from exc
     path = journal_file(spec)
@@ -131,39 +134,6 @@ def sqlalchemy_url(url: str) -> str:
             and importlib.util.find_spec("psycopg2") is not None):
         return "postgresql+psycopg2://" + url[len("postgresql://"):]
     return url
-
-
-@contextlib.contextmanager
-def ask_lock(spec: StudySpec) -> Iterator[None]:
-    """Serialise "count the budget, then ask" across workers, so the total never overshoots.
-
-    Journal storage: an flock next to the journal (all its workers share this machine).
-    PostgreSQL: a session advisory lock, which holds across machines. Other RDBs: none
-    (overshoot is then bounded by the trials already running)."""
-    url = spec.storage_url()
-    if not spec.is_rdb_storage():
-        lock_path = Path(f"{journal_file(spec)}.asklock")  # not ".lock": Optuna's own journal lock uses that name
-        with open(lock_path, "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-        return
-    if url.startswith("postgresql"):
-        import sqlalchemy
-
-        engine = sqlalchemy.create_engine(sqlalchemy_url(url), poolclass=sqlalchemy.pool.NullPool)
-        key = int.from_bytes(spec.name.encode()[:8].ljust(8, b"\0"), "big") & 0x7FFFFFFFFFFFFFFF
-        with engine.connect() as conn:
-            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-            try:
-                yield
-            finally:
-                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-        engine.dispose()
-        return
-    yield
 
 
 # ---- sampler and pruner ------------------------------------------------------------------
@@ -246,6 +216,7 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
     the changed parameters: its trials would not be comparable."""
     storage = open_storage(spec, create=create)
     name = current_study_name(storage, spec.name)
+    exists = name is not None and not fresh
     if name is None and not create:
         raise StudyStateError(f"study {spec.name!r} is not in {spec.storage_url()}; run: sweeps run {spec.path}")
     if fresh and name is not None:
@@ -253,37 +224,51 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
         name = f"{spec.name}-v{version}"
     name = name or spec.name
     directions = spec.directions()
-    if create:
+    sampler, pruner = make_sampler(spec, worker_index), make_pruner(spec)
+    if create and not exists:
         study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, directions=directions,
-                                    sampler=make_sampler(spec, worker_index), pruner=make_pruner(spec))
-    else:  # read-only: create_study(load_if_exists) would append a create record to a journal
-        study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(spec, worker_index),
-                                  pruner=make_pruner(spec))
-    if create and ATTR_STUDY_UID not in study.user_attrs:  # new (or made before identities existed)
-        study.set_user_attr(ATTR_STUDY_UID, uuid.uuid4().hex)
+                                    sampler=sampler, pruner=pruner)
+    else:  # it exists: create_study(load_if_exists) would append a create record to a journal, refused or not
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+    _check_resumable(spec, study, directions)  # a refused resume writes nothing
+    if create:
+        _store_identity(spec, study)
+    return study
+
+
+def _check_resumable(spec: StudySpec, study: optuna.Study, directions: Sequence[str]) -> None:
+    """Refuse a study resumed under its name with a changed search space, training, objectives
+    or constraints (naming what changed): its trials would not be comparable. Reads only."""
+    name = study.study_name
     stored = study.user_attrs.get(ATTR_SEARCH)
     wanted = ss.signature(spec.search)
-    if stored is None and create:
-        study.set_user_attr(ATTR_SEARCH, wanted)
-        study.set_user_attr(ATTR_SPEC_HASH, spec.spec_hash())
-    elif stored is not None and stored != wanted:
+    if stored is not None and stored != wanted:
         changed = sorted(k for k in set(stored) | set(wanted) if stored.get(k) != wanted.get(k))
         raise StudyStateError(
             f"search space of study {name!r} changed since it started: {', '.join(changed)} differ "
             f"(stored {[stored.get(k) for k in changed]}, spec {[wanted.get(k) for k in changed]}). "
             f"Its trials would not be comparable: restore the search section, or start a new study "
             f"with: sweeps run {spec.path} --fresh")
-    judged, stored_judged = judged_by(spec), study.user_attrs.get(ATTR_JUDGED_BY, {})
-    if message := judged_by_changes(stored_judged, judged, name, spec.path):
+    if message := judged_by_changes(study.user_attrs.get(ATTR_JUDGED_BY, {}), judged_by(spec), name, spec.path):
         raise StudyStateError(message)
-    if create and set(judged) - set(stored_judged):  # new (or made before a part was stored: from now on)
-        study.set_user_attr(ATTR_JUDGED_BY, {**judged, **stored_judged})
     stored_dirs = [d.name.lower() for d in study.directions]
-    if stored_dirs != directions:
+    if stored_dirs != list(directions):
         field = "objective.direction" if len(directions) == 1 == len(stored_dirs) else "objectives"
         raise StudyStateError(f"{field}: study {name!r} was created to {', '.join(stored_dirs)}, the spec says "
                               f"{', '.join(directions)}; use --fresh")
-    return study
+
+
+def _store_identity(spec: StudySpec, study: optuna.Study) -> None:
+    """Once the study is accepted: what a new study (or one made before a part was stored) lacks,
+    its identity, search space and what judges its trials, for later resumes to compare."""
+    if ATTR_STUDY_UID not in study.user_attrs:
+        study.set_user_attr(ATTR_STUDY_UID, uuid.uuid4().hex)
+    if ATTR_SEARCH not in study.user_attrs:
+        study.set_user_attr(ATTR_SEARCH, ss.signature(spec.search))
+        study.set_user_attr(ATTR_SPEC_HASH, spec.spec_hash())
+    judged, stored_judged = judged_by(spec), study.user_attrs.get(ATTR_JUDGED_BY, {})
+    if set(judged) - set(stored_judged):
+        study.set_user_attr(ATTR_JUDGED_BY, {**judged, **stored_judged})
 
 
 # ---- records -------------------------------------------------------------------------------
@@ -332,6 +317,8 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
         return []
     storage = optuna_adapter.storage_of(study)
     grace = optuna_adapter.heartbeat_grace_seconds(study)
+    if isinstance(storage, optuna_adapter.OutageTolerantStorage) and storage.outage.quiet_for(grace):
+        return []  # no heartbeat could be recorded during the outage: silence is no sign of a dead worker
     failed = []
     for trial_id in optuna_adapter.stale_trial_ids(study):
         worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")

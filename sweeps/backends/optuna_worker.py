@@ -17,27 +17,28 @@ import time
 from pathlib import Path
 
 import optuna
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from core.faults import pause_here
 from sweeps import deploy_check
 from sweeps import search_space as ss
 from sweeps.backends import driver_faults, optuna_adapter, optuna_study
+from sweeps.backends.optuna_ask_lock import ask_lock
 from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
+from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
+from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.stale_monitor import StaleTrialMonitor
-from sweeps.backends.storage_errors import StorageUnreachableError
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
-from sweeps.errors import BackendError, StudyStateError, SweepsError, TrackingError
+from sweeps.errors import StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
 from sweeps.spec import StudySpec
 from sweeps.spec_checks import spec_from_text
+from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.store_urls import redact_url
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
-from sweeps.tracking.store_access import check_experiment_writable
-from sweeps.tracking.sync import is_http_uri
 
 log = logging.getLogger("sweeps")
 EXIT_OK, EXIT_MAX_FAILURES = 0, 3  # `sweeps worker`'s exit codes (besides 128 + a signal's number)
@@ -45,19 +46,22 @@ ENV_HOLD_TRIAL = "SWEEPS_HOLD_TRIAL"  # tests: see _hold_if_asked
 
 
 class _Signals:
-    """SIGTERM / SIGINT set an event the running trial polls at every optimizer step: it then
-    saves a checkpoint and stops; the worker marks it FAIL and requeues it. While the trial is
-    still setting up (the task's imports, datasets and model: nothing to checkpoint yet, and
-    no step to poll at), ``run_trial`` marks the event ``abortable`` and the handler raises
-    :class:`TrialInterrupted` instead, so a hang there stops as well."""
+    """SIGTERM / SIGINT / SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) set an event the running
+    trial polls at every optimizer step: it then saves a checkpoint and stops; the worker marks
+    it FAIL and requeues it. While the trial is still setting up (the task's imports, datasets
+    and model: nothing to checkpoint yet, and no step to poll at), ``run_trial`` marks the event
+    ``abortable`` and the handler raises :class:`TrialInterrupted` instead, so a hang there
+    stops as well."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signum: int | None = None
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        self.storage_lost: StorageUnavailable | None = None
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        after_hangup(signum)
         self.signum = signum
         self.event.set()
         if getattr(self.event, "abortable", False):
@@ -66,6 +70,13 @@ class _Signals:
 
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else EXIT_OK
+
+    def storage_gone(self, exc: StorageUnavailable) -> None:
+        """The storage did not come back within its wait: the trial stops as on SIGTERM (it
+        checkpoints at its next step), and the worker then exits with ``exc``."""
+        self.storage_lost = self.storage_lost or exc
+        self.signum = self.signum or signal.SIGTERM
+        self.event.set()
 
 
 def trial_dir(spec: StudySpec, study_name: str, number: int) -> Path:
@@ -134,7 +145,7 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
         rdb = optuna_adapter.heartbeat_enabled(study)
         if rdb:
             optuna_study.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
-        with optuna_study.ask_lock(spec):
+        with ask_lock(spec):
             trial = study.ask() if optuna_study.budget_left(study, n_trials) > 0 else None
             if trial is not None:  # named at once: if this process dies, its supervisor finds the trial
                 trial.set_user_attr(optuna_study.ATTR_WORKER, worker_name())
@@ -150,79 +161,6 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
         if code is not None:
             return code
     return signals.exit_code()
-
-
-def check_tracking_before_trials(tracker, experiment: str) -> None:
-    """A joining worker's check of its MLflow store, as ``sweeps run`` checks before training: a store
-    that does not answer from here (wrong URI, server down, refused credentials, no permission to
-    create runs in ``experiment``) is an error, not trials that train through an outage that was
-    there from the start, nor a claimed trial whose run is refused. After the study is found:
-    a worker refused for want of a study writes nothing (a new SQLite store's file included)."""
-    tracker.check_connection()
-    if is_http_uri(tracker.tracking_uri):
-        check_experiment_writable(tracker.tracking_uri, experiment)
-
-
-def join_study(spec: StudySpec, worker_index: int, wait_s: float,
-               stop: threading.Event | None = None) -> optuna.Study | None:
-    """The study of ``spec`` once ``sweeps run`` has created it with its MLflow parent run.
-
-    A worker started first waits (saying so once) up to ``wait_s`` seconds, then fails with
-    the command to run. A worker never creates the study: ``sweeps run`` owns its parent run,
-    the LR finder and the end-of-study summary. None if ``stop`` is set while waiting."""
-    stop = stop or threading.Event()
-    give_up = time.monotonic() + max(0.0, wait_s)
-    where = redact_url(spec.storage_url())
-    said = False
-    while True:
-        study, missing = _find_study(spec, worker_index)
-        if study is not None and study.user_attrs.get(optuna_study.ATTR_PARENT_RUN):
-            if said:
-                log.warning("study %r found; joining it", study.study_name)
-            return study
-        what = missing or f"study {spec.name!r} has no MLflow parent run yet"
-        if time.monotonic() >= give_up:
-            waited = f" after waiting {wait_s:.0f} s" if wait_s > 0 else ""
-            raise StudyStateError(f"{what} in {where}{waited}. Workers join a study that `sweeps run` "
-                                  f"created: run `sweeps run {spec.path}` (on any machine that reaches the "
-                                  f"storage), or start the worker with a longer --wait")
-        if not said:
-            log.warning("%s in %s; waiting up to %.0f s for `sweeps run %s` to create it", what, where,
-                        wait_s, spec.path)
-            said = True
-        if stop.wait(min(2.0, max(0.1, give_up - time.monotonic()))):
-            return None
-
-
-def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None, str]:
-    """(study, "") when it exists; (None, what is missing) while the database does not answer,
-    has no tables or no study of that name yet. Any other problem (credentials, a changed search
-    space) raises."""
-    try:
-        storage = optuna_study.open_storage(spec, create=False)
-    except StorageUnreachableError as exc:
-        return None, str(exc).removeprefix("storage: ")
-    except BackendError as exc:
-        if not _tables_missing(exc):
-            raise
-        return None, "the storage has no Optuna tables yet (no study was ever run on it)"
-    try:
-        if optuna_study.current_study_name(storage, spec.name) is None:
-            return None, f"study {spec.name!r} does not exist yet"
-    finally:
-        if isinstance(storage, RDBStorage):  # polled every 2 s: do not pile up connection pools
-            storage.engine.dispose()
-    return optuna_study.open_study(spec, worker_index=worker_index, create=False), ""
-
-
-def _tables_missing(exc: BaseException | None) -> bool:
-    while exc is not None:  # the database error is a few causes down
-        text = f"{type(exc).__name__} {exc}".lower()
-        if ("undefinedtable" in text or "no such table" in text or ("relation" in text and "does not exist" in text)
-                or ("table" in text and "doesn't exist" in text)):  # PostgreSQL, SQLite, MySQL
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _poll_seconds(study: optuna.Study) -> float:
@@ -268,6 +206,8 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
                     "this attempt's result is dropped and its retry counts instead", trial.number,
                     optuna_study.ENV_GRACE, optuna_study.heartbeat_settings()[1])
         exhausted = False
+    if signals.storage_lost is not None:  # the trial is checkpointed (and requeued if the storage is back)
+        raise signals.storage_lost
     if outcome.state == "INTERRUPTED":
         return signals.exit_code()
     if exhausted:
@@ -286,9 +226,13 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
     def should_prune(epoch: int, value: float) -> bool:
         if several:  # Optuna keeps no intermediate values for several objectives; no pruner runs (spec)
             return False
-        trial.report(value, epoch)
-        driver_faults.hold_mid_trial(signals.event)
-        return trial.should_prune()
+        try:
+            trial.report(value, epoch)
+            driver_faults.hold_mid_trial(signals.event)
+            return trial.should_prune()
+        except StorageUnavailable as exc:
+            signals.storage_gone(exc)
+            return False
 
     # The folder is this trial's (the study's identity and its original number): a retry (crash,
     # SIGTERM) resumes from the checkpoint there, and anything else found there is moved aside.
@@ -296,7 +240,10 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
     spec_trial = TrialSpec(trial.number, params, out_dir, tags=tags, overrides=overrides, owner=owner)
 
     def on_start(run) -> None:
-        trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
+        try:
+            trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
+        except StorageUnavailable as exc:  # the trial stops before its first step; its run is closed
+            signals.storage_gone(exc)
         beat()
 
     return run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,
@@ -388,7 +335,7 @@ def main() -> int:
     # save yet and leaves without a traceback (as supervisor._WORKER_BOOT set it up before any
     # import; again here for a worker started with -m). After the go, a signal means what it
     # always does.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _quiet_exit)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     for module in TRIAL_IMPORTS:
@@ -397,6 +344,7 @@ def main() -> int:
     line = sys.stdin.readline()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     if not line.strip():
         return 0  # the orchestrator stopped before sending the go
     go = WorkerGo.from_line(line)

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from sweeps import search_space as ss
@@ -76,17 +77,20 @@ class RayBackend:
         return rr.load_result(spec, study_name, reader_for(spec))
 
     # ---- run -------------------------------------------------------------------------------------
-    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False) -> StudyResult:
+    def run(self, spec: StudySpec, *, fresh: bool = False, quiet: bool = False,
+            on_locked: Callable[[], None] | None = None) -> StudyResult:
         with DriverSignals() as early:
-            return self._run(spec, fresh, quiet, early)
+            return self._run(spec, fresh, quiet, early, on_locked or (lambda: None))
 
-    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, early: DriverSignals) -> StudyResult:
+    def _run(self, spec: StudySpec, fresh: bool, quiet: bool, early: DriverSignals,
+             on_locked: Callable[[], None]) -> StudyResult:
         tracker = tracker_for(spec)
         tracker.check_connection()  # before anything is created or trained
         study_name = self._study_name(spec, fresh)
         path = rr.lock_path(study_name)  # one driver per study (a second would restore the same experiment)
         path.parent.mkdir(parents=True, exist_ok=True)
         with run_lock(path, study_name):
+            on_locked()
             meta = self._checked_meta(spec, study_name)
             parent = find_or_create_parent(tracker, spec, study_name, self.name, study_uid=meta.get("study_uid"))
             rr.write_meta(study_name, {**meta, "parent_run_id": parent.run_id})

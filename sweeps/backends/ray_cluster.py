@@ -17,6 +17,7 @@ from sweeps.backends.ray_guardian import Guardian
 from sweeps.errors import BackendError
 from sweeps.pool import cpu_threads_available
 from sweeps.spec import StudySpec
+from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 
 _GUARDIANS: list[Guardian] = []  # of the local Ray this process started (at most one)
 
@@ -141,7 +142,7 @@ def _worker_pythonpath(spec: StudySpec) -> dict[str, str]:
 
 
 class Interrupts:
-    """SIGTERM, SIGINT, ``budget.timeout`` and :meth:`stop` end the fit the resumable way:
+    """SIGTERM, SIGINT, SIGHUP, ``budget.timeout`` and :meth:`stop` end the fit the resumable way:
     Ray's handler for SIGUSR1 (installed while ``fit`` runs) saves the experiment with the
     running trials, which resume on the next run. The signal is repeated until ``fit`` has
     seen it, since the handler is only there once the fit has started. SIGINT is taken here,
@@ -161,8 +162,7 @@ class Interrupts:
         if threading.current_thread() is not threading.main_thread():
             return self  # signals need the main thread; a timeout is then not enforced
         self._old = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda *_: None),
-                     signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_term),
-                     signal.SIGINT: signal.signal(signal.SIGINT, self._on_term)}
+                     **{s: signal.signal(s, self._on_term) for s in STOP_SIGNALS}}
         if self.timeout_s:
             self._start(self._deadline)
         if self._early is not None and self._early.signum:  # arrived just before the fit began
@@ -170,6 +170,7 @@ class Interrupts:
         return self
 
     def _on_term(self, signum, _frame) -> None:
+        after_hangup(signum)
         self.signum = self.signum or signum  # the first signal names the stop
         self._start(self._poke)
 

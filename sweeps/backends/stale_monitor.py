@@ -59,9 +59,9 @@ class StaleTrialMonitor:
         self._stop.set()
         if self.thread.is_alive():
             self.thread.join(timeout=10)  # a check stuck on an unreachable database: the thread is a daemon
-        storage = optuna_adapter.storage_of(self._study) if self._study is not None else None
-        if isinstance(storage, optuna.storages.RDBStorage):
-            storage.engine.dispose()
+        rdb = optuna_adapter.rdb_of(optuna_adapter.storage_of(self._study)) if self._study is not None else None
+        if rdb is not None:
+            rdb.engine.dispose()
 
     def check_now(self) -> list[int]:
         """One check: the numbers of the trials it failed (and requeued)."""

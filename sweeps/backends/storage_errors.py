@@ -4,7 +4,7 @@ answer (a worker's ``--wait`` waits for it as for the study), or anything else."
 from __future__ import annotations
 
 from sweeps.errors import BackendError
-from sweeps.spec import redact_url
+from sweeps.store_urls import redact_url
 
 # What libpq and PostgreSQL say (psycopg 2 and 3 alike) when the credentials are refused.
 _REFUSED = ("password authentication failed", "no password supplied", "authentication failed",

@@ -28,11 +28,13 @@ from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
 from sweeps.backends.budget_outcome import max_failures_stop
 from sweeps.backends.driver_signals import DriverSignals
+from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import ENV_STOP_GRACE, stop_grace_seconds
 from sweeps.pool import WorkerSlot
 from sweeps.spec import StudySpec
+from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.worker_identity import boot_id, worker_identity
 
 log = logging.getLogger("sweeps")
@@ -63,12 +65,12 @@ def describe_exit(returncode: int) -> str:
 
 
 WORKER_MODULE = "sweeps.backends.optuna_worker"
-# A worker's first lines: SIGINT and SIGTERM end it quietly (128 + n) before anything is imported,
+# A worker's first lines: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) before anything is imported,
 # so a Ctrl-C while `sweeps run` sets up (its workers still importing, the packages' __init__s
 # included) prints no traceback; the worker sets its own handlers once it has its go. The module
 # is its own argument, so `ps` shows which process this is.
 _WORKER_BOOT = ("import os, runpy, signal, sys\n"
-                "for s in (signal.SIGINT, signal.SIGTERM):\n"
+                "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
                 "    signal.signal(s, lambda n, _f: os._exit(128 + n))\n"
                 "from core.faults import pause_here\n"  # stdlib only: cheap
                 "pause_here('worker_importing')\n"
@@ -146,12 +148,13 @@ class Supervisor:
     max_failures_code: int = 1  # the exit code for budget.max_failures (`sweeps worker` says 3)
     early: EarlyWorkers | None = None  # processes started before the study was ready, one per slot
     driver_signals: DriverSignals | None = None  # what took the signals before this (sweeps run's driver)
+    storage_lost: StorageUnavailable | None = None  # the Optuna storage stayed away past its wait
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
         """Start a worker per slot and watch them until all have exited and none is to be
         replaced. Returns why it stopped ("" when the budget finished) and the exit code."""
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         monitor: StaleTrialMonitor | None = None
         try:
             # Dead workers' trials (another machine's, or one of ours that the heartbeat finds
@@ -165,12 +168,16 @@ class Supervisor:
                     break
                 self._start(slot)
             while True:
-                for w in list(self.workers):
-                    if w.proc.poll() is not None and not w.handled:
-                        self._handle_exit(w)
-                if not any(w.proc.poll() is None for w in self.workers):
-                    break
-                self.on_progress()
+                try:
+                    for w in list(self.workers):
+                        if w.proc.poll() is not None and not w.handled:
+                            self._handle_exit(w)
+                    if not any(w.proc.poll() is None for w in self.workers):
+                        break
+                    self.on_progress()
+                except StorageUnavailable as exc:  # waited for as long as allowed: stop as on SIGTERM
+                    self.storage_lost = self.storage_lost or exc
+                    self._stop(str(exc))
                 self._check_hung()
                 self._check_deadline()
                 self._check_stop_grace()
@@ -188,6 +195,7 @@ class Supervisor:
         return self._verdict()
 
     def _on_signal(self, signum, _frame) -> None:
+        after_hangup(signum)
         if self.signum is not None:  # a second Ctrl-C / SIGTERM: stop now, not at the next checkpoint
             for w in self.workers:
                 self._kill(w, f"stopped by a second {signal.Signals(signum).name} before it checkpointed")
@@ -282,6 +290,8 @@ class Supervisor:
 
     def _verdict(self) -> tuple[str, int]:
         study, spec = self.study, self.spec
+        if self.storage_lost is not None:
+            return str(self.storage_lost), self.storage_lost.exit_code
         if self.signum is not None:
             return f"{self.stopping}; running trials were checkpointed and requeued", 128 + self.signum
         if optuna_study.failures_in_a_row(study, self.since) >= spec.budget.max_failures:

@@ -19,12 +19,14 @@ from pydantic import ValidationError
 
 from sweeps.backends import optuna_study
 from sweeps.backends.optuna_backend import plan_local_workers, workers_beat_dir
-from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES, check_tracking_before_trials, join_study
+from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
+from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import ResourcesError, UsageError
 from sweeps.pool import WorkerSlot
 from sweeps.spec import ResourcesSection, StudySpec
+from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.study_run import tracker_for
 
 log = logging.getLogger("sweeps")
@@ -86,10 +88,11 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
     received: list[int] = []
 
     def on_signal(signum, _frame) -> None:  # while waiting for the study: no worker to stop yet
+        after_hangup(signum)
         received.append(signum)
         stop.set()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
         study = join_study(spec, 0, wait_s, stop)
     finally:

@@ -52,9 +52,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     from sweeps.backends.by_name import get_backend
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
-    # runs/ moved: a resumed study's new trial runs must write where the artifacts are now.
-    follow_moved_store(spec.tracking_store_uri(), err_console)
-    result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet)
+    # runs/ moved: a resumed study's new trial runs must write where the artifacts are now. Under
+    # the study's run lock: a store another run of the study is using is never rewritten under it.
+    def follow_moved() -> None:
+        follow_moved_store(spec.tracking_store_uri(), err_console)
+
+    result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet, on_locked=follow_moved)
     if result.exit_code == 0 and result.finished() and all(t.rejected for t in result.finished()) \
             and not any(t.state == "COMPLETE" for t in result.trials):
         # The budget was spent, yet no model trained: nothing to compare or promote.

@@ -216,15 +216,16 @@ def test_a_study_whose_trials_all_fail_exits_non_zero_naming_each_cause(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_to_the_driver_alone_mid_trial_exits_128_plus_it_and_the_study_resumes(tmp_path, backend, signum):
-    """`kill -INT` or `kill -TERM` of the driver (not of its process group) while a trial
-    trains: exit 130 or 143 with the budget unmet, no run RUNNING, no process left; the same
+    """`kill -INT`, `kill -TERM` or `kill -HUP` of the driver (not of its process group) while a
+    trial trains: exit 130, 143 or 129 with the budget unmet, no run RUNNING, no process left; the same
     command then finishes the budget with no step logged twice."""
-    from sweeps.backends.driver_faults import DRIVER_SIGINT_MID_TRIAL, DRIVER_SIGTERM_MID_TRIAL
+    from sweeps.backends.driver_faults import DRIVER_SIGHUP_MID_TRIAL, DRIVER_SIGINT_MID_TRIAL, DRIVER_SIGTERM_MID_TRIAL
 
     name = f"signal_{backend}"
-    fault = DRIVER_SIGINT_MID_TRIAL if signum == signal.SIGINT else DRIVER_SIGTERM_MID_TRIAL
+    fault = {signal.SIGINT: DRIVER_SIGINT_MID_TRIAL, signal.SIGTERM: DRIVER_SIGTERM_MID_TRIAL,
+             signal.SIGHUP: DRIVER_SIGHUP_MID_TRIAL}[signum]
     spec_path = _trust_spec(tmp_path, backend, "signal", train={"epochs": 3, "batch_size": 16},
                             budget={"n_trials": 2}, resources={"devices": "cpu", "workers": 1})
     stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)

@@ -258,7 +258,7 @@ def test_a_store_that_refuses_every_write_says_so_in_one_line_at_once(tmp_path):
 def test_credentials_and_permissions_are_permanent_an_unreachable_or_locked_store_is_not():
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
 
-    from sweeps.tracking.send import is_transient, permanent_reason
+    from sweeps.tracking.store_errors import is_transient, permanent_reason
 
     for code, words in ((UNAUTHENTICATED, "credentials"), (PERMISSION_DENIED, "permission")):
         exc = MlflowException("API request to endpoint /api/2.0/mlflow/runs/log-batch failed", error_code=code)
