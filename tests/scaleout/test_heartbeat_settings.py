@@ -35,8 +35,9 @@ def test_a_bad_value_names_the_variable_and_the_fix(monkeypatch, value):
 def test_open_storage_uses_them(tmp_path, monkeypatch):
     monkeypatch.setenv("SWEEPS_HEARTBEAT_S", "3")
     monkeypatch.setenv("SWEEPS_GRACE_S", "7")
-    storage = optuna_study.open_storage(_spec(f"sqlite:///{tmp_path}/optuna.db"))
-    assert (storage.heartbeat_interval, storage.grace_period) == (3, 7)
+    rdb = optuna_adapter.rdb_of(optuna_study.open_storage(_spec(f"sqlite:///{tmp_path}/optuna.db")))
+    assert rdb is not None
+    assert (rdb.heartbeat_interval, rdb.grace_period) == (3, 7)
 
 
 def test_postgresql_urls_get_an_installed_driver():
