@@ -19,6 +19,7 @@ from plotly.offline import get_plotlyjs
 
 from dashboards.figures import all_figures
 from dashboards.tables import IMPORTANCE_ENOUGH_COMPLETE, StudyTables, ranked_trials
+from sweeps.program import sweeps_command
 
 QUESTION_RE = re.compile(r"^\s*#\s*Question:\s*(.*?)\s*$", re.IGNORECASE)
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
@@ -79,6 +80,7 @@ class PageHeader:
     question: str = ""
     lr_finder_enabled: bool = False
     budget: int | None = None
+    program: str = "sweeps"  # the command that runs sweeps here (sweeps.program.sweeps_command)
 
 
 def question_of(spec_path: str | Path | None) -> str:
@@ -96,7 +98,8 @@ def header_from_spec(spec) -> PageHeader:
     """A :class:`PageHeader` from a loaded ``StudySpec``."""
     path = str(spec.path) if spec.path is not None else "SPEC"
     return PageHeader(spec_path=path, description=spec.description, question=question_of(spec.path),
-                      lr_finder_enabled=spec.lr_finder.enabled, budget=spec.budget.n_trials)
+                      lr_finder_enabled=spec.lr_finder.enabled, budget=spec.budget.n_trials,
+                      program=sweeps_command())
 
 
 def _e(text: object) -> str:
@@ -127,12 +130,12 @@ def _header_html(t: StudyTables, h: PageHeader) -> str:
     best = t.best_row()
     if best is None:
         parts.append("<div class='box'><b>No completed trial yet.</b> Run or resume the study with "
-                     f"<code>sweeps run {_e(h.spec_path)}</code>.</div>")
+                     f"<code>{_e(h.program)} run {_e(h.spec_path)}</code>.</div>")
     else:
         number = int(best["number"])
         params = ", ".join(f"{_e(p)}=<b>{_e(_fmt(best[p]))}</b>" for p in t.param_names)
-        cmds = (f"sweeps promote {h.spec_path}\nsweeps rerun {h.spec_path} --trial {number}\n"
-                f"sweeps status {h.spec_path}")
+        cmds = (f"{h.program} promote {h.spec_path}\n{h.program} rerun {h.spec_path} --trial {number}\n"
+                f"{h.program} status {h.spec_path}")
         parts.append(f"<div class='box best'><b>Best trial: {number}</b> &mdash; {_e(t.metric)} = "
                      f"<b>{best['value']:.4f}</b><br>{params}<br><span class='sub'>MLflow run "
                      f"<code>{_e(best['run_id'] or '-')}</code></span>"
@@ -145,7 +148,7 @@ def _lr_finder_note(t: StudyTables, h: PageHeader) -> str:
     if h.lr_finder_enabled:
         return ("<p class='note'>The spec enables the LR finder, but the study's parent run has no "
                 "<code>lr_finder/lr_finder.json</code>: the study started before it was enabled, or the range "
-                "test failed. Start a new version with <code>sweeps run "
+                f"test failed. Start a new version with <code>{_e(h.program)} run "
                 f"{_e(h.spec_path)} --fresh</code> to run it.</p>")
     return ("<p class='note'>The LR range test did not run for this study. To run it once before the trials "
             "(and narrow the <code>lr</code> search range around its suggestion), add "
@@ -189,7 +192,7 @@ def render_page(t: StudyTables, h: PageHeader, now: _dt.datetime | None = None) 
     body.append("<section id='trials-section'><h2>All trials</h2><p>Completed trials best first, then the "
                 "rest by number (&#9733; = best).</p>" + _trials_html(t) + "</section>")
     body.append(f"<p class='sub'>Generated {_e(now.strftime('%Y-%m-%d %H:%M:%S %Z'))} by "
-                f"<code>sweeps report {_e(h.spec_path)}</code>.</p>")
+                f"<code>{_e(h.program)} report {_e(h.spec_path)}</code>.</p>")
     return ("<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
             f"<title>Study {_e(t.study)}: report</title>\n<style>{CSS}</style>\n"
             "<script type='text/javascript'>window.PlotlyConfig = {MathJaxConfig: 'local'};</script>\n"
