@@ -143,8 +143,8 @@ def print_summary(spec: StudySpec, result: StudyResult, console: Console | None 
     uri = spec.tracking_uri()
     ui = f"mlflow ui --backend-store-uri {uri}" if not uri.startswith("http") else f"open {uri}"
     console.print("next:")
-    console.print(f"  look at the runs:   {ui}   (experiment {spec.experiment_name()!r})")
-    console.print(f"  study status:       {run} status {spec_path}")
+    console.print(f"  look at the runs:   {ui}   (experiment {spec.experiment_name()!r})", soft_wrap=True)
+    console.print(f"  study status:       {run} status {spec_path}", soft_wrap=True)
     front = result.front() if len(result.objectives()) > 1 else []
     if front:  # several objectives: no single best; promote picks from the front by a condition
         (first, d1), (second, d2) = result.objectives()[:2]
@@ -154,9 +154,9 @@ def print_summary(spec: StudySpec, result: StudyResult, console: Console | None 
         console.print(f"  Pareto front:       trials {', '.join(str(t.number) for t in front)}", markup=False)
         console.print(f"  promote from it:    {run} promote {spec_path} --where \"{where}\" "
                       f"--{d1} {first}   (tighten the bound to trade {first} for {second})",
-                      markup=False, highlight=False)
+                      markup=False, highlight=False, soft_wrap=True)
     if best is not None:
         console.print(f"  best trial {best.number}: {result.metric}={best.value:.4f}")
-        console.print(f"  promote it:         {run} promote {spec_path}")
-        console.print(f"  rerun it:           {run} rerun {spec_path} --trial {best.number}")
-        console.print(f"  report:             {run} report {spec_path}")
+        console.print(f"  promote it:         {run} promote {spec_path}", soft_wrap=True)
+        console.print(f"  rerun it:           {run} rerun {spec_path} --trial {best.number}", soft_wrap=True)
+        console.print(f"  report:             {run} report {spec_path}", soft_wrap=True)

@@ -250,7 +250,7 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
                                 "sweeps.rerun.original_threads": then_threads or "",
                                 "sweeps.code_differs": str(bool(code_diffs)).lower(),
                                 "sweeps.code_diff": "; ".join(code_diffs)})
-    tracker.log(run, params={**orig.data.params, "train.seed": cfg.seed, "train.device": cfg.device})
+    tracker.log(run, params={**orig.data.params, "seed": cfg.seed, "device": cfg.device})
     tracker.log_artifact(run, {**resolved, "seed": cfg.seed, "train": cfg.to_dict(), "rerun_of": original_id},
                          layout.ART_CONFIG)
     # A pruned original stopped early: the rerun stops after the same epoch, so both trained alike.

@@ -133,7 +133,7 @@ def test_a_trial_violating_a_constraint_is_rejected_before_training(tmp_path):
         assert t.intermediate_values == {}  # no epoch trained
         assert t.system_attrs["constraints"] == [85002 - 5000]  # what the TPE sampler learns from
         run = runs[t.number]
-        assert run.data.tags["sweeps.rejected"] == "true" and run.info.status == "KILLED"
+        assert run.data.tags["sweeps.rejected"] == "true" and run.info.status == "FINISHED"
         assert "val_acc" not in run.data.metrics and run.data.metrics["params"] == 85002
         folder = Path(t.user_attrs["out_dir"])
         assert not (tmp_path / folder / "checkpoints").exists() and not list((tmp_path / folder).glob("*.pt"))

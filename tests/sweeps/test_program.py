@@ -59,6 +59,9 @@ def test_the_end_of_a_run_prints_runnable_next_steps_and_says_it_shows_the_best_
     assert " sweeps " not in text.replace(".venv/bin/sweeps", "")
     assert "…" not in text and "batch_size=12" in text  # values wrap, none cut to an ellipsis
     assert "".join(text.split()).count("batch_size=128") == 5
+    narrow = Console(width=30, record=True)  # a step is one line to copy, however narrow the terminal
+    print_summary(spec, _result(7), narrow)
+    assert "  rerun it:           .venv/bin/sweeps rerun s.yaml --trial 6" in narrow.export_text().splitlines()
 
 
 def test_the_report_page_prints_runnable_commands(tmp_path, monkeypatch):

@@ -89,14 +89,17 @@ def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(i
     tags = mv.tags
     assert tags["sweeps.study"] == study.name and tags["sweeps.trial_number"] == str(number)
     assert tags["sweeps.run_id"] == run.info.run_id and tags["sweeps.seed"] == "0"
-    assert json.loads(tags["sweeps.params"]) == {"lr": pytest.approx(float(run.data.params["search.lr"]))}
+    assert json.loads(tags["sweeps.params"]) == {"lr": pytest.approx(float(run.data.params["lr"]))}
     assert tags["sweeps.metric"] == "val_acc" and float(tags["sweeps.metric_value"]) == run.data.metrics["objective"]
     assert tags["sweeps.spec_hash"] == run.data.tags["sweeps.spec_hash"] and tags["sweeps.git_commit"]
     assert float(tags["sweeps.onnx_max_abs_diff"]) <= float(tags["sweeps.onnx_tolerance"])
     # the model was logged into the trial's own run
     assert mv.source.startswith("models:/m-")
     logged = client.get_logged_model(mv.source[len("models:/"):])
-    assert logged.source_run_id == run.info.run_id and logged.name == "model"
+    assert logged.source_run_id == run.info.run_id and logged.name == f"trial-{number}-promoted"
+    # the Models tab shows its val_acc and links it to the registered version
+    assert {m.key: m.value for m in logged.metrics}["val_acc"] == run.data.metrics["objective"]
+    assert json.loads(logged.tags["mlflow.modelVersions"]) == [{"name": study.name, "version": 1}]
 
     natural, x = _validation_set()
     np.save(tmp_path / "natural.npy", natural)
@@ -122,7 +125,7 @@ def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(i
     assert len(_versions(client, study.name)) == 1
     models = client.search_logged_models([run.info.experiment_id],
                                          filter_string=f"source_run_id = '{run.info.run_id}'")
-    assert sorted(m.name for m in models) == sorted(["model", f"trial-{number}"])
+    assert sorted(m.name for m in models) == sorted([f"trial-{number}-promoted", f"trial-{number}"])
     assert tags["sweeps.checkpoint_model_id"] == run.data.tags["sweeps.model_id"] == next(
         m.model_id for m in models if m.name == f"trial-{number}")
 

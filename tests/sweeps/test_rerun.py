@@ -39,7 +39,7 @@ def test_rerun_with_the_original_seed_is_bitwise_identical(in_study, capsys):
     assert tags["mlflow.parentRunId"] == original.data.tags["mlflow.parentRunId"]  # nested under the study
     assert tags["sweeps.trial_number"] == "0" and tags["sweeps.seed"] == "0"
     assert rerun.info.status == "FINISHED"
-    assert rerun.data.params["search.lr"] == original.data.params["search.lr"]
+    assert rerun.data.params["lr"] == original.data.params["lr"]
     # the comparison really covered the per-step and per-epoch curves
     steps = client.get_metric_history(rerun.info.run_id, "step/train_loss")
     assert len(steps) > 10
