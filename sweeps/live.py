@@ -29,7 +29,7 @@ def _fmt_params(params: dict) -> str:
 
 class LiveView:
     def __init__(self, spec: StudySpec, study_name: str, quiet: bool = False, recovered: list[int] | None = None,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, note: str = "") -> None:
         self.spec, self.study_name = spec, study_name
         self.console = console or Console(stderr=False)
         self.plain = quiet or not sys.stdout.isatty()
@@ -39,6 +39,8 @@ class LiveView:
         if recovered:
             self.console.print(f"recovered {len(recovered)} orphaned trial(s) {recovered}: marked FAIL, "
                                "their parameters requeued to resume from their checkpoints")
+        if note:  # e.g. what a warm start carried over
+            self.console.print(note, markup=False, highlight=False)
         if not self.plain:
             self._live = Live(self._render_empty(), console=self.console, refresh_per_second=2, transient=True)
             self._live.start()

@@ -27,6 +27,7 @@ from sweeps.durations import parse_duration
 from sweeps.errors import SpecError
 from sweeps.search_space import SearchParam
 from sweeps.spec_objectives import Bound, DeploySection, ObjectiveSection, is_deploy_metric, settle_objectives
+from sweeps.spec_warm_start import WarmStartSection
 from sweeps.tracking.sync import RDB_DIALECTS
 from sweeps.yaml_loader import check_size, mapping_from_text, read_spec_text
 
@@ -225,6 +226,7 @@ class StudySpec(_Section):
     lr_finder: LrFinderSection = Field(default_factory=LrFinderSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     storage: str | None = None  # default runs/<name>.journal
+    warm_start: WarmStartSection | None = None  # start from an earlier study's best (sweeps/spec_warm_start.py)
     _path: Path | None = PrivateAttr(default=None)
     _text: str | None = PrivateAttr(default=None)
 

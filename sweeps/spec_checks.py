@@ -29,6 +29,7 @@ from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudyS
 from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
 from sweeps.spec_objectives import is_deploy_metric, objective_problems
 from sweeps.spec_task_checks import TaskInfo, instantiate_checks, representatives, task_problems
+from sweeps.spec_warm_start import warm_start_problems
 
 
 def collect_problems(data: dict[str, Any], lines: dict[tuple[str, ...], int]) -> tuple[StudySpec | None, list[str]]:
@@ -342,6 +343,7 @@ def cross_problems(sections: dict[str, Any], fields_set: set[str] | None = None)
     _resource_problems(sections, cfg, out)
     _lr_finder_problems(sections, out)
     _ray_problems(sections, out)
+    warm_start_problems(sections, out)
     return out
 
 

@@ -48,6 +48,7 @@ ATTR_RUN_ID = "mlflow_run_id"
 ATTR_WORKER = "worker"
 ATTR_REASON = "fail_reason"
 ATTR_BATCH_OVERRIDES = "train_overrides"
+ATTR_N_TRIALS = "n_trials"  # the budget as raised by sweeps run --add-trials, above the spec's
 ATTR_JUDGED_BY = "judged_by"  # training, objectives, constraints, deploy (sweeps.spec_objectives.judged_by)
 ATTR_STUDY_UID = "study_uid"  # a UUID made when the study is created: its identity beyond its name
 
@@ -280,6 +281,9 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
         raise StudyStateError(message)
     if create and set(judged) - set(stored_judged):  # new (or made before a part was stored: from now on)
         study.set_user_attr(ATTR_JUDGED_BY, {**judged, **stored_judged})
+    extended = study.user_attrs.get(ATTR_N_TRIALS)  # sweeps run --add-trials (optuna_warm_start.py)
+    if isinstance(extended, int) and extended > spec.budget.n_trials:
+        spec.budget.n_trials = extended
     stored_dirs = [d.name.lower() for d in study.directions]
     if stored_dirs != directions:
         field = "objective.direction" if len(directions) == 1 == len(stored_dirs) else "objectives"

@@ -38,10 +38,31 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 # ---- run / worker ---------------------------------------------------------------------------
+def _extend(spec, path: str, add: int) -> tuple[int, int]:
+    """``--add-trials N``: the study's budget before and after raising it by N."""
+    from sweeps.errors import StudyStateError, UsageError
+
+    if add < 1:
+        raise UsageError(f"--add-trials {add}: give 1 or more trials to add")
+    if spec.backend != "optuna":
+        raise UsageError(f"--add-trials extends Optuna studies; {path} has backend {spec.backend}: raise "
+                         "budget.n_trials in the spec instead")
+    from sweeps.backends.optuna_warm_start import extend_budget  # here: Optuna loads only when a study is extended
+
+    try:
+        after = extend_budget(spec, add)
+    except StudyStateError as exc:
+        raise StudyStateError(f"--add-trials extends a study that ran: {exc}") from None
+    return after - add, after
+
+
+
 def _run_args(p: argparse.ArgumentParser) -> None:
     spec_argument(p)
     p.add_argument("--fresh", action="store_true", help="start a new version of the study; keep the old one")
     p.add_argument("--quiet", action="store_true", help="plain line output instead of the live view")
+    p.add_argument("--add-trials", type=int, default=0, metavar="N",
+                   help="raise the budget of a study that ran by N trials and run them (the spec is not edited)")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -53,6 +74,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
     # runs/ moved: a resumed study's new trial runs must write where the artifacts are now.
     follow_moved_store(spec.tracking_store_uri(), err_console)
+    if a.add_trials:
+        before, after = _extend(spec, a.spec, a.add_trials)
+        console.print(f"study {spec.name!r}: budget raised from {before} to {after} trials (the spec is unchanged)",
+                      markup=False, highlight=False)
     result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet)
     if result.exit_code == 0 and result.finished() and all(t.rejected for t in result.finished()) \
             and not any(t.state == "COMPLETE" for t in result.trials):
