@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import optuna
 from optuna.storages import RDBStorage
@@ -31,7 +31,7 @@ from sweeps.backends import optuna_adapter
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
-from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED, ConstraintsFunc
+from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED
 from sweeps.errors import BackendError, PathError, StudyStateError
 from sweeps.spec import StudySpec, redact_url
 from sweeps.spec_objectives import judged_by, judged_by_changes
@@ -183,16 +183,12 @@ def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.Base
         # from the study), and the seed only shuffles the grid: the same shuffle in every
         # process, or one grid index would mean different points to different workers.
         return samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
-    # Trials rejected before training are told PRUNED with their constraint values; tpe and gp learn
-    # from them (the others draw without a model and need none).
-    constrained: dict[str, Any] = {"constraints_func": ConstraintsFunc(spec.constraints)} if spec.constraints else {}
     factories = {
         # constant_liar: running trials count as bad guesses, so parallel workers spread out.
-        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options(),
-                                             **constrained),
+        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options()),
         "random": lambda s: samplers.RandomSampler(seed=s),
         "cmaes": lambda s: samplers.CmaEsSampler(seed=s),
-        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options(), **constrained),
+        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options()),
         # One sequence for the whole study (its position is counted in the study); only the
         # random first point, drawn before the search space is known, comes from the trial.
         "qmc": lambda s: samplers.QMCSampler(seed=seed, scramble=True,
