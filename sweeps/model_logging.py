@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +161,25 @@ def promoted_name(number: int) -> str:
     return f"trial-{number}-promoted"
 
 
+class _PickleNotice(logging.Filter):
+    """MLflow warns, at every log_model given a python_model object, that the object is pickled.
+    Ours is sweeps.serving.TaskModel, a stateless class of this package (the weights travel as
+    artifacts), so the warning only alarms a user promoting a model; MLflow's other lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Passing a Python object as `python_model`")
+
+
+@contextlib.contextmanager
+def _no_pickle_notice() -> Iterator[None]:
+    logger, notice = logging.getLogger("mlflow.pyfunc"), _PickleNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 def find_logged_model(registry, cand: Candidate):
     """A complete logged model written by an earlier promote of this run (crash recovery)."""
     found = registry.search_logged_models([cand.run.info.experiment_id], filter_string=(
@@ -283,7 +304,7 @@ def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) 
         _add_torchscript(reader, cand, tmp, model, inputs, resolved, artifacts, tags, console)
         artifacts[serving.ART_TORCH] = str(Path(tmp) / serving.ART_TORCH)
         tags["sweeps.pytorch_format"] = save_pytorch(model, Path(artifacts[serving.ART_TORCH]), inputs, console)
-        with fluent_uri(uri):  # Model.log reads the fluent URI; the run is addressed by id
+        with fluent_uri(uri), _no_pickle_notice():  # Model.log reads the fluent URI; the run is addressed by id
             logged = reader.registry.create_logged_model(cand.run.info.experiment_id, name=promoted_name(cand.number),
                                                          source_run_id=cand.run_id,
                                                          tags={TAG_PROMOTED: "true", TAG_FORMAT: serving.MODEL_FORMAT,
