@@ -21,6 +21,8 @@ from dashboards.figures import all_figures
 from dashboards.tables import IMPORTANCE_ENOUGH_COMPLETE, StudyTables, ranked_trials
 from sweeps.program import sweeps_command
 
+OPTUNA_STARTUP_TRIALS = 10  # TPESampler's and GPSampler's n_startup_trials when the spec sets none
+
 QUESTION_RE = re.compile(r"^\s*#\s*Question:\s*(.*?)\s*$", re.IGNORECASE)
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 
@@ -81,6 +83,7 @@ class PageHeader:
     lr_finder_enabled: bool = False
     budget: int | None = None
     program: str = "sweeps"  # the command that runs sweeps here (sweeps.program.sweeps_command)
+    random_start: int = 0  # tpe/gp: the first trials drawn at random before the model guides the search
 
 
 def question_of(spec_path: str | Path | None) -> str:
@@ -99,7 +102,30 @@ def header_from_spec(spec) -> PageHeader:
     path = str(spec.path) if spec.path is not None else "SPEC"
     return PageHeader(spec_path=path, description=spec.description, question=question_of(spec.path),
                       lr_finder_enabled=spec.lr_finder.enabled, budget=spec.budget.n_trials,
-                      program=sweeps_command())
+                      program=sweeps_command(), random_start=_random_start(spec))
+
+
+def _random_start(spec) -> int:
+    """How many first trials a model-based sampler draws at random (Optuna's default: 10); 0 for the others."""
+    if spec.sampler.name not in ("tpe", "gp"):
+        return 0
+    return spec.sampler.n_startup_trials or OPTUNA_STARTUP_TRIALS
+
+
+def guided_sentence(t: StudyTables, h: PageHeader) -> str:
+    """One sentence: the median objective of the trials the sampler guided against the random start's
+    (finished trials at their value; '' when either group is empty or the study has several objectives)."""
+    if not h.random_start or t.objectives:
+        return ""
+    done = t.trials[t.trials["state"].isin(["COMPLETE", "PRUNED"]) & t.trials["value"].notna()]
+    start, guided = done[done["number"] < h.random_start], done[done["number"] >= h.random_start]
+    if start.empty or guided.empty:
+        return ""
+    a, b = float(guided["value"].median()), float(start["value"].median())
+    better = (a > b) if t.direction == "maximize" else (a < b)
+    verdict = "better than" if better else ("as good as" if a == b else "worse than")
+    return (f"The {len(guided)} trials the sampler guided reached a median {t.metric} of {a:.4g}, {verdict} the "
+            f"{b:.4g} of the {len(start)} random trials it started with.")
 
 
 def _e(text: object) -> str:
@@ -187,7 +213,8 @@ def render_page(t: StudyTables, h: PageHeader, now: _dt.datetime | None = None) 
         if fig is None:
             body.append(_lr_finder_note(t, h))
         else:
-            body.append(f"<p>{_e(caption)}</p><div class='figure'>{figure_div(fig, div_id)}</div>")
+            said = f" {guided_sentence(t, h)}" if div_id == "fig-history" else ""
+            body.append(f"<p>{_e(caption + said)}</p><div class='figure'>{figure_div(fig, div_id)}</div>")
         body.append("</section>")
     body.append("<section id='trials-section'><h2>All trials</h2><p>Completed trials best first, then the "
                 "rest by number (&#9733; = best).</p>" + _trials_html(t) + "</section>")
