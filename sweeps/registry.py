@@ -238,7 +238,7 @@ def eligible(result, where: str | None):
     NothingQualifies (exit 2) when no trial meets them, showing what the front offers."""
     from sweeps.pareto import parse_where
 
-    conditions = parse_where(where) if where else []
+    conditions = parse_where(where) if where is not None else []  # --where "" is refused, not ignored
     metrics = [m for m, _ in result.objectives()]
     several = len(metrics) > 1
     if not (conditions or several):
