@@ -184,3 +184,34 @@ def test_an_ambiguous_run_id_prefix_lists_the_candidates(tmp_path, capsys):
     assert "'not-an-id' is not a run id" in capsys.readouterr().err
     assert cli.main(["compare", other, "--tracking-uri", uri]) == 2
     assert "compare takes two runs" in capsys.readouterr().err
+
+
+def _run(run_id: str, name: str, params: dict[str, str], val_acc: float):
+    from mlflow.entities import Metric, Param, Run, RunData, RunInfo
+
+    info = RunInfo(run_id, "1", "u", "FINISHED", 0, 1, "active", run_name=name)
+    data = RunData(metrics=[Metric("val_acc", val_acc, 0, 1)], params=[Param(k, v) for k, v in params.items()])
+    return Run(info, data)
+
+
+def test_compare_diff_shows_only_the_rows_that_differ():
+    from rich.console import Console
+
+    fixed = {"epochs": "3", "optimizer": "sgd", "scheduler": "onecycle", "seed": "0", "task": "digits"}
+    a = _run("a" * 32, "trial-0", {**fixed, "lr": "0.01"}, 0.95)
+    b = _run("b" * 32, "trial-1", {**fixed, "lr": "0.1"}, 0.97)
+    console = Console(width=200, record=True)
+    console.print(compare_table(a, b, only_differences=True)[0])
+    shown = console.export_text()
+    assert "lr" in shown and "val_acc" in shown and "trial-0" in shown
+    assert not any(f" {k} " in shown for k in fixed)  # equal rows left out
+    console.print(compare_table(a, b)[0])
+    full = console.export_text()
+    assert all(f" {k} " in full for k in fixed)  # and shown without --diff
+
+
+def test_compare_with_a_spec_and_one_trial_says_a_second_is_missing(capsys):
+    assert cli.main(["compare", "studies/lr_bs.yaml", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "two trials to compare follow the spec, e.g. sweeps compare studies/lr_bs.yaml 3 7" in err
+    assert "is not a run id" not in err
