@@ -74,6 +74,9 @@ def test_rerun_over_seeds_logs_mean_and_std(in_study, capsys):
                      _threads(original)]) == 0
     out = capsys.readouterr().out
     assert "val_acc: mean" in out and "std" in out
+    # Seed 0 is the original's: a reproduction, judged; seed 1 trains another model, not "differs".
+    assert "verdict (seed 0" in out and "verdict (seed 1" not in out
+    assert re.search(r"seed 1: val_acc [0-9.]+ \(run [0-9a-f]{32}\); the original trained with seed 0", out)
 
     [seeds_run] = _reruns_of(client, original.info.experiment_id, original.info.run_id, role="seeds")
     reruns = {r.data.tags["sweeps.seed"]: r for r in _reruns_of(client, original.info.experiment_id,
