@@ -34,7 +34,17 @@ def cmd_validate(a: argparse.Namespace) -> int:
             continue
         console.print(f"{path}: ok (study {spec.name!r}, {len(spec.search)} searched parameters, "
                       f"backend {spec.backend}, {spec.budget.n_trials} trials)", markup=False, highlight=False)
+        _warn_nothing_searched(spec, path)
     return code
+
+
+def _warn_nothing_searched(spec, path: str) -> None:
+    """An empty ``search:`` is valid (one configuration, trained as a study) but several trials of it
+    train the same model again and again: say so rather than run them without a word."""
+    if not spec.search and spec.budget.n_trials > 1:
+        err_console.print(f"warning: {path}: search is empty, so each of the {spec.budget.n_trials} trials trains "
+                          f"the same configuration with the same seed; add a parameter to search, or set "
+                          f"budget.n_trials: 1", markup=False, highlight=False)
 
 
 # ---- run / worker ---------------------------------------------------------------------------
@@ -72,6 +82,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
+    _warn_nothing_searched(spec, a.spec)
     # runs/ moved: a resumed study's new trial runs must write where the artifacts are now.
     follow_moved_store(spec.tracking_store_uri(), err_console)
     if a.add_trials:
