@@ -86,11 +86,28 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
                                "check the URL, the server and the credentials") from exc
     path = journal_file(spec)
     if not create and not path.exists():
+        ran_in = _folder_it_ran_in(spec)
+        if ran_in is not None:  # run from another folder: starting it here would start a second study
+            raise StudyStateError(f"storage: {url} is not in this folder ({Path.cwd()}) but in {ran_in}: the "
+                                  f"spec's paths are relative to the folder a command runs in; cd {ran_in} and "
+                                  "run the command again")
         raise StudyStateError(f"storage: {url} does not exist, so study {spec.name!r} has not run yet; "
                               f"start it with: sweeps run {spec.path or '<spec>'}")
     if create:
         make_folder(path.parent, f"storage: {url}")
     return open_journal(path, create=create)
+
+
+def _folder_it_ran_in(spec: StudySpec) -> Path | None:
+    """The folder holding the spec's relative journal: the spec file's own folder or one above it
+    (``studies/x.yaml`` run from the repository root), when it is not the working folder."""
+    relative = Path(spec.storage_url())
+    if spec.path is None or relative.is_absolute():
+        return None
+    for folder in Path(os.path.abspath(spec.path)).parents:
+        if (folder / relative).is_file() and folder != Path.cwd():
+            return folder
+    return None
 
 
 def journal_file(spec: StudySpec) -> Path:
