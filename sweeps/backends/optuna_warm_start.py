@@ -38,22 +38,25 @@ def enqueue_warm_start(spec: StudySpec, study: optuna.Study) -> str:
     assert ws is not None  # the caller checks it
     source = spec.model_copy(update={"name": ws.study, "warm_start": None})
     where = f"{source.storage_url()}"
+    missing = StudyStateError(f"warm_start.from: study {ws.study!r} is not in {where}; run it first, or fix the "
+                              f"name in {spec.path or 'the spec'}")
     try:
         storage = optuna_study.open_storage(source, create=False)
     except StudyStateError:
-        storage = None
-    name = optuna_study.current_study_name(storage, ws.study) if storage is not None else None
+        raise missing from None
+    name = optuna_study.current_study_name(storage, ws.study)
     if name is None:
-        raise StudyStateError(f"warm_start.from: study {ws.study!r} is not in {where}; run it first, or fix the name "
-                              f"in {spec.path or 'the spec'}")
+        raise missing
     earlier = optuna.load_study(study_name=name, storage=storage)
     if len(earlier.directions) > 1:
         raise StudyStateError(f"warm_start.from: study {name!r} has several objectives, so no single best "
                               "configurations to start from; name a study of one objective")
-    done = [t for t in earlier.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    done = [(t.value, t) for t in earlier.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.value is not None]
     if not done:
         raise StudyStateError(f"warm_start.from: study {name!r} has no completed trial to start from")
-    best = sorted(done, key=lambda t: t.value, reverse=earlier.direction == optuna.study.StudyDirection.MAXIMIZE)
+    maximize = earlier.direction == optuna.study.StudyDirection.MAXIMIZE
+    best = [t for _, t in sorted(done, key=lambda vt: vt[0], reverse=maximize)]
     carried: set[str] = set()
     for t in best[:ws.top]:
         params = {k: v for k, v in t.params.items() if k in spec.search and _fits(spec.search[k], v)}
