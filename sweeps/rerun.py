@@ -19,6 +19,7 @@ the original curves bit for bit, and the rerun says which count it used and warn
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -239,7 +240,7 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     metric = objective.get("metric", "val_loss")
     study = resolved.get("study") or tags.get(layout.TAG_STUDY) or "rerun"
     parent = parent if parent is not None else parent_handle(reader, orig)
-    run = tracker.start_run(f"rerun-{orig.info.run_name or original_id[:8]}-seed{cfg.seed}",
+    run = tracker.start_run(_rerun_name(reader, orig, cfg.seed, threads),
                             experiment=reader.experiment_name(orig.info.experiment_id), parent=parent, tags={
                                 layout.TAG_ROLE: layout.ROLE_RERUN, layout.TAG_RERUN_OF: original_id,
                                 layout.TAG_STUDY: study, layout.TAG_TRIAL_NUMBER: tags.get(layout.TAG_TRIAL_NUMBER, ""),
@@ -296,6 +297,16 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     comparison = compare_curves(reader, original_id, run.run_id)
     tracker.log(run, tags=comparison.tags())
     return RerunOutcome(run.run_id, cfg.seed, result.best_metric, comparison, code_diffs, thread_note)
+
+
+def _rerun_name(reader: TrackingReader, orig, seed: int, threads: int | None) -> str:
+    """``rerun-trial-3-seed0-threads1``, with ``-2``, ``-3``... after it when the original has a
+    rerun of that name already: each rerun is told apart in MLflow's runs table."""
+    base = (f"rerun-{orig.info.run_name or orig.info.run_id[:8]}-seed{seed}"
+            + (f"-threads{threads}" if threads else ""))
+    taken = {r.info.run_name for r in reader.find_runs(orig.info.experiment_id, {
+        layout.TAG_ROLE: layout.ROLE_RERUN, layout.TAG_RERUN_OF: orig.info.run_id})}
+    return next(name for n in itertools.count(1) if (name := base if n == 1 else f"{base}-{n}") not in taken)
 
 
 def _thread_note(threads: int | None, then: int | None) -> str:
