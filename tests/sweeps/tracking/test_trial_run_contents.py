@@ -217,10 +217,11 @@ def test_a_pruned_trial_logs_no_model_to_the_models_tab(make_tracker, store, tmp
     from sweeps.tracking.trial_extras import TrialExtras
 
     tracker = make_tracker()
+    experiment = store.experiment_name()
     best = tmp_path / "best.pt"
     best.write_bytes(b"weights")
     for number, state in enumerate((status, "completed")):
-        run = tracker.start_run(f"trial-{number}", experiment=store.experiment_name())
+        run = tracker.start_run(f"trial-{number}", experiment=experiment)
         tracker.log_metrics(run, {"val_acc": 0.5}, 1)
         history = [{"epoch": 1, "step": 1, "val_acc": 0.5}]
         result = TrainResult(state, "", 1, 1, history[-1], 0.5, 1, history, checkpoint_best=best)
