@@ -25,6 +25,9 @@ LOOP_METRICS: dict[str, bool | None] = {
 
 def task_metrics(task: Task) -> dict[str, EpochMetric]:
     """The task's fresh validation metrics, keyed by their reported name ``val_<name>``."""
+    lacking = classes_lacking(task)
+    if lacking:
+        raise TaskError(lacking)
     made = task.metrics()
     if not isinstance(made, dict) or not made:
         raise TaskError(f"task {task.name!r}: metrics() must return a non-empty dict of name -> torchmetrics "
@@ -40,6 +43,17 @@ def task_metrics(task: Task) -> dict[str, EpochMetric]:
         raise TaskError(f"task {task.name!r}: metrics() name {clash[0][4:]!r} reports {clash[0]!r}, which the loop "
                         "reports itself; rename it")
     return out
+
+
+def classes_lacking(task: Task) -> str | None:
+    """Why a task that keeps the default metrics (accuracy over ``num_classes`` classes) cannot be
+    measured, or None: torchmetrics' own error (``num_classes ... got 0``) names no task nor fix."""
+    if type(task).metrics is not Task.metrics or (isinstance(task.num_classes, int) and task.num_classes >= 2):
+        return None
+    name = task.name if task.name != Task.name else type(task).__name__
+    return (f"task {name!r} keeps the default metrics() (accuracy over num_classes classes) but its "
+            f"num_classes is {task.num_classes!r}: set num_classes on the task to its number of classes (e.g. "
+            f"num_classes = 3), or override metrics() and metric_directions for a task that is not classification")
 
 
 def reported_metrics(task: Task) -> dict[str, bool | None]:

@@ -10,6 +10,12 @@ no profiler exists at all.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,6 +26,30 @@ from core.reporting import Reporter
 
 PROFILE_DIR = "profile"
 TOP_OPS = 30  # rows of the operator table
+# A line of Kineto's own log ("USDT:2026-01-01 10:00:00 123:123 SyncActivityProfilerHandler.cpp:39] ..."),
+# e.g. "gpuGetDeviceCount failed with code 35" on a machine without a GPU.
+KINETO_LINE = re.compile(r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\]")
+
+
+@contextlib.contextmanager
+def kineto_quiet() -> Iterator[None]:
+    """Keep Kineto's log lines (the profiler's C++ side writes them to file descriptor 2 as it
+    starts and stops a trace) out of the run's output; anything else written meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            rest = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not KINETO_LINE.match(line)]
+            if rest:
+                sys.stderr.write("".join(rest))
+                sys.stderr.flush()
 
 
 class StepProfiler:
@@ -40,12 +70,14 @@ class StepProfiler:
 
     def start(self) -> None:
         """Called right before the first training step: set-up (data, model) is not profiled."""
-        self.prof.start()
+        with kineto_quiet():
+            self.prof.start()
         self.running = True
 
     def step(self) -> bool:
         """Called after each optimizer step; False once the schedule is done (the profiler stopped)."""
-        self.prof.step()
+        with kineto_quiet():  # a cycle's trace starts and stops inside step()
+            self.prof.step()
         self.remaining -= 1
         if self.remaining <= 0:
             self.close()
@@ -55,7 +87,8 @@ class StepProfiler:
         """Stop the profiler (a cycle cut short by the run's end is still written)."""
         if self.running:
             self.running = False
-            self.prof.stop()
+            with kineto_quiet():
+                self.prof.stop()
 
     def _ready(self, prof: profile) -> None:
         """torch.profiler calls this at the end of each recorded cycle."""

@@ -36,6 +36,7 @@ from core.data import nonfinite_problem
 from core.forensics import nonfinite_count, tensor_stats
 from core.grad_checkpoint import checkpoint_blocks
 from core.in_memory import stored_tensors
+from core.metrics import classes_lacking
 from core.seeding import seed_everything
 from core.tasks.base import Task, TaskError
 from core.torchscript_export import TorchScriptError, export_torchscript
@@ -45,6 +46,7 @@ OVERFIT_SAMPLES = 8  # the fixed batch the overfit check trains on: small, so it
 OVERFIT_STEPS = 500  # the tiny U-Net of studies/shapes_seg.yaml needs about 300; a model that fits stops early
 OVERFIT_SECONDS = 20.0  # the overfit check gives up after this long (the whole check aims at < 30 s on CPU)
 LABEL_SAMPLES = 1024  # train samples whose labels are checked (the first batch alone may miss a class)
+MEMORIZED_EVERY = 10  # the overfit check compares the batch's predictions with its labels every N steps
 VAL_SAMPLES = 8  # validation samples read twice to see whether they change
 
 
@@ -61,6 +63,9 @@ def sanity_check(task: Task, cfg: TrainConfig, batch_size: int = 16, steps: int 
                  factor: float = 10.0) -> list[Finding]:
     """Every check on ``task`` (its model and data built as ``core.train`` builds them, on CPU)."""
     seed_everything(cfg.seed)
+    lacking = classes_lacking(task)
+    if lacking:  # every trial would fail at its first line
+        return [Finding("task", False, lacking)]
     hook = "datasets()"
     try:  # a hook that raises is the finding (missing data, a typo in the model), not a crash
         train_ds, val_ds = task.datasets()
@@ -133,8 +138,12 @@ def _shapes(task: Task, x: Any, vx: Any) -> Finding:
 def _labels(task: Task, cfg: TrainConfig, y: torch.Tensor, vy: Any) -> Finding:
     """Class labels of the first train samples and of the first validation batch (a label out of
     range there fails the trial at its first validation, an epoch of training later)."""
-    if task.num_classes <= 0 or not isinstance(y, torch.Tensor) or y.is_floating_point():
+    if not isinstance(y, torch.Tensor) or y.is_floating_point():
         return Finding("labels", True, "not class indices: range not checked")
+    if task.num_classes <= 0 and y.numel():
+        return Finding("labels", True, f"integer labels ({int(y.min())}..{int(y.max())} in the first {y.shape[0]} "
+                                       f"train samples) but num_classes is {task.num_classes}: range not checked "
+                                       f"(set num_classes to check it)")
     ignore = getattr(task.make_loss(cfg), "ignore_index", None)
     ranges = []
     for split, t in (("train", y), ("validation", vy)):
@@ -261,6 +270,15 @@ def _torchscript(task: Task, cfg: TrainConfig, x: torch.Tensor) -> Finding:
                                         f"(max diff {report.max_abs_diff:.3g})")
 
 
+def _memorized(task: Task, model: nn.Module, x: Any, y: torch.Tensor) -> bool:
+    """Whether the task's predictions (``postprocess``) on the batch equal its class labels."""
+    if not isinstance(y, torch.Tensor) or y.is_floating_point():  # not class labels (a regression)
+        return False
+    with torch.no_grad():
+        predicted = task.postprocess(model(x))
+    return predicted.shape == y.shape and bool((predicted == y).all())
+
+
 def _overfit(task: Task, cfg: TrainConfig, x: Any, y: torch.Tensor, steps: int, factor: float) -> Finding:
     seed_everything(cfg.seed)
     model = task.build_model()
@@ -282,6 +300,11 @@ def _overfit(task: Task, cfg: TrainConfig, x: Any, y: torch.Tensor, steps: int, 
             first = last
         if last <= first / factor:
             return Finding("overfit", True, f"one batch overfits: loss {first:.4g} -> {last:.4g} in {step} steps")
+        if last < first and step % MEMORIZED_EVERY == 0 and _memorized(task, model, x, y):
+            # A few classes start at a low loss (ln 3 = 1.1) and a linear model's loss falls slowly
+            # once every sample is right: predicting the whole batch right is the fit asked for.
+            return Finding("overfit", True, f"one batch overfits: every one of its {y.shape[0]} samples predicted "
+                                            f"right after {step} steps (loss {first:.4g} -> {last:.4g})")
         if time.monotonic() > deadline:  # too slow here to tell: say so rather than fail a model that may fit
             return Finding("overfit", True, f"inconclusive: loss {first:.4g} -> {last:.4g} in {step} steps when the "
                                             f"{OVERFIT_SECONDS:g} s limit ran out, short of {factor:g}x (a busy or "

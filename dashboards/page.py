@@ -19,6 +19,9 @@ from plotly.offline import get_plotlyjs
 
 from dashboards.figures import all_figures
 from dashboards.tables import IMPORTANCE_ENOUGH_COMPLETE, StudyTables, ranked_trials
+from sweeps.program import sweeps_command
+
+OPTUNA_STARTUP_TRIALS = 10  # TPESampler's and GPSampler's n_startup_trials when the spec sets none
 
 QUESTION_RE = re.compile(r"^\s*#\s*Question:\s*(.*?)\s*$", re.IGNORECASE)
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
@@ -79,6 +82,8 @@ class PageHeader:
     question: str = ""
     lr_finder_enabled: bool = False
     budget: int | None = None
+    program: str = "sweeps"  # the command that runs sweeps here (sweeps.program.sweeps_command)
+    random_start: int = 0  # tpe/gp: the first trials drawn at random before the model guides the search
 
 
 def question_of(spec_path: str | Path | None) -> str:
@@ -96,7 +101,31 @@ def header_from_spec(spec) -> PageHeader:
     """A :class:`PageHeader` from a loaded ``StudySpec``."""
     path = str(spec.path) if spec.path is not None else "SPEC"
     return PageHeader(spec_path=path, description=spec.description, question=question_of(spec.path),
-                      lr_finder_enabled=spec.lr_finder.enabled, budget=spec.budget.n_trials)
+                      lr_finder_enabled=spec.lr_finder.enabled, budget=spec.budget.n_trials,
+                      program=sweeps_command(), random_start=_random_start(spec))
+
+
+def _random_start(spec) -> int:
+    """How many first trials a model-based sampler draws at random (Optuna's default: 10); 0 for the others."""
+    if spec.sampler.name not in ("tpe", "gp"):
+        return 0
+    return spec.sampler.n_startup_trials or OPTUNA_STARTUP_TRIALS
+
+
+def guided_sentence(t: StudyTables, h: PageHeader) -> str:
+    """One sentence: the median objective of the trials the sampler guided against the random start's
+    (finished trials at their value; '' when either group is empty or the study has several objectives)."""
+    if not h.random_start or t.objectives:
+        return ""
+    done = t.trials[t.trials["state"].isin(["COMPLETE", "PRUNED"]) & t.trials["value"].notna()]
+    start, guided = done[done["number"] < h.random_start], done[done["number"] >= h.random_start]
+    if start.empty or guided.empty:
+        return ""
+    a, b = float(guided["value"].median()), float(start["value"].median())
+    better = (a > b) if t.direction == "maximize" else (a < b)
+    verdict = "better than" if better else ("as good as" if a == b else "worse than")
+    return (f"The {len(guided)} trials the sampler guided reached a median {t.metric} of {a:.4g}, {verdict} the "
+            f"{b:.4g} of the {len(start)} random trials it started with.")
 
 
 def _e(text: object) -> str:
@@ -127,12 +156,12 @@ def _header_html(t: StudyTables, h: PageHeader) -> str:
     best = t.best_row()
     if best is None:
         parts.append("<div class='box'><b>No completed trial yet.</b> Run or resume the study with "
-                     f"<code>sweeps run {_e(h.spec_path)}</code>.</div>")
+                     f"<code>{_e(h.program)} run {_e(h.spec_path)}</code>.</div>")
     else:
         number = int(best["number"])
         params = ", ".join(f"{_e(p)}=<b>{_e(_fmt(best[p]))}</b>" for p in t.param_names)
-        cmds = (f"sweeps promote {h.spec_path}\nsweeps rerun {h.spec_path} --trial {number}\n"
-                f"sweeps status {h.spec_path}")
+        cmds = (f"{h.program} promote {h.spec_path}\n{h.program} rerun {h.spec_path} --trial {number}\n"
+                f"{h.program} status {h.spec_path}")
         parts.append(f"<div class='box best'><b>Best trial: {number}</b> &mdash; {_e(t.metric)} = "
                      f"<b>{best['value']:.4f}</b><br>{params}<br><span class='sub'>MLflow run "
                      f"<code>{_e(best['run_id'] or '-')}</code></span>"
@@ -145,7 +174,7 @@ def _lr_finder_note(t: StudyTables, h: PageHeader) -> str:
     if h.lr_finder_enabled:
         return ("<p class='note'>The spec enables the LR finder, but the study's parent run has no "
                 "<code>lr_finder/lr_finder.json</code>: the study started before it was enabled, or the range "
-                "test failed. Start a new version with <code>sweeps run "
+                f"test failed. Start a new version with <code>{_e(h.program)} run "
                 f"{_e(h.spec_path)} --fresh</code> to run it.</p>")
     return ("<p class='note'>The LR range test did not run for this study. To run it once before the trials "
             "(and narrow the <code>lr</code> search range around its suggestion), add "
@@ -184,12 +213,13 @@ def render_page(t: StudyTables, h: PageHeader, now: _dt.datetime | None = None) 
         if fig is None:
             body.append(_lr_finder_note(t, h))
         else:
-            body.append(f"<p>{_e(caption)}</p><div class='figure'>{figure_div(fig, div_id)}</div>")
+            said = f" {guided_sentence(t, h)}" if div_id == "fig-history" else ""
+            body.append(f"<p>{_e(caption + said)}</p><div class='figure'>{figure_div(fig, div_id)}</div>")
         body.append("</section>")
     body.append("<section id='trials-section'><h2>All trials</h2><p>Completed trials best first, then the "
                 "rest by number (&#9733; = best).</p>" + _trials_html(t) + "</section>")
     body.append(f"<p class='sub'>Generated {_e(now.strftime('%Y-%m-%d %H:%M:%S %Z'))} by "
-                f"<code>sweeps report {_e(h.spec_path)}</code>.</p>")
+                f"<code>{_e(h.program)} report {_e(h.spec_path)}</code>.</p>")
     return ("<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
             f"<title>Study {_e(t.study)}: report</title>\n<style>{CSS}</style>\n"
             "<script type='text/javascript'>window.PlotlyConfig = {MathJaxConfig: 'local'};</script>\n"

@@ -2,7 +2,7 @@
 experiment's runs table, expand a parent run, open a run's page, the run-comparison page.
 
 The UI's routes (hash routes of its React app, from mlflow/server/js in the installed package):
-``#/experiments/<id>/runs``, ``#/experiments/<id>/runs/<run_id>``,
+``#/experiments/<id>/runs``, ``#/experiments/<id>/runs/<run_id>``, ``#/experiments/<id>/models``,
 ``#/compare-runs?runs=[...]&experiments=[...]``. Selectors are the UI's own stable hooks
 (``data-component-id``, ``aria-label``, links to runs), not its generated CSS class names.
 """
@@ -23,6 +23,11 @@ def runs_page(base_url: str, experiment_id: str) -> str:
 
 def run_page(base_url: str, experiment_id: str, run_id: str) -> str:
     return f"{base_url}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def models_page(base_url: str, experiment_id: str) -> str:
+    """The experiment's Models tab: its logged models (MLflow 3)."""
+    return f"{base_url}/#/experiments/{experiment_id}/models"
 
 
 def compare_page(base_url: str, experiment_id: str, run_ids: list[str]) -> str:
@@ -102,3 +107,10 @@ def parallel_coordinates(browser: Chromium, params: list[str], metrics: list[str
     browser.evaluate("document.activeElement && document.activeElement.blur()")  # no focus ring on a select
     browser.wait_for(f"(() => {{ const ticks = [...document.querySelectorAll('.pcp-plot text')]"
                      f".map(t => t.textContent); return {probe}; }})()", f"the plot's axes {labels}")
+
+
+def plot_axes(browser: Chromium) -> list[str]:
+    """The axis titles of the compare page's parallel-coordinates plot, left to right."""
+    browser.wait_for_text("Parallel Coordinates Plot")
+    browser.wait_for("document.querySelectorAll('.pcp-plot text').length > 0", "the plot's axes")
+    return browser.evaluate("[...document.querySelectorAll('.pcp-plot .axis-title')].map(t => t.textContent)") or []

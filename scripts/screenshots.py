@@ -1,13 +1,16 @@
-"""Write the README's screenshots of a finished study: its `sweeps report` page and the MLflow UI's
-run-comparison view of its trials (parallel coordinates of the searched params against the
-objective).
+"""Write the README's screenshots of a finished study: its `sweeps report` page and the MLflow UI as
+a user meets it: the runs table with the trials nested under the study's run, the best trial's
+page, the run-comparison view of the trials (parallel coordinates of the searched params against
+the objective) and the experiment's Models tab (run `sweeps promote SPEC` first to have the
+promoted model in it).
 
 From the repository root, after `make run` (or `sweeps run SPEC`)::
 
     .venv/bin/python -m scripts.screenshots                      # studies/lr_bs.yaml -> docs/img/
     .venv/bin/python -m scripts.screenshots studies/lr_bs.yaml --out docs/img
 
-It writes ``report.png`` and ``mlflow_compare.png`` under ``--out``. It starts its own `mlflow server`
+It writes ``report.png``, ``mlflow_runs.png``, ``mlflow_trial.png``, ``mlflow_compare.png`` and
+``mlflow_models.png`` under ``--out``. It starts its own `mlflow server`
 on a free loopback port over the study's store (a SQLite store; for an ``http(s)://`` tracking URI
 it uses that server) and stops it at the end; it needs headless Chromium (`apt-get install -y
 chromium`). Nothing is written to the store: the report page is rendered into a tmp folder and not
@@ -23,13 +26,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scripts.browser import INSTALL_HINT, Chromium, MlflowServer, check_png, find_chromium
-from scripts.mlflow_ui import collapse_sidebar, compare_page, parallel_coordinates, tidy
+from scripts.mlflow_ui import (
+    collapse_sidebar,
+    compare_page,
+    expand,
+    models_page,
+    open_runs_table,
+    parallel_coordinates,
+    plot_axes,
+    run_page,
+    tidy,
+)
 
 # Sizes in CSS pixels. The report: its headline, the optimization history and the parallel
 # coordinates. The compare view: the plot and its controls, without the long table of run details
 # below them.
 REPORT_SIZE = (1400, 1800)
 COMPARE_SIZE = (1400, 620)
+PAGE_SIZE = (1400, 900)  # the runs table, a trial's page, the Models tab
 # Every figure of the page is drawn when each plotly div holds its SVG.
 FIGURES_DRAWN = ("(() => { const divs = [...document.querySelectorAll('.plotly-graph-div')];"
                  " return divs.length > 0 && divs.every(d => d.querySelector('svg.main-svg')); })()")
@@ -67,27 +81,57 @@ def mlflow_url(tracking_uri: str, work: Path) -> Iterator[str]:
         yield server.url
 
 
-def compare_png(spec, out: Path, work: Path) -> Path:
-    """Screenshot the MLflow UI's comparison of the study's trial runs."""
+def mlflow_pngs(spec, out: Path, work: Path) -> list[Path]:
+    """Screenshot the MLflow UI's runs table (the trials expanded under the study's run), the best
+    trial's page, the comparison of the trial runs and the Models tab."""
     from dashboards.report import load_study
+    from sweeps.study_run import reader_for
 
     loaded = load_study(spec)
-    run_ids = [t.run_id for t in sorted(loaded.result.trials, key=lambda t: t.number) if t.run_id]
-    if loaded.experiment_id is None or not run_ids:
-        raise SystemExit(f"study {spec.name!r} has no trial runs in {spec.tracking_uri()}: run it first "
-                         f"(sweeps run SPEC)")
-    params = [f"search.{name}" for name in spec.search]  # how trials log their searched params
-    width, height = COMPARE_SIZE
-    with mlflow_url(spec.tracking_store_uri(), work) as base, \
-            Chromium(width, height, profile=work / "mlflow-profile") as browser:
-        browser.open(compare_page(base, loaded.experiment_id, run_ids))
-        browser.wait_for_text(f"Comparing {len(run_ids)} Runs")
-        tidy(browser)
-        collapse_sidebar(browser)
-        parallel_coordinates(browser, params, [spec.objective.metric])
-        browser.settle()
-        path = browser.screenshot(out / "mlflow_compare.png")
-    check_png(path, width, height)
+    trials = sorted((t for t in loaded.result.trials if t.run_id), key=lambda t: t.number)
+    best = loaded.result.best()
+    if loaded.experiment_id is None or not trials or best is None or best.run_id is None:
+        raise SystemExit(f"study {spec.name!r} has no completed trial runs in {spec.tracking_uri()}: run it "
+                         f"first (sweeps run SPEC)")
+    run_ids = [t.run_id for t in trials]
+    parent = reader_for(spec).get_run(str(loaded.result.parent_run_id)).info.run_name
+    shots = []
+    with mlflow_url(spec.tracking_store_uri(), work) as base:
+        width, height = PAGE_SIZE
+        with Chromium(width, height, profile=work / "mlflow-profile") as browser:
+            open_runs_table(browser, base, loaded.experiment_id, parent)
+            collapse_sidebar(browser)
+            expand(browser, parent, [f"trial-{t.number}" for t in trials[:3]])
+            browser.settle()
+            shots.append(_keep(browser, out / "mlflow_runs.png", PAGE_SIZE))
+            browser.open(run_page(base, loaded.experiment_id, best.run_id))
+            browser.wait_for_text(f"trial-{best.number}", "Parameters", "Metrics")
+            browser.settle()
+            shots.append(_keep(browser, out / "mlflow_trial.png", PAGE_SIZE))
+            browser.open(models_page(base, loaded.experiment_id))
+            browser.wait_for_text(f"trial-{best.number}", "Registered models")
+            browser.settle()
+            shots.append(_keep(browser, out / "mlflow_models.png", PAGE_SIZE))
+        width, height = COMPARE_SIZE
+        with Chromium(width, height, profile=work / "compare-profile") as browser:
+            browser.open(compare_page(base, loaded.experiment_id, run_ids))
+            browser.wait_for_text(f"Comparing {len(run_ids)} Runs")
+            tidy(browser)
+            collapse_sidebar(browser)
+            axes = plot_axes(browser)
+            searched = list(spec.search)
+            if axes[:len(searched)] != sorted(searched):  # MLflow's default: the params that differ, sorted
+                raise SystemExit(f"the comparison opens on the params {axes}, not the searched {searched}")
+            # The metric axis: MLflow's default is the first metric the trial logged (a per-step curve).
+            parallel_coordinates(browser, sorted(searched), [spec.objective.metric])
+            browser.settle()
+            shots.append(_keep(browser, out / "mlflow_compare.png", COMPARE_SIZE))
+    return shots
+
+
+def _keep(browser: Chromium, path: Path, size: tuple[int, int]) -> Path:
+    browser.screenshot(path)
+    check_png(path, *size)
     return path
 
 
@@ -106,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sweeps-screenshots-") as tmp:
         work = Path(tmp)
-        for path in (report_png(args.spec, args.out, work), compare_png(spec, args.out, work)):
+        for path in (report_png(args.spec, args.out, work), *mlflow_pngs(spec, args.out, work)):
             print(f"wrote {path}")
     return 0
 

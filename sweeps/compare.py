@@ -265,14 +265,17 @@ def run_info(run) -> dict[str, Any]:
             "role": tags.get(layout.TAG_ROLE), "rerun of": tags.get(layout.TAG_RERUN_OF)}
 
 
-def compare_table(run_a, run_b) -> tuple[Table, int]:
-    """Params and final metrics of two runs side by side (run info on top)."""
+def compare_table(run_a, run_b, only_differences: bool = False) -> tuple[Table, int]:
+    """Params and final metrics of two runs side by side (run info on top); ``only_differences``
+    leaves out the rows where both runs agree."""
     ia, ib = run_info(run_a), run_info(run_b)
     info = [(k, ia[k], ib[k]) for k in ia if ia[k] is not None or ib[k] is not None]
     pa, pb = run_a.data.params, run_b.data.params
     params = [(k, pa.get(k), pb.get(k)) for k in sorted(set(pa) | set(pb))]
     ma, mb = run_a.data.metrics, run_b.data.metrics
     metrics = [(k, ma.get(k), mb.get(k)) for k in sorted(set(ma) | set(mb))]
+    if only_differences:
+        info, params, metrics = ([row for row in rows if row[1] != row[2]] for rows in (info, params, metrics))
     return side_by_side(f"compare {run_a.info.run_id} vs {run_b.info.run_id}",
                         (f"A {run_a.info.run_name or run_a.info.run_id[:8]}",
                          f"B {run_b.info.run_name or run_b.info.run_id[:8]}"),
@@ -346,11 +349,12 @@ def resolve_run(reader: TrackingReader, ref: str, spec=None) -> str:
                          "start with it; give more characters:\n" + "\n".join(lines) + more)
 
 
-def compare_runs(reader: TrackingReader, run_a: str, run_b: str, console, spec=None) -> int:
+def compare_runs(reader: TrackingReader, run_a: str, run_b: str, console, spec=None,
+                 only_differences: bool = False) -> int:
     """``sweeps compare``: print the table and a one-line count of the differences. ``run_a`` and
     ``run_b``: anything :func:`resolve_run` takes (trial numbers only with ``spec``)."""
     a, b = (reader.get_run(resolve_run(reader, ref, spec)) for ref in (run_a, run_b))
-    table, n_diff = compare_table(a, b)
+    table, n_diff = compare_table(a, b, only_differences)
     console.print(table)
     pa, pb = a.data.params, b.data.params
     differing = sorted(k for k in set(pa) | set(pb) if pa.get(k) != pb.get(k))

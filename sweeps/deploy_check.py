@@ -17,7 +17,7 @@ from sweeps.spec import StudySpec
 from sweeps.spec_objectives import Bound, is_deploy_metric
 
 if TYPE_CHECKING:
-    from optuna.trial import FrozenTrial
+    pass
 
 ATTR_FIGURES = "deploy_figures"  # Optuna user attribute: the trial's measured figures
 ATTR_REJECTED = "rejected"  # Optuna user attribute: True for a trial rejected before training
@@ -66,20 +66,13 @@ def rejection_reason(constraints: Mapping[str, Bound], figures: Mapping[str, flo
     return "rejected before training: " + "; ".join(bad) if bad else ""
 
 
-class ConstraintsFunc:
-    """Optuna's ``constraints_func``: the constraint values (> 0: infeasible) of a finished
-    trial, read from the figures the worker stored on it. Optuna's samplers store them as the
-    trial's system attribute ``constraints`` and learn to avoid infeasible regions. A class,
-    not a closure, so the sampler stays picklable."""
-
-    def __init__(self, constraints: Mapping[str, Bound]) -> None:
-        self.constraints = dict(constraints)
-
-    def __call__(self, trial: FrozenTrial) -> list[float]:
-        figures = trial.user_attrs.get(ATTR_FIGURES)
-        if not figures:  # failed before it was measured: no information either way
-            return [0.0] * len(self.constraints)
-        return list(violations(self.constraints, figures).values())
+def constraint_values(constraints: Mapping[str, Bound], figures: Mapping[str, float] | None) -> dict[str, float]:
+    """A finished trial's constraint values for Optuna's ``Trial.set_constraint`` (> 0: infeasible),
+    from its measured figures; tpe and gp learn from them to avoid infeasible regions. A trial
+    that failed before it was measured gives no information either way (0)."""
+    if not figures:
+        return {m: 0.0 for m in constraints}
+    return violations(constraints, figures)
 
 
 def objective_values(spec: StudySpec, history: list[dict[str, float]], best_epoch: int | None,

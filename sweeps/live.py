@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.program import sweeps_command
 from sweeps.spec import StudySpec
 
 
@@ -28,7 +29,7 @@ def _fmt_params(params: dict) -> str:
 
 class LiveView:
     def __init__(self, spec: StudySpec, study_name: str, quiet: bool = False, recovered: list[int] | None = None,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, note: str = "") -> None:
         self.spec, self.study_name = spec, study_name
         self.console = console or Console(stderr=False)
         self.plain = quiet or not sys.stdout.isatty()
@@ -38,6 +39,8 @@ class LiveView:
         if recovered:
             self.console.print(f"recovered {len(recovered)} orphaned trial(s) {recovered}: marked FAIL, "
                                "their parameters requeued to resume from their checkpoints")
+        if note:  # e.g. what a warm start carried over
+            self.console.print(note, markup=False, highlight=False)
         if not self.plain:
             self._live = Live(self._render_empty(), console=self.console, refresh_per_second=2, transient=True)
             self._live.start()
@@ -108,7 +111,7 @@ def results_table(result: StudyResult, top: int | None = None, title: str | None
     table = Table(title=title, header_style="bold")
     metrics = [m for m, _ in result.objectives()] if several else [result.metric]
     for col in ("", "trial", "state", *metrics, "duration", "params", "MLflow run"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a narrow terminal wraps a value, never cuts it to "..."
     for t in rows:
         mark = ("front" if t in ranked else "") if several else (
             "*" if best is not None and t.number == best.number else "")
@@ -119,19 +122,26 @@ def results_table(result: StudyResult, top: int | None = None, title: str | None
     return table
 
 
+SUMMARY_TOP = 5  # the end of a run lists this many trials, best first
+
+
 def print_summary(spec: StudySpec, result: StudyResult, console: Console | None = None) -> None:
     console = console or Console()
+    run = sweeps_command()
+    spec_path = spec.path or "<spec>"
     counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(result.counts().items()))
-    console.print(results_table(result, top=5, title=f"study {result.name}: {counts}"))
+    ranked = len(result.front()) if len(result.objectives()) > 1 else sum(
+        t.state == "COMPLETE" and t.value is not None for t in result.trials)
+    shown = f"; the best {SUMMARY_TOP} of {ranked} shown (all: status)" if ranked > SUMMARY_TOP else ""
+    console.print(results_table(result, top=SUMMARY_TOP, title=f"study {result.name}: {counts}{shown}"))
     if result.stopped_reason:
         console.print(f"[yellow]{result.stopped_reason}[/yellow]")
     best = result.best()
-    spec_path = spec.path or "<spec>"
     uri = spec.tracking_uri()
     ui = f"mlflow ui --backend-store-uri {uri}" if not uri.startswith("http") else f"open {uri}"
     console.print("next:")
-    console.print(f"  look at the runs:   {ui}   (experiment {spec.experiment_name()!r})")
-    console.print(f"  study status:       sweeps status {spec_path}")
+    console.print(f"  look at the runs:   {ui}   (experiment {spec.experiment_name()!r})", soft_wrap=True)
+    console.print(f"  study status:       {run} status {spec_path}", soft_wrap=True)
     front = result.front() if len(result.objectives()) > 1 else []
     if front:  # several objectives: no single best; promote picks from the front by a condition
         (first, d1), (second, d2) = result.objectives()[:2]
@@ -139,11 +149,11 @@ def print_summary(spec: StudySpec, result: StudyResult, console: Console | None 
         # repr: the exact stored value; a rounded bound could fall on the wrong side of a front member
         where = f"{second}<={max(seconds)!r}" if d2 == "minimize" else f"{second}>={min(seconds)!r}"
         console.print(f"  Pareto front:       trials {', '.join(str(t.number) for t in front)}", markup=False)
-        console.print(f"  promote from it:    sweeps promote {spec_path} --where \"{where}\" "
+        console.print(f"  promote from it:    {run} promote {spec_path} --where \"{where}\" "
                       f"--{d1} {first}   (tighten the bound to trade {first} for {second})",
-                      markup=False, highlight=False)
+                      markup=False, highlight=False, soft_wrap=True)
     if best is not None:
         console.print(f"  best trial {best.number}: {result.metric}={best.value:.4f}")
-        console.print(f"  promote it:         sweeps promote {spec_path}")
-        console.print(f"  rerun it:           sweeps rerun {spec_path} --trial {best.number}")
-        console.print(f"  report:             sweeps report {spec_path}")
+        console.print(f"  promote it:         {run} promote {spec_path}", soft_wrap=True)
+        console.print(f"  rerun it:           {run} rerun {spec_path} --trial {best.number}", soft_wrap=True)
+        console.print(f"  report:             {run} report {spec_path}", soft_wrap=True)

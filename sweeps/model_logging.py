@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,6 @@ from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
 if TYPE_CHECKING:
     from sweeps.registry import Candidate
 
-MODEL_ARTIFACT = "model"  # the logged model's name in the trial's run
 TAG_PROMOTED = "sweeps.promoted"  # "true" on logged models written by promote
 TAG_FORMAT = "sweeps.model_format"  # their layout (sweeps.serving.MODEL_FORMAT); another one is not reused
 EXAMPLE_ROWS = 8  # rows of the input example stored with the model
@@ -155,10 +156,34 @@ def fluent_uri(uri: str):
         yield
 
 
+def promoted_name(number: int) -> str:
+    """The promoted model's name in the Models tab: its trial's, beside that trial's checkpoint model."""
+    return f"trial-{number}-promoted"
+
+
+class _PickleNotice(logging.Filter):
+    """MLflow warns, at every log_model given a python_model object, that the object is pickled.
+    Ours is sweeps.serving.TaskModel, a stateless class of this package (the weights travel as
+    artifacts), so the warning only alarms a user promoting a model; MLflow's other lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Passing a Python object as `python_model`")
+
+
+@contextlib.contextmanager
+def _no_pickle_notice() -> Iterator[None]:
+    logger, notice = logging.getLogger("mlflow.pyfunc"), _PickleNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 def find_logged_model(registry, cand: Candidate):
     """A complete logged model written by an earlier promote of this run (crash recovery)."""
     found = registry.search_logged_models([cand.run.info.experiment_id], filter_string=(
-        f"source_run_id = '{cand.run_id}' AND name = '{MODEL_ARTIFACT}'"))
+        f"source_run_id = '{cand.run_id}'"))
     from sweeps.serving import MODEL_FORMAT  # lazy: mlflow.pyfunc, only to promote
 
     done = [m for m in found if m.tags.get(TAG_PROMOTED) == "true" and m.tags.get(TAG_FORMAT) == MODEL_FORMAT
@@ -292,13 +317,29 @@ def log_model(reader: TrackingReader, uri: str, spec, cand: Candidate, console) 
         _add_torchscript(reader, cand, tmp, model, inputs, resolved, artifacts, tags, console)
         artifacts[serving.ART_TORCH] = str(Path(tmp) / serving.ART_TORCH)
         tags["sweeps.pytorch_format"] = save_pytorch(model, Path(artifacts[serving.ART_TORCH]), inputs, console)
-        with fluent_uri(uri):  # Model.log reads the fluent URI; the run is addressed by id
-            logged = reader.registry.create_logged_model(cand.run.info.experiment_id, name=MODEL_ARTIFACT,
+        with fluent_uri(uri), _no_pickle_notice():  # Model.log reads the fluent URI; the run is addressed by id
+            logged = reader.registry.create_logged_model(cand.run.info.experiment_id, name=promoted_name(cand.number),
                                                          source_run_id=cand.run_id,
                                                          tags={TAG_PROMOTED: "true", TAG_FORMAT: serving.MODEL_FORMAT,
                                                                **tags})
             # Model.log is what mlflow.pyfunc.log_model calls, plus the run id it does not pass on.
-            info = Model.log(artifact_path=None, name=MODEL_ARTIFACT, flavor=mlflow.pyfunc, run_id=cand.run_id,
-                             model_id=logged.model_id, python_model=serving.TaskModel(), artifacts=artifacts,
-                             signature=signature, input_example=example, pip_requirements=_pip_requirements())
+            info = Model.log(artifact_path=None, name=promoted_name(cand.number), flavor=mlflow.pyfunc,
+                             run_id=cand.run_id, model_id=logged.model_id, python_model=serving.TaskModel(),
+                             artifacts=artifacts, signature=signature, input_example=example,
+                             pip_requirements=_pip_requirements())
+    if tags.get(TAG_CHECKPOINT_MODEL):
+        _share_metrics(reader.registry, tags[TAG_CHECKPOINT_MODEL], info.model_id, cand.run_id)
     return info.model_uri, info.model_id, tags
+
+
+def _share_metrics(registry, checkpoint_model_id: str, model_id: str, run_id: str) -> None:
+    """Give the promoted model the best epoch's metrics of the trial's checkpoint model (``val_acc``
+    in the Models tab). The same points (step, timestamp, value) logged again with the new model's
+    id attach to it only: the run's curves keep one row per point."""
+    from mlflow.entities import Metric
+
+    points = registry.get_logged_model(checkpoint_model_id).metrics or []
+    if points:
+        registry.log_batch(run_id, metrics=[
+            Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id, dataset_name=m.dataset_name,
+                   dataset_digest=m.dataset_digest) for m in points], synchronous=True)

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from core.config import TrainConfig, apply_overrides
 from core.ddp_launch import TaskSpec, train_distributed
@@ -45,8 +45,13 @@ _ARTIFACT_DIRS = {
     "torchscript": TORCHSCRIPT_DIR, "torchscript_report": TORCHSCRIPT_DIR,  # model.ts + its parity report
     "profile": "profile",  # train.profile: Chrome traces and top-operator tables (core/profiling.py)
 }
+# A pruned trial ended as the study meant it to: FINISHED, its state in the sweeps.state and
+# sweeps.pruned tags (as Optuna's MLflowCallback and Ray Tune's MLflow logger do), so MLflow's
+# red mark is left for failures.
 _MLFLOW_STATUS: dict[str, RunStatus] = {
-    "COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED", "INTERRUPTED": "KILLED"}
+    "COMPLETE": "FINISHED", "PRUNED": "FINISHED", "FAIL": "FAILED", "INTERRUPTED": "KILLED"}
+# The fixed configuration a trial run shows as params beside the searched ones.
+HEADLINE_PARAMS = ("epochs", "optimizer", "scheduler", "seed")
 
 
 @dataclass
@@ -185,20 +190,31 @@ def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial:
         layout.TAG_SPEC_HASH: spec.spec_hash(), layout.TAG_GIT_COMMIT: process_git_commit(), **trial.tags,
     }
     run = tracker.start_run(f"trial-{trial.number}", parent=parent, tags=tags)
-    flat = {f"train.{k}": v for k, v in cfg.to_dict().items() if k != "distributed"}
-    flat.update({f"train.distributed.{k}": v for k, v in cfg.to_dict()["distributed"].items()})
-    # Derived, not config fields: under DDP the batch size is per process and lr may be scaled.
-    dist = cfg.distributed
-    flat["derived.global_batch_size"] = cfg.batch_size * dist.nproc * cfg.grad_accum_steps
-    if dist.lr_scale_rule != "none":
-        flat["derived.lr_scale"] = lr_scale_factor(dist.lr_scale_rule, dist.nproc)
-        flat["derived.scaled_lr"] = cfg.lr * flat["derived.lr_scale"]
-    flat.update({f"task.{k}": v for k, v in spec.task_args(trial.params).items()})
-    flat.update({f"task.{k}": v for k, v in (("name", spec.task.name or spec.task.target),
-                                             ("model", spec.task.model)) if v is not None})
-    tracker.log(run, params={**flat, **{f"search.{k}": v for k, v in trial.params.items()}})
+    tracker.log(run, params=trial_params(spec, trial, cfg))
     tracker.log_artifact(run, resolved_config(spec, trial, cfg), layout.ART_CONFIG)
     return run
+
+
+def trial_params(spec: StudySpec, trial: TrialSpec, cfg: TrainConfig) -> dict[str, Any]:
+    """The trial run's MLflow params: the searched ones under their own names, so MLflow's run
+    table and comparison view open on them, and a few fixed ones that say what was trained; the
+    whole resolved configuration is the run's config artifact (``layout.ART_CONFIG``)."""
+    fixed = cfg.to_dict()
+    params: dict[str, Any] = {"task": spec.task.name or spec.task.target}
+    if spec.task.model is not None:
+        params["model"] = spec.task.model
+    params.update({k: fixed[k] for k in HEADLINE_PARAMS})
+    params.update(trial.params)
+    # What a retry changed from the searched point (a halved batch, accumulated twice), and the
+    # batch the optimizer sees when DDP or accumulation make it differ from batch_size.
+    params.update({f"train.{k}": fixed[k] for k in trial.overrides or {}})
+    dist = cfg.distributed
+    global_batch = cfg.batch_size * dist.nproc * cfg.grad_accum_steps
+    if global_batch != cfg.batch_size:
+        params["global_batch_size"] = global_batch
+    if dist.lr_scale_rule != "none":
+        params["scaled_lr"] = cfg.lr * lr_scale_factor(dist.lr_scale_rule, dist.nproc)
+    return params
 
 
 def task_spec(spec: StudySpec, params: dict) -> TaskSpec:
@@ -317,7 +333,7 @@ def _measured(spec: StudySpec, trial: TrialSpec, tracker: Tracker, run: RunHandl
 
 def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) -> None:
     """Final metrics, tags and the MLflow status that mirrors the study state:
-    COMPLETE -> FINISHED; PRUNED -> KILLED + sweeps.pruned; FAIL -> FAILED + sweeps.error;
+    COMPLETE -> FINISHED; PRUNED -> FINISHED + sweeps.pruned; FAIL -> FAILED + sweeps.error;
     INTERRUPTED (SIGTERM) -> KILLED, and the study marks the trial FAIL with the reason."""
     tags: dict = {layout.TAG_STATE: "FAIL" if outcome.state == "INTERRUPTED" else outcome.state}
     if outcome.state == "PRUNED":

@@ -33,7 +33,7 @@ from core.metrics import LOOP_METRICS, declared_metrics
 from sweeps.backends.by_name import get_backend
 from sweeps.compare import best_over_epochs, metric_curve, open_client, side_by_side
 from sweeps.errors import BadNameError, NothingQualifies, PromoteError, PromoteRefused, UsageError
-from sweeps.model_logging import MODEL_ARTIFACT, find_logged_model, fluent_uri, log_model
+from sweeps.model_logging import find_logged_model, fluent_uri, log_model, promoted_name
 from sweeps.pareto import parse_where
 from sweeps.safe_names import safe_component
 from sweeps.spec_objectives import is_deploy_metric
@@ -237,7 +237,7 @@ def eligible(result, where: str | None):
     front of the stored values; with ``--where``, those of them (or of the COMPLETE trials, for
     one objective) meeting every condition. UsageError for a condition on a metric no trial has;
     NothingQualifies (exit 2) when no trial meets them, showing what the front offers."""
-    conditions = parse_where(where) if where else []
+    conditions = parse_where(where) if where is not None else []  # --where "" is refused, not ignored
     metrics = [m for m, _ in result.objectives()]
     several = len(metrics) > 1
     if not (conditions or several):
@@ -310,7 +310,7 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
     if dry_run:
         steps = ([f"reuse version {existing.version} of {name} (already made from run {cand.run_id})"] if existing
                  else [f"re-verify the ONNX model of run {cand.run_id} and log the model (natural input -> "
-                       f"predictions) into it as {MODEL_ARTIFACT!r}",
+                       f"predictions) into it as {promoted_name(cand.number)!r}",
                        f"create a new version of registered model {name!r} with lineage tags"])
         steps.append(f"move alias {alias!r} to it" + (f" (from version {holder.version.version})" if holder else ""))
         console.print("dry run, nothing written; would:\n" + "\n".join(f"  - {s}" for s in steps),
@@ -332,6 +332,8 @@ def promote(spec, *, alias: str = "champion", model_name: str | None = None, met
 
 
 def _register(reader, uri: str, spec, result, cand: Candidate, name: str, metric: str, direction: str, console):
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS  # lazy: mlflow loads only when a model is promoted
+
     from sweeps.serving import description  # lazy: mlflow.pyfunc, only to describe
 
     logged = find_logged_model(reader.registry, cand)
@@ -344,7 +346,13 @@ def _register(reader, uri: str, spec, result, cand: Candidate, name: str, metric
         model_uri, model_id, model_tags = log_model(reader, uri, spec, cand, console)
     ensure_registered_model(reader.registry, name, result.name)
     with fluent_uri(uri):
-        return reader.registry.create_model_version(
+        version = reader.registry.create_model_version(
             name, source=model_uri, run_id=cand.run_id, model_id=model_id,
             tags=lineage_tags(reader, cand, result, metric, direction, model_tags),
             description=description(model_tags, cand.number, result.name))
+    # The Models tab links a logged model to its registered versions through this tag, which
+    # mlflow.register_model sets and MlflowClient.create_model_version does not.
+    linked = json.loads(reader.registry.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+    reader.registry.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
+        [*linked, {"name": name, "version": version.version}])})
+    return version

@@ -19,6 +19,7 @@ the original curves bit for bit, and the rerun says which count it used and warn
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -201,7 +202,7 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     metric = objective.get("metric", "val_loss")
     study = resolved.get("study") or tags.get(layout.TAG_STUDY) or "rerun"
     parent = parent if parent is not None else parent_handle(reader, orig)
-    run = tracker.start_run(f"rerun-{orig.info.run_name or original_id[:8]}-seed{cfg.seed}",
+    run = tracker.start_run(_rerun_name(reader, orig, cfg.seed, threads),
                             experiment=reader.experiment_name(orig.info.experiment_id), parent=parent, tags={
                                 layout.TAG_ROLE: layout.ROLE_RERUN, layout.TAG_RERUN_OF: original_id,
                                 layout.TAG_STUDY: study, layout.TAG_TRIAL_NUMBER: tags.get(layout.TAG_TRIAL_NUMBER, ""),
@@ -212,7 +213,7 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
                                 "sweeps.rerun.original_threads": then_threads or "",
                                 "sweeps.code_differs": str(bool(code_diffs)).lower(),
                                 "sweeps.code_diff": "; ".join(code_diffs)})
-    tracker.log(run, params={**orig.data.params, "train.seed": cfg.seed, "train.device": cfg.device})
+    tracker.log(run, params={**orig.data.params, "seed": cfg.seed, "device": cfg.device})
     tracker.log_artifact(run, {**resolved, "seed": cfg.seed, "train": cfg.to_dict(), "rerun_of": original_id},
                          layout.ART_CONFIG)
     # A pruned original stopped early: the rerun stops after the same epoch, so both trained alike.
@@ -258,6 +259,16 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     return RerunOutcome(run.run_id, cfg.seed, result.best_metric, comparison, code_diffs, thread_note)
 
 
+def _rerun_name(reader: TrackingReader, orig, seed: int, threads: int | None) -> str:
+    """``rerun-trial-3-seed0-threads1``, with ``-2``, ``-3``... after it when the original has a
+    rerun of that name already: each rerun is told apart in MLflow's runs table."""
+    base = (f"rerun-{orig.info.run_name or orig.info.run_id[:8]}-seed{seed}"
+            + (f"-threads{threads}" if threads else ""))
+    taken = {r.info.run_name for r in reader.find_runs(orig.info.experiment_id, {
+        layout.TAG_ROLE: layout.ROLE_RERUN, layout.TAG_RERUN_OF: orig.info.run_id})}
+    return next(name for n in itertools.count(1) if (name := base if n == 1 else f"{base}-{n}") not in taken)
+
+
 def _thread_note(threads: int | None, then: int | None) -> str:
     """Why a CPU rerun may part from its original in the last bits, or "" when it should not."""
     if threads is None or then is None or threads == then:
@@ -278,11 +289,19 @@ def print_outcome(outcome: RerunOutcome, console) -> None:
 
 # ---- several seeds -----------------------------------------------------------------------------
 def seed_statistics(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1; 0 for a single value)."""
+    """Mean and sample standard deviation (n - 1; NaN for a single value: one seed measures no spread)."""
     finite = [v for v in values if v is not None and not math.isnan(v)]
     if not finite:
         return math.nan, math.nan
-    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else 0.0)
+    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else math.nan)
+
+
+def _std_text(std: float | None) -> str:
+    return "std n/a (one seed)" if std is None or math.isnan(std) else f"std {std:.6g} (sample, n-1)"
+
+
+def _shown(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
 
 
 def rerun_seeds(tracker: MlflowTracker, original_id: str, seeds: list[int], console=None,
@@ -311,8 +330,11 @@ def rerun_seeds(tracker: MlflowTracker, original_id: str, seeds: list[int], cons
             outcome = rerun_once(tracker, original_id, seed=seed, parent=run, console=console, out_root=out_root,
                                  reader=reader, threads=threads)
             outcomes.append(outcome)
-            if console is not None:
+            if console is not None and str(seed) == tags.get(layout.TAG_SEED):  # the original's: a reproduction
                 print_outcome(outcome, console)
+            elif console is not None:  # another seed trains another model: its curves differ by design
+                console.print(Text(f"seed {seed}: {metric} {_shown(outcome.objective)} (run {outcome.run_id}); the "
+                                   f"original trained with seed {tags.get(layout.TAG_SEED, '?')}"))
             if outcome.objective is not None:
                 tracker.log_metrics(run, {"objective": outcome.objective, metric: outcome.objective}, seed)
     except BaseException:
@@ -320,12 +342,14 @@ def rerun_seeds(tracker: MlflowTracker, original_id: str, seeds: list[int], cons
         raise
     mean, std = seed_statistics([math.nan if o.objective is None else o.objective for o in outcomes])
     summary = {"run_id": run.run_id, "metric": metric, "direction": direction, "seeds": seeds,
-               "values": {o.seed: o.objective for o in outcomes}, "mean": mean, "std": std,
+               "values": {o.seed: o.objective for o in outcomes}, "mean": mean,
+               "std": None if math.isnan(std) else std,
                "original": original_value, "rerun_run_ids": {o.seed: o.run_id for o in outcomes}}
-    tracker.log_metrics(run, {"objective_mean": mean, "objective_std": std, f"{metric}_mean": mean,
-                              f"{metric}_std": std, "n_seeds": float(len(outcomes))}, 0)
+    spread = {} if math.isnan(std) else {"objective_std": std, f"{metric}_std": std}
+    tracker.log_metrics(run, {"objective_mean": mean, f"{metric}_mean": mean, **spread,
+                              "n_seeds": float(len(outcomes))}, 0)
     tracker.log(run, tags={"sweeps.seed_runs": json.dumps(summary["rerun_run_ids"]),
-                           "sweeps.seeds.summary": f"{metric} mean {mean:.6g} std {std:.6g} over seeds "
+                           "sweeps.seeds.summary": f"{metric} mean {mean:.6g} {_std_text(std)} over seeds "
                                                    f"{','.join(map(str, seeds))}"})
     tracker.log_artifact(run, summary, "seeds/summary.json")
     tracker.end_run(run, "FINISHED")
@@ -345,7 +369,7 @@ def print_seed_summary(summary: dict, console) -> None:
         t.add_row(str(seed), "-" if value is None else f"{value:.6g}", summary["rerun_run_ids"].get(seed, "-"))
     console.print(t)
     original = summary["original"]
-    console.print(Text(f"{summary['metric']}: mean {summary['mean']:.6g}, std {summary['std']:.6g} (sample, n-1) "
+    console.print(Text(f"{summary['metric']}: mean {summary['mean']:.6g}, {_std_text(summary['std'])} "
                        f"over {len(summary['seeds'])} seeds; original "
                        f"{'-' if original is None else format(original, '.6g')}; logged on run {summary['run_id']} "
                        f"(role seeds)"))

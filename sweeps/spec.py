@@ -29,6 +29,7 @@ from sweeps.errors import UnsafeNameError
 from sweeps.safe_names import safe_component
 from sweeps.search_space import SearchParam
 from sweeps.spec_objectives import Bound, DeploySection, ObjectiveSection, is_deploy_metric, settle_objectives
+from sweeps.spec_warm_start import WarmStartSection
 from sweeps.store_urls import RDB_DIALECTS, redact_url
 
 if TYPE_CHECKING:
@@ -221,6 +222,7 @@ class StudySpec(_Section):
     lr_finder: LrFinderSection = Field(default_factory=LrFinderSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     storage: str | None = None  # default runs/<name>.journal
+    warm_start: WarmStartSection | None = None  # start from an earlier study's best (sweeps/spec_warm_start.py)
     _path: Path | None = PrivateAttr(default=None)
     _text: str | None = PrivateAttr(default=None)
 

@@ -31,6 +31,7 @@ from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudyS
 from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
 from sweeps.spec_objectives import is_deploy_metric, objective_problems
 from sweeps.spec_task_checks import TaskInfo, instantiate_checks, representatives, task_problems
+from sweeps.spec_warm_start import warm_start_problems
 from sweeps.yaml_loader import check_size, mapping_from_text, read_spec_text
 
 
@@ -345,6 +346,7 @@ def cross_problems(sections: dict[str, Any], fields_set: set[str] | None = None)
     _resource_problems(sections, cfg, out)
     _lr_finder_problems(sections, out)
     _ray_problems(sections, out)
+    warm_start_problems(sections, out)
     return out
 
 

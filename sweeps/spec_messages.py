@@ -116,7 +116,8 @@ def _error_text(err: ErrorDetails, loc: tuple[Any, ...], parent: type[BaseModel]
     if loc and loc[-1] == "[key]":  # pydantic's marker for a bad mapping key: ('search', 1, '[key]')
         return loc[:-2], f"the key {show(value)} is not a string; put it in quotes"
     if kind == "extra_forbidden":
-        allowed = list(parent.model_fields) if parent else []
+        # A field's YAML key is its alias where it has one (warm_start's `from`, a Python keyword).
+        allowed = [f.alias or name for name, f in parent.model_fields.items()] if parent else []
         what = "unknown section" if parent is StudySpec else "unknown key"
         return loc, f"{what}{did_you_mean(loc[-1], allowed)}; allowed here: {', '.join(allowed)}"
     if kind == "missing":

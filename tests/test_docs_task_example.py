@@ -71,3 +71,35 @@ def test_the_example_trains_and_its_spec_validates(example, tmp_path):
     path.write_text(spec_text)
     spec = load_spec(path)
     assert spec.objective.metric == "val_rmse" and spec.objective.direction == "minimize"
+
+
+def test_a_classification_task_with_the_members_the_page_names_trains():
+    """"A classification task gives only ..." names every member such a task needs: a task with
+    exactly those (the rest left at Task's defaults) trains to a high val_acc."""
+    from core.config import TrainConfig
+    from core.tasks.base import Task
+    from core.train import train
+    from tests.sweeps.check_tasks import ThreeBlobs
+
+    text = section((ROOT / "docs" / "STUDY_SPEC.md").read_text(encoding="utf-8"), "Your own task")
+    [sentence] = re.findall(r"a classification task gives only (.*?);", " ".join(text.split()))
+    members = re.findall(r"`(\w+)`", sentence)
+    assert {"build_model", "datasets"} <= set(members)
+    user_task = type("UserTask", (Task,), {m: ThreeBlobs.__dict__[m] for m in members})
+    cfg = TrainConfig(epochs=3, batch_size=32, lr=0.05, optimizer="adamw", scheduler="constant", num_workers=0,
+                      save_checkpoints=False, seed=0)
+    result = train(user_task(), cfg)
+    assert result.history[-1]["val_acc"] > 0.95, result.history
+
+
+def test_a_classification_task_without_num_classes_fails_naming_it():
+    from core.config import TrainConfig
+    from core.tasks.base import TaskError
+    from core.train import train
+    from tests.sweeps.check_tasks import ThreeBlobsWithoutNumClasses
+
+    cfg = TrainConfig(epochs=1, batch_size=32, num_workers=0, save_checkpoints=False)
+    with pytest.raises(TaskError, match=r"task 'ThreeBlobsWithoutNumClasses' keeps the default metrics\(\) "
+                                        r"\(accuracy over num_classes classes\) but its num_classes is 0: set "
+                                        r"num_classes on the task"):
+        train(ThreeBlobsWithoutNumClasses(), cfg)

@@ -22,6 +22,7 @@ from sweeps.backends.driver_signals import DriverSignals, stopped_by
 from sweeps.backends.journal_file import LINK_SUFFIX
 from sweeps.backends.journal_repair import check_journal
 from sweeps.backends.optuna_outage import StorageUnavailable
+from sweeps.backends.optuna_warm_start import enqueue_warm_start
 from sweeps.backends.run_lock import run_lock
 from sweeps.backends.supervisor import EarlyWorkers, Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
@@ -100,6 +101,8 @@ class OptunaBackend:
             on_locked()
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
+            warm = (enqueue_warm_start(spec, study) if spec.warm_start is not None
+                    and not study.get_trials(deepcopy=False) else "")
             uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
             parent = find_or_create_parent(tracker, spec, study.study_name, self.name, study_uid=uid)
             if study.user_attrs.get(optuna_study.ATTR_PARENT_RUN) != parent.run_id:
@@ -114,7 +117,7 @@ class OptunaBackend:
                 started = time.time()
                 timeout = spec.timeout_seconds()
                 deadline = started + timeout if timeout else None
-                view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered)
+                view = LiveView(spec, study.study_name, quiet=quiet, recovered=recovered, note=warm)
                 if optuna_study.budget_left(study, spec.budget.n_trials) <= 0 and not study.get_trials(
                         deepcopy=False, states=(TrialState.RUNNING,)):
                     stopped, code = (f"nothing to run: all {spec.budget.n_trials} trials of budget.n_trials have run; "

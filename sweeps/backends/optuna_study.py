@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import optuna
 from optuna.storages import RDBStorage
@@ -31,6 +31,7 @@ from sweeps.backends.journal_file import open_journal
 from sweeps.backends.optuna_attrs import (
     ATTR_BATCH_OVERRIDES,
     ATTR_JUDGED_BY,
+    ATTR_N_TRIALS,
     ATTR_PARENT_RUN,
     ATTR_REASON,
     ATTR_RUN_ID,
@@ -43,7 +44,7 @@ from sweeps.backends.optuna_attrs import (
 from sweeps.backends.optuna_recovery import StaleTrialCallback
 from sweeps.backends.storage_errors import storage_error
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
-from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED, ConstraintsFunc
+from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED
 from sweeps.errors import BackendError, PathError, StudyStateError
 from sweeps.spec import StudySpec
 from sweeps.spec_objectives import judged_by, judged_by_changes
@@ -86,11 +87,28 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
             raise storage_error(url, exc) from exc
     path = journal_file(spec)
     if not create and not path.exists():
+        ran_in = _folder_it_ran_in(spec)
+        if ran_in is not None:  # run from another folder: starting it here would start a second study
+            raise StudyStateError(f"storage: {url} is not in this folder ({Path.cwd()}) but in {ran_in}: the "
+                                  f"spec's paths are relative to the folder a command runs in; cd {ran_in} and "
+                                  "run the command again")
         raise StudyStateError(f"storage: {url} does not exist, so study {spec.name!r} has not run yet; "
                               f"start it with: sweeps run {spec.path or '<spec>'}")
     if create:
         make_folder(path.parent, f"storage: {url}")
     return open_journal(path, create=create)
+
+
+def _folder_it_ran_in(spec: StudySpec) -> Path | None:
+    """The folder holding the spec's relative journal: the spec file's own folder or one above it
+    (``studies/x.yaml`` run from the repository root), when it is not the working folder."""
+    relative = Path(spec.storage_url())
+    if spec.path is None or relative.is_absolute():
+        return None
+    for folder in Path(os.path.abspath(spec.path)).parents:
+        if (folder / relative).is_file() and folder != Path.cwd():
+            return folder
+    return None
 
 
 def journal_file(spec: StudySpec) -> Path:
@@ -150,16 +168,12 @@ def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.Base
         # from the study), and the seed only shuffles the grid: the same shuffle in every
         # process, or one grid index would mean different points to different workers.
         return samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
-    # Trials rejected before training are told PRUNED with their constraint values; tpe and gp learn
-    # from them (the others draw without a model and need none).
-    constrained: dict[str, Any] = {"constraints_func": ConstraintsFunc(spec.constraints)} if spec.constraints else {}
     factories = {
         # constant_liar: running trials count as bad guesses, so parallel workers spread out.
-        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options(),
-                                             **constrained),
+        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options()),
         "random": lambda s: samplers.RandomSampler(seed=s),
         "cmaes": lambda s: samplers.CmaEsSampler(seed=s),
-        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options(), **constrained),
+        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options()),
         # One sequence for the whole study (its position is counted in the study); only the
         # random first point, drawn before the search space is known, comes from the trial.
         "qmc": lambda s: samplers.QMCSampler(seed=seed, scramble=True,
@@ -231,6 +245,9 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
     else:  # it exists: create_study(load_if_exists) would append a create record to a journal, refused or not
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
     _check_resumable(spec, study, directions)  # a refused resume writes nothing
+    extended = study.user_attrs.get(ATTR_N_TRIALS)  # sweeps run --add-trials (optuna_warm_start.py)
+    if isinstance(extended, int) and extended > spec.budget.n_trials:
+        spec.budget.n_trials = extended
     if create:
         _store_identity(spec, study)
     return study

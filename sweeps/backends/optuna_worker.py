@@ -255,8 +255,11 @@ def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, 
     the grid of search values is exhausted."""
     if outcome.value is not None:
         trial.set_user_attr("best_value", outcome.value)
-    if outcome.figures:  # before tell: the sampler's constraints_func reads them (sweeps.deploy_check)
+    if outcome.figures:
         trial.set_user_attr(deploy_check.ATTR_FIGURES, outcome.figures)
+    # Before tell: tpe and gp read a finished trial's constraints (rejected ones are told PRUNED).
+    for key, value in deploy_check.constraint_values(spec.constraints, outcome.figures).items():
+        trial.set_constraint(key, value)
     if outcome.rejected:
         trial.set_user_attr(deploy_check.ATTR_REJECTED, True)
     several = len(study.directions) > 1

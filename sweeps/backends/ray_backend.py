@@ -287,7 +287,7 @@ def settle_runs(tracker: Tracker, reader: TrackingReader, result: StudyResult) -
         want: RunStatus
         drop: tuple[str, ...]  # tags to remove
         if t.state == "PRUNED":
-            want, new_tags, drop = "KILLED", {layout.TAG_STATE: "PRUNED", layout.TAG_PRUNED: "true"}, ()
+            want, new_tags, drop = "FINISHED", {layout.TAG_STATE: "PRUNED", layout.TAG_PRUNED: "true"}, ()
             if t.reason and "sweeps.reason" not in tags:
                 new_tags["sweeps.reason"] = t.reason
         elif t.state == "FAIL":

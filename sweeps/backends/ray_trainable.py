@@ -7,7 +7,7 @@ Runs inside a Ray actor. The MLflow layout, params, artifacts and status mapping
 - pruning: ``should_prune`` calls ``tune.report`` with the epoch's objective and a checkpoint.
   When Ray takes the trial off its actor (a scheduler STOP or PAUSE, the end of the
   experiment), ``tune.report`` raises ``SystemExit`` in this thread: the trial stops as
-  "pruned" and its MLflow run is closed KILLED + ``sweeps.pruned``. The driver reads the
+  "pruned" and its MLflow run is closed FINISHED + ``sweeps.pruned``. The driver reads the
   final Ray states after the fit and corrects the few runs that were not really pruned
   (paused ones resume and reopen their run; interrupted ones are marked so);
 - the last epoch is reported *after* ``run_trial`` returned (with ``sweeps_done``), so a
@@ -326,8 +326,8 @@ def ended_for_good(run) -> bool:
     PRUNED because it diverged. (A scheduler stop also closes the run as PRUNED, but Ray may
     have paused the trial, so that one can still be continued.)"""
     state, reason = run.data.tags.get(layout.TAG_STATE), run.data.tags.get("sweeps.reason", "")
-    return (run.info.status == "FINISHED" and state == "COMPLETE") or \
-        (run.info.status == "KILLED" and state == "PRUNED" and reason.startswith("diverged"))
+    diverged = state == "PRUNED" and reason.startswith("diverged")
+    return run.info.status == "FINISHED" and (state == "COMPLETE" or diverged)
 
 
 def finished_report(reader: TrackingReader, run_id: str, objective: str, number: int) -> dict | None:

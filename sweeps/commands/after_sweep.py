@@ -130,6 +130,7 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
                         "without it")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the spec's, else "
                                                         "$MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)")
+    p.add_argument("--diff", action="store_true", help="show only the rows where the two runs differ")
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -138,9 +139,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if len(a.refs) not in (2, 3):
         raise UsageError(f"compare takes two runs, with the study spec first for trial numbers: sweeps compare SPEC 3 "
                          f"7, or sweeps compare RUN_A RUN_B; got {len(a.refs)} arguments ({' '.join(a.refs)})")
+    if len(a.refs) == 2 and a.refs[0].endswith((".yaml", ".yml")):  # a spec and one trial: one run short
+        raise UsageError(f"compare {' '.join(a.refs)}: two trials to compare follow the spec, e.g. sweeps compare "
+                         f"{a.refs[0]} {a.refs[1]} 7")
     spec = load_spec_file(a.refs[0]) if len(a.refs) == 3 else None
     uri = a.tracking_uri or (spec.tracking_store_uri() if spec is not None else resolve_tracking_uri())
-    return compare_runs(open_client(uri), a.refs[-2], a.refs[-1], console, spec=spec)
+    return compare_runs(open_client(uri), a.refs[-2], a.refs[-1], console, spec=spec, only_differences=a.diff)
 
 
 COMMANDS = (

@@ -38,20 +38,54 @@ def cmd_validate(a: argparse.Namespace) -> int:
             continue
         console.print(f"{path}: ok (study {spec.name!r}, {len(spec.search)} searched parameters, "
                       f"backend {spec.backend}, {spec.budget.n_trials} trials)", markup=False, highlight=False)
+        _warn_nothing_searched(spec, path)
     return code
 
 
+def _warn_nothing_searched(spec, path: str) -> None:
+    """An empty ``search:`` is valid (one configuration, trained as a study) but several trials of it
+    train the same model again and again: say so rather than run them without a word."""
+    if not spec.search and spec.budget.n_trials > 1:
+        err_console.print(f"warning: {path}: search is empty, so each of the {spec.budget.n_trials} trials trains "
+                          f"the same configuration with the same seed; add a parameter to search, or set "
+                          f"budget.n_trials: 1", markup=False, highlight=False)
+
+
 # ---- run / worker ---------------------------------------------------------------------------
+def _extend(spec, path: str, add: int) -> tuple[int, int]:
+    """``--add-trials N``: the study's budget before and after raising it by N."""
+    if add < 1:
+        raise UsageError(f"--add-trials {add}: give 1 or more trials to add")
+    if spec.backend != "optuna":
+        raise UsageError(f"--add-trials extends Optuna studies; {path} has backend {spec.backend}: raise "
+                         "budget.n_trials in the spec instead")
+    from sweeps.backends.optuna_warm_start import extend_budget  # here: Optuna loads only when a study is extended
+
+    try:
+        after = extend_budget(spec, add)
+    except StudyStateError as exc:
+        raise StudyStateError(f"--add-trials extends a study that ran: {exc}") from None
+    return after - add, after
+
+
 def _run_args(p: argparse.ArgumentParser) -> None:
     spec_argument(p)
     p.add_argument("--fresh", action="store_true", help="start a new version of the study; keep the old one")
     p.add_argument("--quiet", action="store_true", help="plain line output instead of the live view")
+    p.add_argument("--add-trials", type=int, default=0, metavar="N",
+                   help="raise the budget of a study that ran by N trials and run them (the spec is not edited)")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     from sweeps.backends.by_name import get_backend
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
+    _warn_nothing_searched(spec, a.spec)
+    if a.add_trials:
+        before, after = _extend(spec, a.spec, a.add_trials)
+        console.print(f"study {spec.name!r}: budget raised from {before} to {after} trials (the spec is unchanged)",
+                      markup=False, highlight=False)
+
     # runs/ moved: a resumed study's new trial runs must write where the artifacts are now. Under
     # the study's run lock: a store another run of the study is using is never rewritten under it.
     def follow_moved() -> None:

@@ -121,9 +121,11 @@ class TrialExtras:
 
     # -- end of the trial --------------------------------------------------------------------
     def finish(self, number: int, params: dict, result: TrainResult | None) -> None:
-        """Stop the system metrics; log the best checkpoint as a logged model when there is one."""
+        """Stop the system metrics; log the best checkpoint of a completed trial as a logged model.
+        A pruned or diverged trial's is left in its run: promote never picks one, and the Models
+        tab then lists the models worth comparing."""
         self.system.stop()
-        if result is None or result.checkpoint_best is None or self.mlflow is None:
+        if result is None or result.status != "completed" or result.checkpoint_best is None or self.mlflow is None:
             return
         try:
             # Made now, or kept in the outbox with the run's other writes while the store is down.

@@ -233,8 +233,8 @@ def test_a_sweep_trial_with_nproc_2_runs_ddp_and_a_failing_rank_is_a_fail(tmp_pa
     tracker = _MemoryTracker()
     outcome = run_trial(spec, tracker, RunHandle("study", "0", "study"), TrialSpec(0, {"lr": 0.05}, tmp_path / "t0"),
                         "optuna", lambda epoch, value: False, threading.Event())
-    assert tracker.params["derived.global_batch_size"] == 32
-    assert tracker.params["derived.scaled_lr"] == pytest.approx(0.1)  # 0.05 x 2 processes (linear rule)
+    assert tracker.params["global_batch_size"] == 32
+    assert tracker.params["scaled_lr"] == pytest.approx(0.1)  # 0.05 x 2 processes (linear rule)
     if fail_rank is None:
         assert outcome.state == "COMPLETE" and tracker.status == "FINISHED"
         assert outcome.result.global_batch_size == 32

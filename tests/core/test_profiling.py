@@ -60,3 +60,26 @@ def test_the_spec_mapping_and_its_mistakes():
         apply_overrides(TrainConfig(), {"profile": {"warmpu": 1}})
     with pytest.raises(ConfigError, match=r"train.profile: expected a mapping \(or null to turn it off\), got 3"):
         apply_overrides(TrainConfig(), {"profile": 3})
+
+
+def test_kinetos_own_log_lines_stay_out_of_the_runs_output(tmp_path, capfd):
+    # Kineto writes "USDT:... profiler_start" and, without a GPU, "ERROR:... gpuGetDeviceCount failed"
+    # straight to file descriptor 2 as it starts and stops a trace.
+    from core.profiling import KINETO_LINE
+
+    cfg = fast_config(epochs=1, max_steps_per_epoch=4, profile=ProfileConfig(wait=0, warmup=1, active=2, repeat=1))
+    assert train(DigitsTask("mlp"), cfg, out_dir=tmp_path).status == "completed"
+    assert (tmp_path / "profile" / "trace_1.json").exists()
+    err = capfd.readouterr().err
+    assert not [line for line in err.splitlines() if KINETO_LINE.match(line)], err
+
+
+def test_kineto_quiet_passes_other_writes_on(capfd):
+    import os
+
+    from core.profiling import kineto_quiet
+
+    with kineto_quiet():
+        os.write(2, b"ERROR:2026-12-05 09:16:44 26753:26753 DeviceProperties.cpp:56] gpuGetDeviceCount failed\n"
+                    b"a warning of the task's own\n")
+    assert capfd.readouterr().err == "a warning of the task's own\n"

@@ -229,3 +229,19 @@ def test_a_run_missing_from_mlflow_falls_back_to_the_study_values():
     assert curves["val_loss"].isna().all()
     df, info = lr_finder_table(Reader(), "gone")
     assert df.empty and info == {}
+
+
+def test_the_page_says_whether_the_guided_trials_beat_the_random_start():
+    from dashboards.page import guided_sentence
+
+    values = [0.90, 0.95, 0.80, 0.97, 0.96, 0.98]  # trials 0-2 random, 3-5 guided (one pruned)
+    states = ["COMPLETE", "COMPLETE", "PRUNED", "COMPLETE", "PRUNED", "COMPLETE"]
+    trials = [TrialRecord(i, s, {"lr": 0.01 * (i + 1)}, v, 1.0, None)
+              for i, (s, v) in enumerate(zip(states, values, strict=True))]
+    t = build_tables(StudyResult("s", "optuna", "maximize", "val_acc", trials))
+    assert guided_sentence(t, PageHeader("s.yaml", random_start=3)) == (
+        "The 3 trials the sampler guided reached a median val_acc of 0.97, better than the 0.9 of the 3 random "
+        "trials it started with.")
+    assert guided_sentence(t, PageHeader("s.yaml", random_start=0)) == ""  # random, grid...: no guided trials
+    page = render_page(t, PageHeader("s.yaml", random_start=3))
+    assert "The 3 trials the sampler guided reached a median val_acc of 0.97" in page

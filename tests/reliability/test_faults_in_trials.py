@@ -33,7 +33,7 @@ def test_out_of_memory_fails_the_trial_then_retries_at_half_batch(tmp_path):
     assert runs[first.number].info.status == "FAILED"
     assert runs[retry.number].data.params["train.batch_size"] == "32"
     assert runs[retry.number].data.params["train.grad_accum_steps"] == "2"
-    assert runs[retry.number].data.params["derived.global_batch_size"] == "64"  # the effective batch is kept
+    assert runs[retry.number].data.params["global_batch_size"] == "64"  # the effective batch is kept
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def test_editing_the_spec_after_sweeps_run_read_it_changes_nothing(tmp_path):
 
     runs = mlflow_runs(tmp_path, "snap")
     trials = [r for r in runs if r.data.tags.get("sweeps.role") == "trial"]
-    assert len(trials) == 2 and {r.data.params["train.epochs"] for r in trials} == {"1"}
+    assert len(trials) == 2 and {r.data.params["epochs"] for r in trials} == {"1"}
     (parent,) = [r for r in runs if r.data.tags.get("sweeps.role") == "study"]
     from mlflow.tracking import MlflowClient
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from core.tasks import task
-from core.tasks.base import TaskError
+from core.tasks.base import Task, TaskError
 from core.tasks.digits import DigitsTask
 
 
@@ -150,3 +150,32 @@ class AlwaysDiverges(DigitsTask):
 @task
 def always_diverges(model: str = "mlp") -> DigitsTask:
     return AlwaysDiverges(model)
+
+
+def _blobs(n: int, seed: int) -> TensorDataset:
+    """Three well separated 2-D Gaussian blobs: an easy three-class problem."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 3, (n,), generator=gen)
+    centres = torch.tensor([[-3.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
+    return TensorDataset(centres[labels] + 0.7 * torch.randn(n, 2, generator=gen), labels)
+
+
+@task("three_blobs")
+class ThreeBlobs(Task):
+    """A user's classification task as docs/STUDY_SPEC.md describes one: build_model, datasets and
+    num_classes, the rest left at the defaults."""
+
+    num_classes = 3
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(2, 3)  # the blobs are linearly separable
+
+    def datasets(self):
+        return _blobs(600, seed=0), _blobs(150, seed=1)
+
+
+@task("three_blobs_without_num_classes")
+class ThreeBlobsWithoutNumClasses(ThreeBlobs):
+    """The same task that forgets num_classes: the default metrics cannot count its classes."""
+
+    num_classes = 0

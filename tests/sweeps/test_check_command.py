@@ -125,3 +125,23 @@ def test_label_smoothing_does_not_fail_the_overfit_check(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "ok      overfit    one batch overfits" in captured.out
+
+
+def test_an_easy_three_class_task_with_a_linear_model_passes_the_overfit_check(tmp_path, capsys):
+    # ln 3 = 1.1 to start, and a linear model's loss falls slowly once every sample is right: a 10x
+    # fall within 500 steps is not reached, yet the batch is fitted.
+    code = cli.main(["check", _spec(tmp_path, {"target": "tests.sweeps.check_tasks:ThreeBlobs"})])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ok      overfit    one batch overfits: every one of its 8 samples predicted right after " in out
+    assert "ok      labels     labels of the first 600 train samples: 0..2; of the first 16 validation " \
+           "samples: 0..2, within 0..2" in out
+
+
+def test_a_classification_task_without_num_classes_is_refused_naming_it(tmp_path, capsys):
+    code = cli.main(["check", _spec(tmp_path, {"target": "tests.sweeps.check_tasks:ThreeBlobsWithoutNumClasses"})])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out
+    assert ("PROBLEM task       task 'ThreeBlobsWithoutNumClasses' keeps the default metrics() (accuracy over "
+            "num_classes classes) but its num_classes is 0: set num_classes on the task") in captured.err
+    assert "overfit" not in captured.out + captured.err  # refused before any data is read

@@ -109,3 +109,15 @@ def test_run_with_a_bad_spec_exits_2_naming_each_field_and_creates_nothing(in_tm
     err = capsys.readouterr().err
     assert "search.lr" in err and "budget.n_trials" in err and "Traceback" not in err
     assert sorted(p.name for p in in_tmp.iterdir()) == before
+
+
+def test_validate_warns_that_an_empty_search_trains_one_configuration_again_and_again(tmp_path, capsys):
+    from tests.sweeps.study_helpers import save_spec, tiny_spec
+
+    empty = save_spec(tmp_path, tiny_spec("empty", search={}, budget={"n_trials": 4}), seed_store=False)
+    one = save_spec(tmp_path, tiny_spec("one", search={}, budget={"n_trials": 1}), seed_store=False)
+    assert cli.main(["validate", str(empty), str(one)]) == 0  # valid: a warning, not an error
+    err = capsys.readouterr().err
+    assert (f"warning: {empty}: search is empty, so each of the 4 trials trains the same configuration with "
+            "the same seed; add a parameter to search, or set budget.n_trials: 1") in " ".join(err.split())
+    assert str(one) not in err  # one trial of one configuration is what it says

@@ -23,13 +23,13 @@ def test_compare_prints_both_runs_params_with_the_differences_marked(in_study, c
 
     assert cli.main(["compare", a.info.run_id, b.info.run_id, "--tracking-uri", in_study.uri]) == 0
     out = capsys.readouterr().out
-    lr_row = _row(out, "search.lr")
+    lr_row = _row(out, "lr")
     assert lr_row.lstrip("│┃ ").startswith("*")  # marked
-    assert a.data.params["search.lr"] in lr_row and b.data.params["search.lr"] in lr_row
-    epochs_row = _row(out, "train.epochs")
+    assert a.data.params["lr"] in lr_row and b.data.params["lr"] in lr_row
+    epochs_row = _row(out, "epochs")
     assert "*" not in epochs_row and epochs_row.count("3") >= 2  # equal: both shown, not marked
     assert "val_acc" in out and "rows marked * differ" in out
-    assert "params differ: search.lr, train.lr" in out
+    assert "params differ: lr" in out
 
     table, n_diff = compare_table(a, b)
     assert n_diff >= 3  # lr twice, trial number, run name, metrics
@@ -122,7 +122,7 @@ def test_compare_takes_trial_numbers_with_the_spec(in_study, capsys):
     assert cli.main(["compare", str(in_study.spec), "0", "2"]) == 0
     out = capsys.readouterr().out
     assert f"compare {runs[0].info.run_id} vs {runs[2].info.run_id}" in out
-    assert "params differ: search.lr, train.lr" in out
+    assert "params differ: lr" in out
 
     assert cli.main(["compare", str(in_study.spec), "0", "9"]) == 2
     assert "no MLflow run for trial 9; trials with runs: [0, 1, 2]" in capsys.readouterr().err
@@ -184,3 +184,34 @@ def test_an_ambiguous_run_id_prefix_lists_the_candidates(tmp_path, capsys):
     assert "'not-an-id' is not a run id" in capsys.readouterr().err
     assert cli.main(["compare", other, "--tracking-uri", uri]) == 2
     assert "compare takes two runs" in capsys.readouterr().err
+
+
+def _run(run_id: str, name: str, params: dict[str, str], val_acc: float):
+    from mlflow.entities import Metric, Param, Run, RunData, RunInfo
+
+    info = RunInfo(run_id, "1", "u", "FINISHED", 0, 1, "active", run_name=name)
+    data = RunData(metrics=[Metric("val_acc", val_acc, 0, 1)], params=[Param(k, v) for k, v in params.items()])
+    return Run(info, data)
+
+
+def test_compare_diff_shows_only_the_rows_that_differ():
+    from rich.console import Console
+
+    fixed = {"epochs": "3", "optimizer": "sgd", "scheduler": "onecycle", "seed": "0", "task": "digits"}
+    a = _run("a" * 32, "trial-0", {**fixed, "lr": "0.01"}, 0.95)
+    b = _run("b" * 32, "trial-1", {**fixed, "lr": "0.1"}, 0.97)
+    console = Console(width=200, record=True)
+    console.print(compare_table(a, b, only_differences=True)[0])
+    shown = console.export_text()
+    assert "lr" in shown and "val_acc" in shown and "trial-0" in shown
+    assert not any(f" {k} " in shown for k in fixed)  # equal rows left out
+    console.print(compare_table(a, b)[0])
+    full = console.export_text()
+    assert all(f" {k} " in full for k in fixed)  # and shown without --diff
+
+
+def test_compare_with_a_spec_and_one_trial_says_a_second_is_missing(capsys):
+    assert cli.main(["compare", "studies/lr_bs.yaml", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "two trials to compare follow the spec, e.g. sweeps compare studies/lr_bs.yaml 3 7" in err
+    assert "is not a run id" not in err

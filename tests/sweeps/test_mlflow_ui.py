@@ -107,8 +107,8 @@ def test_experiment_page_lists_the_trials_nested_under_the_study_run(study, serv
 def test_best_trial_run_page_shows_its_params_and_metrics(study, server, browser, artifacts):
     best = max(study["trials"], key=lambda r: r.data.metrics["val_acc"])
     browser.open(run_page(server.url, study["experiment_id"], best.info.run_id))
-    lr = best.data.params["search.lr"]
-    text = browser.wait_for_text(best.info.run_name, "search.lr", lr, "val_acc", "Parent run")
+    lr = best.data.params["lr"]
+    text = browser.wait_for_text(best.info.run_name, "lr", lr, "val_acc", "Parent run")
     tidy(browser)
     browser.settle()
     assert best.info.run_id in text
@@ -119,5 +119,5 @@ def test_best_trial_run_page_shows_its_params_and_metrics(study, server, browser
     acc = best.data.metrics["val_acc"]
     assert str(acc)[:6] in text, f"val_acc {acc} is not on the page:\n{text[:3000]}"
     others = [r for r in study["trials"] if r.info.run_id != best.info.run_id]
-    assert not any(r.data.params["search.lr"] in text for r in others)  # this trial's page, not another's
+    assert not any(r.data.params["lr"] in text for r in others)  # this trial's page, not another's
     _keep(browser, artifacts, "mlflow_best_trial.png")

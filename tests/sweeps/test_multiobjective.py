@@ -122,6 +122,7 @@ def test_a_trial_violating_a_constraint_is_rejected_before_training(tmp_path):
                    budget={"n_trials": 6})
     proc = run_cli(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FutureWarning" not in proc.stdout + proc.stderr  # Optuna's constraints_func is deprecated
     study = load_study(tmp_path, "cons")
     runs = trial_runs(tmp_path, "cons")
     wide = [t for t in study.trials if t.params["task.width"] == 256]
@@ -131,14 +132,14 @@ def test_a_trial_violating_a_constraint_is_rejected_before_training(tmp_path):
         assert t.state.name == "PRUNED" and t.user_attrs["rejected"] is True
         assert t.user_attrs["fail_reason"] == "rejected before training: params = 8.5e+04 (needs <= 5000)"
         assert t.intermediate_values == {}  # no epoch trained
-        assert t.system_attrs["constraints"] == [85002 - 5000]  # what the TPE sampler learns from
+        assert t.constraints == {"params": 85002 - 5000}  # what the TPE sampler learns from (set_constraint)
         run = runs[t.number]
-        assert run.data.tags["sweeps.rejected"] == "true" and run.info.status == "KILLED"
+        assert run.data.tags["sweeps.rejected"] == "true" and run.info.status == "FINISHED"
         assert "val_acc" not in run.data.metrics and run.data.metrics["params"] == 85002
         folder = Path(t.user_attrs["out_dir"])
         assert not (tmp_path / folder / "checkpoints").exists() and not list((tmp_path / folder).glob("*.pt"))
     for t in narrow:
-        assert t.state.name == "COMPLETE" and t.system_attrs["constraints"] == [0.0]
+        assert t.state.name == "COMPLETE" and t.constraints == {"params": 0.0}
         assert sorted(runs[t.number].data.metrics).count("val_acc") == 1
 
 

@@ -138,7 +138,7 @@ def test_diabetes_regression_study_end_to_end_with_pruning_that_minimises(tmp_pa
     assert len(_curve(client, runs[lowest].info.run_id, "val_rmse")) > 1, (first, states)
     for n, run in runs.items():
         if states[n] == "PRUNED":
-            assert run.data.tags["sweeps.pruned"] == "true" and run.info.status == "KILLED"
+            assert run.data.tags["sweeps.pruned"] == "true" and run.info.status == "FINISHED"
             epochs = len(_curve(client, run.info.run_id, "val_rmse"))
             assert epochs < DIABETES["train"]["epochs"]
 

@@ -47,3 +47,31 @@ def test_where_conditions():
 def test_where_refuses_what_it_cannot_read(text):
     with pytest.raises(UsageError, match="--where"):
         parse_where(text)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("a>=1 and and b<2", "an empty condition between two separators"),
+    ("a>=1,", "an empty condition between two separators"),
+    ("   ", "no condition"),
+])
+def test_where_refuses_an_empty_condition(text, needle):
+    with pytest.raises(UsageError, match=needle):
+        parse_where(text)
+
+
+def test_where_equal_to_a_displayed_value_picks_the_trial_it_was_rounded_from():
+    # `sweeps status` shows val_acc 0.952777... as 0.9528; the user pastes what they see.
+    [shown] = parse_where("val_acc==0.9528")
+    assert shown.holds({"val_acc": 0.9527777791023254}) and not shown.holds({"val_acc": 0.9530})
+    [exact] = parse_where("params==85002")
+    assert exact.holds({"params": 85002.0}) and not exact.holds({"params": 85003.0})
+    assert not parse_where("params==8.5e4")[0].holds({"params": 85002.0})  # an exponent: exact
+
+
+def test_promote_refuses_an_empty_where_instead_of_ignoring_it():
+    from sweeps.backends.base import StudyResult, TrialRecord
+    from sweeps.registry import eligible
+
+    result = StudyResult("s", "optuna", "maximize", "val_acc", [TrialRecord(0, "COMPLETE", {}, 0.9, 1.0, "r")])
+    with pytest.raises(UsageError, match="--where '': no condition"):
+        eligible(result, "")

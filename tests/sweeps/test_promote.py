@@ -75,7 +75,7 @@ print(json.dumps({"pyfunc": predictions.tolist(), "onnx": onnx_logits.argmax(1).
 """
 
 
-def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(in_study, tmp_path, capsys):
+def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(in_study, tmp_path, capsys, caplog):
     study = in_study
     client = study.client()
     number, run = _best_trial(study)
@@ -83,20 +83,24 @@ def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(i
     assert _promote(study) == 0
     out = capsys.readouterr().out
     assert "ONNX re-verified" in out and f"{study.name}@champion -> version 1" in out
+    assert not [r for r in caplog.records if "CloudPickle" in r.getMessage()]  # MLflow's notice, not ours to show
 
     mv = client.get_model_version_by_alias(study.name, "champion")
     assert mv.run_id == run.info.run_id
     tags = mv.tags
     assert tags["sweeps.study"] == study.name and tags["sweeps.trial_number"] == str(number)
     assert tags["sweeps.run_id"] == run.info.run_id and tags["sweeps.seed"] == "0"
-    assert json.loads(tags["sweeps.params"]) == {"lr": pytest.approx(float(run.data.params["search.lr"]))}
+    assert json.loads(tags["sweeps.params"]) == {"lr": pytest.approx(float(run.data.params["lr"]))}
     assert tags["sweeps.metric"] == "val_acc" and float(tags["sweeps.metric_value"]) == run.data.metrics["objective"]
     assert tags["sweeps.spec_hash"] == run.data.tags["sweeps.spec_hash"] and tags["sweeps.git_commit"]
     assert float(tags["sweeps.onnx_max_abs_diff"]) <= float(tags["sweeps.onnx_tolerance"])
     # the model was logged into the trial's own run
     assert mv.source.startswith("models:/m-")
     logged = client.get_logged_model(mv.source[len("models:/"):])
-    assert logged.source_run_id == run.info.run_id and logged.name == "model"
+    assert logged.source_run_id == run.info.run_id and logged.name == f"trial-{number}-promoted"
+    # the Models tab shows its val_acc and links it to the registered version
+    assert {m.key: m.value for m in logged.metrics}["val_acc"] == run.data.metrics["objective"]
+    assert json.loads(logged.tags["mlflow.modelVersions"]) == [{"name": study.name, "version": 1}]
 
     natural, x = _validation_set()
     np.save(tmp_path / "natural.npy", natural)
@@ -122,7 +126,7 @@ def test_promote_registers_the_best_trial_loadable_by_alias_in_another_process(i
     assert len(_versions(client, study.name)) == 1
     models = client.search_logged_models([run.info.experiment_id],
                                          filter_string=f"source_run_id = '{run.info.run_id}'")
-    assert sorted(m.name for m in models) == sorted(["model", f"trial-{number}"])
+    assert sorted(m.name for m in models) == sorted([f"trial-{number}-promoted", f"trial-{number}"])
     assert tags["sweeps.checkpoint_model_id"] == run.data.tags["sweeps.model_id"] == next(
         m.model_id for m in models if m.name == f"trial-{number}")
 

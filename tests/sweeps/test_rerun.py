@@ -39,7 +39,7 @@ def test_rerun_with_the_original_seed_is_bitwise_identical(in_study, capsys):
     assert tags["mlflow.parentRunId"] == original.data.tags["mlflow.parentRunId"]  # nested under the study
     assert tags["sweeps.trial_number"] == "0" and tags["sweeps.seed"] == "0"
     assert rerun.info.status == "FINISHED"
-    assert rerun.data.params["search.lr"] == original.data.params["search.lr"]
+    assert rerun.data.params["lr"] == original.data.params["lr"]
     # the comparison really covered the per-step and per-epoch curves
     steps = client.get_metric_history(rerun.info.run_id, "step/train_loss")
     assert len(steps) > 10
@@ -74,6 +74,9 @@ def test_rerun_over_seeds_logs_mean_and_std(in_study, capsys):
                      _threads(original)]) == 0
     out = capsys.readouterr().out
     assert "val_acc: mean" in out and "std" in out
+    # Seed 0 is the original's: a reproduction, judged; seed 1 trains another model, not "differs".
+    assert "verdict (seed 0" in out and "verdict (seed 1" not in out
+    assert re.search(r"seed 1: val_acc [0-9.]+ \(run [0-9a-f]{32}\); the original trained with seed 0", out)
 
     [seeds_run] = _reruns_of(client, original.info.experiment_id, original.info.run_id, role="seeds")
     reruns = {r.data.tags["sweeps.seed"]: r for r in _reruns_of(client, original.info.experiment_id,

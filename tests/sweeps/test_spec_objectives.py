@@ -197,3 +197,20 @@ def test_a_trial_without_an_objectives_value_is_told_which_and_why(tmp_path):
     assert missing_objectives(spec, history, 2, {**figures, "gpu_latency_ms": 0.01}) == [
         "val_acc (NaN or not reported at the best epoch)"]
     assert objective_values(spec, history, 1, {**figures, "gpu_latency_ms": 0.01}) == [0.5, 0.01]
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "gp"])
+def test_a_constrained_studys_sampler_is_made_without_optunas_deprecated_constraints_func(sampler):
+    import warnings
+
+    from sweeps.backends.optuna_study import make_sampler
+    from sweeps.deploy_check import constraint_values
+
+    spec = spec_from_dict({"name": "c", "task": {"name": "digits"}, "constraints": {"params": {"max": 5000}},
+                           "search": {"lr": {"type": "float", "low": 1e-3, "high": 0.1}},
+                           "sampler": {"name": sampler}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        make_sampler(spec)
+    assert constraint_values(spec.constraints, {"params": 85002.0}) == {"params": 80002.0}
+    assert constraint_values(spec.constraints, {}) == {"params": 0.0}  # failed before it was measured

@@ -74,11 +74,11 @@ def test_same_mlflow_layout_status_mapping_and_load(finished_study, tmp_path):
         tags, params = child.data.tags, child.data.params
         assert tags["mlflow.parentRunId"] == parent.info.run_id
         assert tags["sweeps.backend"] == backend
-        assert any(k.startswith("train.") for k in params) and "search.lr" in params
+        assert set(params) == {"task", "model", "epochs", "optimizer", "scheduler", "seed", "lr"}  # searched + headline
         assert client.get_metric_history(child.info.run_id, "step/train_loss"), "per-step curve"
         arts = artifact_paths(client, child.info.run_id)
         assert "config/resolved_config.json" in arts
-        by_lr[float(params["search.lr"])] = (child, arts)
+        by_lr[float(params["lr"])] = (child, arts)
     assert sorted(by_lr) == sorted(LRS)
 
     for lr in LRS[:2]:  # trained normally
@@ -87,7 +87,7 @@ def test_same_mlflow_layout_status_mapping_and_load(finished_study, tmp_path):
         assert [m.step for m in client.get_metric_history(child.info.run_id, "val_acc")] == [1, 2]
         assert {"checkpoints/best.pt", "onnx/model.onnx"} <= arts
     child, _ = by_lr[LRS[2]]  # diverged: pruned, not failed
-    assert child.info.status == "KILLED" and child.data.tags["sweeps.pruned"] == "true"
+    assert child.info.status == "FINISHED" and child.data.tags["sweeps.pruned"] == "true"
     assert child.data.tags["sweeps.state"] == "PRUNED"
 
     # Backend.load: the same trials, states and values as MLflow
@@ -99,7 +99,7 @@ def test_same_mlflow_layout_status_mapping_and_load(finished_study, tmp_path):
         run = mlflow_view[t.number]
         assert t.run_id == run.info.run_id
         assert t.state == run.data.tags["sweeps.state"]
-        assert t.params == {"lr": float(run.data.params["search.lr"])}
+        assert t.params == {"lr": float(run.data.params["lr"])}
         objective = run.data.metrics.get("objective")
         if t.state == "COMPLETE":
             assert t.value is not None and math.isclose(t.value, objective, rel_tol=1e-9)
@@ -207,7 +207,7 @@ def test_a_study_whose_trials_all_fail_exits_non_zero_naming_each_cause(tmp_path
     assert "in 0.0s" not in out and "Should not have reached here" not in out, out[-4000:]
     parents, children = study_runs(tmp_path, name)
     assert parents[0].info.status == "FAILED"
-    errors = {int(c.data.params["search.task.width"]): (c.info.status, c.data.tags.get("sweeps.error", ""))
+    errors = {int(c.data.params["task.width"]): (c.info.status, c.data.tags.get("sweeps.error", ""))
               for c in children}
     assert errors[EXIT_WIDTH] == ("FAILED", "the task called sys.exit(0)"), errors
     assert errors[RAISE_WIDTH][0] == "FAILED" and "always fails" in errors[RAISE_WIDTH][1], errors

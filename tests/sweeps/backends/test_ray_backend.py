@@ -186,7 +186,7 @@ def test_asha_stops_weak_trials_early(tmp_path, ray_tmp, monkeypatch):
     for t in stopped:
         assert max(t.intermediate) < 6  # fewer epochs than the study trains
         run = runs[t.number]
-        assert run.info.status == "KILLED" and run.data.tags["sweeps.pruned"] == "true"
+        assert run.info.status == "FINISHED" and run.data.tags["sweeps.pruned"] == "true"
         assert run.data.tags["sweeps.state"] == "PRUNED"
     diverged = [t for t in result.trials if t.params["lr"] == 1.0e6]
     assert diverged[0].state == "PRUNED" and diverged[0].reason.startswith("diverged")
@@ -216,7 +216,7 @@ def test_failing_trial_is_retried_then_failed_while_others_complete(tmp_path, ra
     assert attempts.count("16") == 1 and attempts.count("32") == 1
     runs = _children_by_number(tmp_path, "flaky")
     assert len(runs) == 3  # the retry continued the trial's own MLflow run
-    states = {int(r.data.params["search.task.width"]): (r.info.status, r.data.tags["sweeps.state"])
+    states = {int(r.data.params["task.width"]): (r.info.status, r.data.tags["sweeps.state"])
               for r in runs.values()}
     assert states == {16: ("FINISHED", "COMPLETE"), 32: ("FINISHED", "COMPLETE"), FAILING_WIDTH: ("FAILED", "FAIL")}
     failed = next(r for r in runs.values() if r.data.tags["sweeps.state"] == "FAIL")

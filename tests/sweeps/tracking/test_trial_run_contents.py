@@ -89,7 +89,7 @@ def test_a_trial_run_holds_what_mlflow_users_look_for(tmp_path):
         run = by_run[model.source_run_id]
         assert str(model.status).endswith("READY") and model.name == f"trial-{run.data.tags['sweeps.trial_number']}"
         assert run.data.tags["sweeps.model_id"] == model.model_id
-        assert model.params == {"lr": run.data.params["search.lr"]}
+        assert model.params == {"lr": run.data.params["lr"]}
         val_acc = next(m for m in model.metrics if m.key == "val_acc")
         assert val_acc.value == pytest.approx(run.data.metrics["objective"])
         assert (val_acc.dataset_name, val_acc.dataset_digest) == ("digits-val", next(iter(digests))[1])
@@ -208,3 +208,28 @@ def test_a_continued_run_keeps_one_logged_model_its_latest(make_tracker, store, 
     # Its system metrics go on from the first start's steps, not again from 0.
     steps = [p.step for p in store.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage")]
     assert steps == [0, 1]
+
+
+@pytest.mark.parametrize("status", ["pruned", "diverged"])
+def test_a_pruned_trial_logs_no_model_to_the_models_tab(make_tracker, store, tmp_path, status):
+    """Promote never picks a pruned trial: its checkpoint stays in its run, and the Models tab
+    lists only completed trials' models."""
+    import mlflow
+
+    from core.results import TrainResult
+    from sweeps.tracking.trial_extras import TrialExtras
+
+    tracker = make_tracker()
+    experiment = store.experiment_name()
+    best = tmp_path / "best.pt"
+    best.write_bytes(b"weights")
+    for number, state in enumerate((status, "completed")):
+        run = tracker.start_run(f"trial-{number}", experiment=experiment)
+        tracker.log_metrics(run, {"val_acc": 0.5}, 1)
+        history = [{"epoch": 1, "step": 1, "val_acc": 0.5}]
+        result = TrainResult(state, "", 1, 1, history[-1], 0.5, 1, history, checkpoint_best=best)
+        TrialExtras(tracker, run).finish(number, {"lr": 0.1}, result)
+        tracker.flush(run)
+    mlflow.set_tracking_uri(store.uri)
+    models = mlflow.search_logged_models(experiment_ids=[run.experiment_id], output_format="list")
+    assert [m.name for m in models] == ["trial-1"]
