@@ -121,7 +121,8 @@ def test_stats_and_unknown_benchmark():
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 4.0, 4)
     assert s["q1"] <= s["median"] <= s["q3"]
     assert set(BENCHMARKS) == {"trainer_overhead", "tracking_overhead", "orchestration", "parallel",
-                               "search_efficiency", "lr_finder", "onnx_latency", "gpu", "peers"}
+                               "search_efficiency", "lr_finder", "onnx_latency", "gpu", "peers",
+                               "thousand_trials"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--only", "nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown benchmark" in proc.stderr
