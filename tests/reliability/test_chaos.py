@@ -152,6 +152,11 @@ class Chaos:
             code = self.wait_driver()
             assert code == 128 + signum, f"{kind}: exit {code}\n{self.text()}"
             self.start_driver()
+            # The next fault hits the study, not the same command's start: a store that does not
+            # answer when `sweeps run` first opens it is an error at once (a wrong host or port
+            # says so before anything runs), and the trials that ended while the stopped driver
+            # shut down may already have passed the next fault's k.
+            self.until_finished((self.finished() or 0) + 1)
 
     def close(self) -> None:
         if self.driver is not None and self.driver.poll() is None:
