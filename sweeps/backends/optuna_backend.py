@@ -150,7 +150,8 @@ class OptunaBackend:
 
         def go_for(slot: WorkerSlot, beat: Path) -> WorkerGo:
             return WorkerGo(spec_text=spec.text or "", spec_path=str(spec.path), study_name=study.study_name,
-                            study_uid=uid, parent_run_id=parent.run_id, since=started, deadline=deadline,
+                            study_uid=uid, parent_run_id=parent.run_id, parent_experiment_id=parent.experiment_id,
+                            parent_run_name=parent.name, since=started, deadline=deadline,
                             slot=slot.index, threads=slot.threads, beat_file=str(beat))
 
         def on_progress() -> None:

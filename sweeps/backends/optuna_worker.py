@@ -131,8 +131,9 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
     since = go.since if go is not None else time.time()
     deadline = go.deadline if go is not None else None
     beat_file = Path(go.beat_file) if go is not None else None
-    parent_id = go.parent_run_id if go is not None else study.user_attrs[optuna_study.ATTR_PARENT_RUN]
-    parent = reader_for(spec).handle(parent_id)
+    # A worker of `sweeps run` is told the parent run whole: it starts without reading the store,
+    # so one started during an MLflow outage spools its trials' runs like the others.
+    parent = go.parent() if go is not None else reader_for(spec).handle(study.user_attrs[optuna_study.ATTR_PARENT_RUN])
     n_trials = spec.budget.n_trials
 
     while not signals.event.is_set():

@@ -27,7 +27,7 @@ from sweeps.errors import ResourcesError, UsageError
 from sweeps.pool import WorkerSlot
 from sweeps.spec import ResourcesSection, StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
-from sweeps.study_run import tracker_for
+from sweeps.study_run import reader_for, tracker_for
 
 log = logging.getLogger("sweeps")
 # The flags and the spec fields they override: messages about the field name the flag given.
@@ -102,12 +102,14 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
         return 128 + received[0]
     check_tracking_before_trials(tracker_for(spec), spec.experiment_name())
     uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
-    parent_run_id = study.user_attrs[optuna_study.ATTR_PARENT_RUN]
+    # Read once here, while the store answers (just checked): a worker restarted in an outage needs no read.
+    parent = reader_for(spec).handle(study.user_attrs[optuna_study.ATTR_PARENT_RUN])
     since = time.time()
 
     def go_for(slot: WorkerSlot, beat: Path) -> WorkerGo:
         return WorkerGo(spec_text=spec.text or "", spec_path=str(spec.path), study_name=study.study_name,
-                        study_uid=uid, parent_run_id=parent_run_id, since=since, deadline=None, slot=slot.index,
+                        study_uid=uid, parent_run_id=parent.run_id, parent_experiment_id=parent.experiment_id,
+                        parent_run_name=parent.name, since=since, deadline=None, slot=slot.index,
                         threads=slot.threads, beat_file=str(beat), resources=overrides or None)
 
     log.warning("joining study %r with %d worker(s) on this machine: %s", study.study_name, len(slots),

@@ -4,7 +4,8 @@ SQLAlchemy's errors carry the whole statement and its parameters (dozens of line
 MLflow logs each one with a traceback before re-raising it; a full disk then printed hundreds
 of lines per trial without ever saying "disk full". The tracker words its warnings and errors
 with :func:`short_reason`, raises :func:`disk_full_error` for a full disk, and
-:func:`quiet_mlflow_db_errors` drops MLflow's own copy of errors the tracker reports itself.
+:func:`quiet_store_errors_said_by_tracker` drops MLflow's own copy of errors the tracker reports itself (and
+urllib3's line per retried request to a server that is down).
 """
 from __future__ import annotations
 
@@ -106,23 +107,25 @@ def disk_full_raised(what: str, where: str | Path) -> Iterator[None]:
 
 
 class _HandledByTracker(logging.Filter):
-    """Drop MLflow's "SQLAlchemy database error" log records: the exception is re-raised to
-    the tracker, which reports it in one line (or raises it with a message)."""
+    """Drop MLflow's "SQLAlchemy database error" log records and urllib3's "Retrying ..." line
+    per retried HTTP request (dozens in a minute's outage of a server): the error reaches the
+    tracker, which reports it in one line (or raises it with a message)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("SQLAlchemy database error")
+        return not str(record.msg).startswith(("SQLAlchemy database error", "Retrying ("))
 
 
 _FILTER = _HandledByTracker()
 
 
-def quiet_mlflow_db_errors() -> None:
-    logger = logging.getLogger("mlflow.store.db.utils")
-    if _FILTER not in logger.filters:
-        logger.addFilter(_FILTER)
+def quiet_store_errors_said_by_tracker() -> None:
+    for name in ("mlflow.store.db.utils", "urllib3.connectionpool"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
 
 
-quiet_mlflow_db_errors()  # on import: every process with a tracker reports store errors itself
+quiet_store_errors_said_by_tracker()  # on import: every process with a tracker reports store errors itself
 
 
 def call_error(what: str, subject: str, tracking_uri: str, exc: BaseException,

@@ -6,7 +6,8 @@ its logged model and its dataset inputs, nothing RUNNING, nothing left to sync, 
 
 The draw is seeded and the seed printed (``SWEEPS_CHAOS_SEED=<seed>`` replays a draw). Each fault
 fires at a known moment, after the k-th trial has finished in the study's storage (k = 3, 6, ...,
-30), never on a timer; how long a server stays down is drawn too, and nothing is timed against it.
+30; after a driver stop, not before the same command has finished a trial), never on a timer;
+how long a server stays down is drawn too, and nothing is timed against it.
 While a server is down the trials already training train on into the outage and end in it, and
 new trials wait at their start (``SWEEPS_HOLD_TRIAL``) until it is back: tiny trials would
 otherwise finish the whole study inside one outage, and the later faults would hit nothing.
@@ -152,6 +153,11 @@ class Chaos:
             code = self.wait_driver()
             assert code == 128 + signum, f"{kind}: exit {code}\n{self.text()}"
             self.start_driver()
+            # The next fault hits the study, not the same command's start: a store that does not
+            # answer when `sweeps run` first opens it is an error at once (a wrong host or port
+            # says so before anything runs), and the trials that ended while the stopped driver
+            # shut down may already have passed the next fault's k.
+            self.until_finished((self.finished() or 0) + 1)
 
     def close(self) -> None:
         if self.driver is not None and self.driver.poll() is None:

@@ -63,7 +63,8 @@ def test_the_flags_reach_the_workers_so_a_two_gpu_trial_runs_two_ddp_ranks(tmp_p
     assert [s.devices for s in slots] == [(0, 1), (2, 3)]
     assert slots[1].env()["CUDA_VISIBLE_DEVICES"] == "2,3"
     go = WorkerGo(spec_text=spec.text or "", spec_path=str(spec.path), study_name="ddp", study_uid="u",
-                  parent_run_id="p", since=0.0, deadline=None, slot=1, threads=1, beat_file="b", resources=flags)
+                  parent_run_id="p", parent_experiment_id="1", parent_run_name="ddp", since=0.0, deadline=None,
+                  slot=1, threads=1, beat_file="b", resources=flags)
     in_worker = spec_of(WorkerGo.from_line(go.to_line()))  # as the worker reads it from its stdin
     assert in_worker.resources.gpus_per_trial == 2 and in_worker.resources.devices == [0, 1, 2, 3]
     monkeypatch.setattr(objective, "visible_gpu_count", lambda: 2)  # the two GPUs of its slot

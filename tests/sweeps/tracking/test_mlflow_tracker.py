@@ -4,6 +4,7 @@ check, what is never spooled. The Tracker contract every implementation meets is
 test_tracker_contract.py. The only wrapper is a call counter around the real client."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -151,3 +152,17 @@ def _count_connection_attempts(monkeypatch) -> list:
 
     monkeypatch.setattr(connection, "create_connection", counted)
     return attempts
+
+
+def test_an_outage_is_said_by_the_tracker_not_by_each_http_retry(make_tracker, fast_http_env, caplog):
+    """A run started and ended while the server is down: the tracker's lines say it (what is kept,
+    where, how to send it); urllib3's line per retried request, dozens in a minute's outage of a
+    study, is dropped."""
+    down = make_tracker(f"http://127.0.0.1:{pick_free_port()}", retry_interval_s=0)
+    with caplog.at_level(logging.WARNING):
+        run = down.start_run("trial-0", parent=RunHandle("0" * 32, "0", "study"))
+        down.log(run, params={"lr": 0.1})
+        down.end_run(run, "FINISHED")
+    assert down.spool.has_pending(run.run_id)
+    assert [r for r in caplog.records if r.name.startswith("urllib3")] == []
+    assert any("unreachable" in r.getMessage() for r in caplog.records if r.name.startswith("sweeps"))
