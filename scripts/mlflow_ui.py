@@ -17,8 +17,11 @@ from scripts.browser import Chromium, click
 EXPANDER = "button[data-component-id*='runnamecellrenderer']"
 
 
-def runs_page(base_url: str, experiment_id: str) -> str:
-    return f"{base_url}/#/experiments/{experiment_id}/runs"
+def runs_page(base_url: str, experiment_id: str, search_filter: str | None = None) -> str:
+    """The experiment's runs table; ``search_filter`` fills its search box (the page keeps the
+    box's text in the ``searchFilter`` query parameter)."""
+    query = f"?searchFilter={quote(search_filter)}" if search_filter else ""
+    return f"{base_url}/#/experiments/{experiment_id}/runs{query}"
 
 
 def run_page(base_url: str, experiment_id: str, run_id: str) -> str:
@@ -42,10 +45,12 @@ def tidy(browser: Chromium) -> None:
     click(browser, "button", "Got it")
 
 
-def open_runs_table(browser: Chromium, base_url: str, experiment_id: str, parent_name: str) -> None:
-    """Open the experiment's runs table and wait until the row of ``parent_name`` is in it (the
-    name alone shows up earlier, in the breadcrumbs, before the table's rows are fetched)."""
-    browser.open(runs_page(base_url, experiment_id))
+def open_runs_table(browser: Chromium, base_url: str, experiment_id: str, parent_name: str,
+                    search_filter: str | None = None) -> None:
+    """Open the experiment's runs table (its runs matching ``search_filter``, and the parents of
+    matching nested runs) and wait until the row of ``parent_name`` is in it (the name alone shows
+    up earlier, in the breadcrumbs, before the table's rows are fetched)."""
+    browser.open(runs_page(base_url, experiment_id, search_filter))
     browser.wait_for(f"[...document.querySelectorAll('[role=gridcell] a')]"
                      f".some(a => a.innerText.trim() === {json.dumps(parent_name)})", f"the row of {parent_name!r}")
     browser.wait_for_text("matching runs")

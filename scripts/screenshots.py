@@ -2,15 +2,18 @@
 a user meets it: the runs table with the trials nested under the study's run, the best trial's
 page, the run-comparison view of the trials (parallel coordinates of the searched params against
 the objective) and the experiment's Models tab (run `sweeps promote SPEC` first to have the
-promoted model in it).
+promoted model in it); and the pruned trials of a second study that prunes (``--pruned``, by
+default studies/digits_cosine_bf16.yaml: the main study has no pruner), which the runs table shows
+FINISHED, found by their ``sweeps.state`` tag.
 
-From the repository root, after `make run` (or `sweeps run SPEC`)::
+From the repository root, after `make run` (or `sweeps run SPEC`), `sweeps promote SPEC` and
+`sweeps run studies/digits_cosine_bf16.yaml`::
 
     .venv/bin/python -m scripts.screenshots                      # studies/lr_bs.yaml -> docs/img/
     .venv/bin/python -m scripts.screenshots studies/lr_bs.yaml --out docs/img
 
-It writes ``report.png``, ``mlflow_runs.png``, ``mlflow_trial.png``, ``mlflow_compare.png`` and
-``mlflow_models.png`` under ``--out``. It starts its own `mlflow server`
+It writes ``report.png``, ``mlflow_runs.png``, ``mlflow_trial.png``, ``mlflow_compare.png``,
+``mlflow_models.png`` and ``mlflow_pruned.png`` under ``--out``. It starts its own `mlflow server`
 on a free loopback port over the study's store (a SQLite store; for an ``http(s)://`` tracking URI
 it uses that server) and stops it at the end; it needs headless Chromium (`apt-get install -y
 chromium`). Nothing is written to the store: the report page is rendered into a tmp folder and not
@@ -37,6 +40,7 @@ from scripts.mlflow_ui import (
     run_page,
     tidy,
 )
+from sweeps.tracking.layout import TAG_STATE
 
 # Sizes in CSS pixels. The report: its headline, the optimization history and the parallel
 # coordinates. The compare view: the plot and its controls, without the long table of run details
@@ -122,11 +126,36 @@ def mlflow_pngs(spec, out: Path, work: Path) -> list[Path]:
             searched = list(spec.search)
             if axes[:len(searched)] != sorted(searched):  # MLflow's default: the params that differ, sorted
                 raise SystemExit(f"the comparison opens on the params {axes}, not the searched {searched}")
-            # The metric axis: MLflow's default is the first metric the trial logged (a per-step curve).
+            print(f"the comparison opens on the axes {axes}; showing {sorted(searched)} and {spec.objective.metric}")
+            # The metric axis: MLflow's default is the first metric key the runs share, in the order
+            # the store returns a run's latest metrics (no ORDER BY; on SQLite the order in which
+            # they were first logged): a per-step curve, logged before the first validation. So the
+            # objective is picked here, as a reader picks it in the Metrics box.
             parallel_coordinates(browser, sorted(searched), [spec.objective.metric])
             browser.settle()
             shots.append(_keep(browser, out / "mlflow_compare.png", COMPARE_SIZE))
     return shots
+
+
+def pruned_png(spec, out: Path, work: Path) -> Path:
+    """Screenshot the runs table of ``spec``'s study filtered to its pruned trials (the
+    ``sweeps.state`` tag): each one FINISHED, with a logged model of its own."""
+    from dashboards.report import load_study
+    from sweeps.study_run import reader_for
+
+    loaded = load_study(spec)
+    pruned = sorted((t for t in loaded.result.trials if t.state == "PRUNED" and t.run_id), key=lambda t: t.number)
+    if loaded.experiment_id is None or not pruned:
+        raise SystemExit(f"study {spec.name!r} has no pruned trial runs in {spec.tracking_uri()}: run it first "
+                         f"(sweeps run SPEC), or name a study with a pruner (--pruned)")
+    parent = reader_for(spec).get_run(str(loaded.result.parent_run_id)).info.run_name
+    with mlflow_url(spec.tracking_store_uri(), work) as base:
+        with Chromium(*PAGE_SIZE, profile=work / "pruned-profile") as browser:
+            open_runs_table(browser, base, loaded.experiment_id, parent, f"tags.`{TAG_STATE}` = 'PRUNED'")
+            collapse_sidebar(browser)
+            expand(browser, parent, [f"trial-{t.number}" for t in pruned])
+            browser.settle()
+            return _keep(browser, out / "mlflow_pruned.png", PAGE_SIZE)
 
 
 def _keep(browser: Chromium, path: Path, size: tuple[int, int]) -> Path:
@@ -139,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.screenshots", description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", nargs="?", default="studies/lr_bs.yaml", type=Path,
                         help="the finished study's spec (default: studies/lr_bs.yaml)")
+    parser.add_argument("--pruned", default="studies/digits_cosine_bf16.yaml", type=Path,
+                        help="a finished study with pruned trials (default: studies/digits_cosine_bf16.yaml)")
     parser.add_argument("--out", default=Path("docs/img"), type=Path, help="folder for the PNGs (default: docs/img)")
     args = parser.parse_args(argv)
     if find_chromium() is None:
@@ -147,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     from sweeps.spec_checks import load_spec
 
     spec = load_spec(args.spec)
+    pruned_spec = load_spec(args.pruned)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sweeps-screenshots-") as tmp:
         work = Path(tmp)
-        for path in (report_png(args.spec, args.out, work), *mlflow_pngs(spec, args.out, work)):
+        for path in (report_png(args.spec, args.out, work), *mlflow_pngs(spec, args.out, work),
+                     pruned_png(pruned_spec, args.out, work)):
             print(f"wrote {path}")
     return 0
 

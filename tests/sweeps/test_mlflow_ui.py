@@ -121,3 +121,17 @@ def test_best_trial_run_page_shows_its_params_and_metrics(study, server, browser
     others = [r for r in study["trials"] if r.info.run_id != best.info.run_id]
     assert not any(r.data.params["lr"] in text for r in others)  # this trial's page, not another's
     _keep(browser, artifacts, "mlflow_best_trial.png")
+
+
+def test_runs_table_searched_by_a_trial_tag_shows_only_its_trials(study, server, browser):
+    """The screenshot script finds a study's pruned trials so (by ``sweeps.state``); here, one
+    trial by its number tag: the table holds it and its study's run, not the other trials."""
+    parent = study["parent"].info.run_name
+    one = next(r for r in study["trials"] if r.data.tags["sweeps.trial_number"] == "1")
+    open_runs_table(browser, server.url, study["experiment_id"], parent, "tags.`sweeps.trial_number` = '1'")
+    assert "tags.`sweeps.trial_number` = '1'" in browser.evaluate(
+        "[...document.querySelectorAll('input')].map(i => i.value).join('|')")
+    expand(browser, parent, [one.info.run_name])
+    browser.settle()
+    assert [r["name"] for r in run_links(browser)] == [parent, one.info.run_name]
+    assert re.search(r"\b2\s+matching runs", browser.text())
