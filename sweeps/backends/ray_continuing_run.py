@@ -31,7 +31,7 @@ def adopt_lost_run(reader: TrackingReader, tracker: Tracker, parent: RunHandle, 
         if run.data.tags.get(TAG_RAY_TRIAL_ID) == trial_id:
             continue
         handle = RunHandle(run.info.run_id, run.info.experiment_id, run.info.run_name or "")
-        drawn = {f"search.{k}": v for k, v in param_values(params).items()}
+        drawn = param_values(params)  # logged under their own names (objective.trial_params)
         if all(run.data.params.get(k) == v for k, v in drawn.items()):
             tracker.log(handle, tags={TAG_RAY_TRIAL_ID: trial_id})
             return handle

@@ -84,7 +84,7 @@ def test_a_lost_run_is_continued_by_its_trial_closed_for_another_and_never_left_
     def lost(number: int, lr: float):
         run = tracker.start_run(f"trial-{number}", parent=parent, tags={
             layout.TAG_TRIAL_NUMBER: number, TAG_RAY_TRIAL_ID: f"old{number}", layout.TAG_STATE: "RUNNING"})
-        tracker.log(run, params={"search.lr": lr})
+        tracker.log(run, params={"lr": lr})
         return run
 
     same, other, untaken = lost(1, 0.1), lost(2, 0.1), lost(3, 0.1)
