@@ -192,17 +192,20 @@ def open_journal(path: str | Path, create: bool) -> JournalStorage:
     record under the lock; a reader leaves it (Optuna's reader skips it, and it may be an
     append in progress)."""
     journal = Path(os.path.abspath(path))
+    damage = None
     if journal.exists():
         check_journal_file(journal)
         damage = find_damage(journal)
         if damage is not None and damage[0] == "middle":
             raise StudyStateError(corrupt_message(journal, damage))
-        if damage is not None and create:
-            backend = SweepsJournalBackend(journal)
-            backend.lock.acquire()
-            try:
+    backend = SweepsJournalBackend(journal)
+    # A writer takes the lock once at the start when a dead writer left its tail or its lock link:
+    # the repair is said here, by the command the user ran, not later by a worker.
+    if create and (damage is not None or os.path.lexists(backend.lock.link)):
+        backend.lock.acquire()
+        try:
+            if damage is not None:
                 check_journal(journal)  # under the lock no one is mid-append: the bad tail is a dead writer's
-            finally:
-                backend.lock.release()
-            return JournalStorage(backend)
-    return JournalStorage(SweepsJournalBackend(journal))
+        finally:
+            backend.lock.release()
+    return JournalStorage(backend)

@@ -23,6 +23,14 @@ sys.stdin.read()
 lock.release()
 """
 
+# A writer of the study appending one record (a study attribute) through sweeps' journal backend.
+APPEND_ONE = """
+import sys
+import optuna
+from sweeps.backends.journal_file import open_journal
+optuna.load_study(study_name="midappend", storage=open_journal(sys.argv[1], create=True)).set_user_attr("x", 1)
+"""
+
 
 def _quiet(proc: subprocess.CompletedProcess) -> str:
     """stderr, checked to be a message and not a traceback."""
@@ -84,7 +92,9 @@ def test_killed_mid_append_the_next_run_cuts_the_partial_record_and_finishes(tmp
     intact = journal.read_bytes()
 
     spec = write_spec(tmp_path, name="midappend", budget={"n_trials": 2})
-    killed = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="journal_mid_append")
+    # A writer of the study (here one setting a study attribute) is killed in the middle of its append.
+    killed = subprocess.run([sys.executable, "-c", APPEND_ONE, str(journal)], capture_output=True, text=True,
+                            env=sweeps_env(SWEEPS_FAULT="journal_mid_append"), timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     torn = journal.read_bytes()
     assert torn.startswith(intact) and len(torn) > len(intact) and not torn.endswith(b"\n")  # half a record
