@@ -10,6 +10,8 @@ artifact store). A check that cannot run because an earlier one failed says so a
 """
 from __future__ import annotations
 
+# Each check imports its heavy library (SQLAlchemy, Optuna, MLflow, torch) inside it, lazily for
+# start-up: the doctor answers in seconds and a failed check does not pay for the others.
 import os
 import socket
 import tempfile

@@ -16,7 +16,7 @@ from typing import Any
 from sweeps.errors import TrackingError
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, store_id_for
 from sweeps.tracking.spool import Spool
-from sweeps.tracking.store_errors import is_transient, permanent_reason
+from sweeps.tracking.store_errors import is_transient, permanent_reason, stops_sending
 from sweeps.tracking.trial_model import TAG_MODEL_ERROR, make_trial_model
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
             counts[kind] += len(items)
         return
     except Exception as exc:
-        if is_transient(exc) or permanent_reason(exc) is not None:
+        if stops_sending(exc):
             raise
     # Rare path (a refusal): resending what the store may already hold is harmless.
     for kind, items in groups.items():
@@ -220,7 +220,7 @@ def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
                 log(kind, part)
                 counts[kind] += len(part)
             except Exception as exc:
-                if is_transient(exc) or permanent_reason(exc) is not None:
+                if stops_sending(exc):
                     raise
                 what = f"{len(part)} metric points" if kind == "metrics" else f"{kind[:-1]} {part[0].key!r}"
                 refusals.append(f"run {run_id}: the store refused {what}: {exc}")

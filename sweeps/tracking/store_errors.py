@@ -29,7 +29,7 @@ _PERMANENT = re.compile(r"no such (table|column)|relation \S+ does not exist|col
 def permanent_reason(exc: BaseException) -> str | None:
     """One line saying why the store refuses every write (HTTP 401/403, a schema or permission
     error of its database), or None for an error of one write or one that may pass."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: this module loads before MLflow is needed
 
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     if isinstance(exc, MlflowException) and exc.get_http_status_code() in (401, 403):
@@ -48,10 +48,19 @@ def is_transient(exc: BaseException) -> bool:
     timed out, was locked, or answered 5xx/429. Anything else (4xx: a refused value, a deleted
     run; a store refusing every write, :func:`permanent_reason`) would fail again, so it must
     not be retried."""
-    from mlflow.exceptions import MlflowException
+    return permanent_reason(exc) is None and _unreachable(exc)
 
-    if permanent_reason(exc) is not None:
-        return False
+
+def stops_sending(exc: BaseException) -> bool:
+    """True when no write can go now: the store is unreachable (:func:`is_transient`) or refuses
+    every write (:func:`permanent_reason`); the error text is scanned once."""
+    return permanent_reason(exc) is not None or _unreachable(exc)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """The store did not answer, timed out, was locked, or answered 5xx/429."""
+    from mlflow.exceptions import MlflowException  # lazy: this module loads before MLflow is needed
+
     if isinstance(exc, MlflowException):
         code = exc.get_http_status_code()
         return code >= 500 or code == 429
