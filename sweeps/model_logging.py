@@ -336,7 +336,7 @@ def _share_metrics(registry, checkpoint_model_id: str, model_id: str, run_id: st
     """Give the promoted model the best epoch's metrics of the trial's checkpoint model (``val_acc``
     in the Models tab). The same points (step, timestamp, value) logged again with the new model's
     id attach to it only: the run's curves keep one row per point."""
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # lazy: mlflow, only when a model is promoted
 
     points = registry.get_logged_model(checkpoint_model_id).metrics or []
     if points:

@@ -76,10 +76,14 @@ class InputSpec:
                 return np.array([i for i, arr in enumerate(samples) if test(arr).any()], dtype=np.int64)
             return np.flatnonzero(test(rows).reshape(n, -1).any(1))
 
-        nonfinite = rows_where(lambda a: ~np.isfinite(a) if a.dtype.kind == "f" else np.zeros(a.shape, bool))
-        if len(nonfinite):
-            raise InputRefused(f"input refused: {_rows_text(nonfinite, n)} NaN or infinity, which the model cannot "
-                               f"answer; it takes {self.describe()}")
+        # Only floats hold NaN or infinity, and only declared bounds need a pass over the values.
+        if any(a.dtype.kind == "f" for a in samples):
+            nonfinite = rows_where(lambda a: ~np.isfinite(a) if a.dtype.kind == "f" else np.zeros(a.shape, bool))
+            if len(nonfinite):
+                raise InputRefused(f"input refused: {_rows_text(nonfinite, n)} NaN or infinity, which the model "
+                                   f"cannot answer; it takes {self.describe()}")
+        if self.low is None and self.high is None:
+            return
         low = -np.inf if self.low is None else self.low
         high = np.inf if self.high is None else self.high
         outside = rows_where(lambda a: (a < low) | (a > high))

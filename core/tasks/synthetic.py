@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from core.tasks.base import Task, block_names, check_model_name, register
-from core.tasks.cifar10 import resnet18_cifar
 from core.tasks.inputs import InputSpec
 
 if TYPE_CHECKING:  # imported where the model and data are built: checking a task needs no torch
@@ -48,6 +47,8 @@ class SyntheticTask(Task):
             return nn.Sequential(nn.Conv2d(c, self.width, 3, padding=1), nn.ReLU(),
                                  nn.AdaptiveAvgPool2d(4), nn.Flatten(),
                                  nn.Linear(self.width * 16, self.num_classes))
+        from core.tasks.cifar10 import resnet18_cifar  # lazy: only the resnet model needs the cifar10 task
+
         return resnet18_cifar(num_classes=self.num_classes, in_channels=self.input_shape[0])
 
     def datasets(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from sweeps.commands.base import Command, console, err_console, load_spec_file
 
@@ -58,8 +59,6 @@ def _slurm_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_slurm(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from sweeps.slurm import SlurmJob, submit, write_script
 
     spec = load_spec_file(a.spec)
