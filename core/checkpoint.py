@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import torch
 
-from core.faults import stop_here
+from core.faults import Fault, stop_here
 
 LAST, PREV, BEST = "last.pt", "last.prev.pt", "best.pt"
 _PREFIXES = ("module.", "_orig_mod.")
@@ -36,7 +36,7 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)
             fh.flush()
-            stop_here("mid_checkpoint")  # tests: a kill while the new file is not yet in place
+            stop_here(Fault.MID_CHECKPOINT)  # tests: a kill while the new file is not yet in place
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -20,7 +20,7 @@ from core.config import TrainConfig, validate
 from core.curves import epoch_reports
 from core.data import check_datasets, make_train_loader, make_val_loader
 from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdown
-from core.faults import stop_here
+from core.faults import Fault, stop_here
 from core.finalize import finalize_run
 from core.forensics import record_divergence
 from core.grad_checkpoint import checkpoint_blocks
@@ -79,7 +79,7 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
             profiler.close()  # also when the run fails: a sweep worker goes on to its next trial
     shutdown(ctx, completed=True)
     if ctx.is_main:
-        stop_here("after_training")  # tests: a kill after training, before the caller records anything
+        stop_here(Fault.AFTER_TRAINING)  # tests: a kill after training, before the caller records anything
     return result
 
 

@@ -13,12 +13,12 @@ import logging
 import os
 import sys
 
+from core import faults
 from core.diskfull import describe_disk_full
 from sweeps.commands import after_sweep, check, cluster, report, study
 from sweeps.commands.base import Command, err_console
 from sweeps.errors import DiskFullError, SweepsError
 from sweeps.fast_exit import exit_now
-from sweeps.faults import armed
 
 # Every subcommand, in the order `sweeps --help` lists them. A command module that fails to
 # import is a bug in this project: the ImportError surfaces here, no command is hidden.
@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
-        if armed("cli_unexpected_error"):  # fault point: how an unforeseen exception reaches the user
+        faults.check_environment()
+    except faults.UnknownFaultPoint as exc:  # a test's misspelt point: refused before anything runs
+        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        return 2
+    try:
+        if faults.armed(faults.Fault.CLI_UNEXPECTED_ERROR):  # fault point: how an unforeseen exception reaches the user
             raise RuntimeError("injected by SWEEPS_FAULT=cli_unexpected_error")
         return a.func(a)
     except SweepsError as exc:

@@ -37,16 +37,15 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
 from core.diskfull import describe_disk_full
+from core.faults import Fault, armed, stop_here
 from sweeps.backends import optuna_adapter
 from sweeps.backends.journal_repair import check_journal, check_journal_file, corrupt_message, find_damage
 from sweeps.errors import DiskFullError, StudyStateError
-from sweeps.faults import armed, stop_here
 
 log = logging.getLogger("sweeps")
 
 ENV_LOCK_WAIT = "SWEEPS_JOURNAL_LOCK_WAIT_S"
 LOCK_WAIT_S = 120.0  # an append takes milliseconds; a holder this slow is stuck or stopped
-FAULT_MID_APPEND = "journal_mid_append"
 LINK_SUFFIX = optuna_adapter.JOURNAL_LOCK_SUFFIX  # ".lock": Optuna's own link, so plain Optuna waits for us
 FLOCK_SUFFIX = ".appendlock"
 
@@ -154,11 +153,11 @@ class SweepsJournalBackend(JournalFileBackend):
         try:
             cut_torn_tail(self.journal)
             with open(self.journal, "ab") as fh:
-                if armed(FAULT_MID_APPEND):
+                if armed(Fault.JOURNAL_MID_APPEND):
                     fh.write(data[: max(1, len(data) // 2)])
                     fh.flush()
                     os.fsync(fh.fileno())
-                    stop_here(FAULT_MID_APPEND)
+                    stop_here(Fault.JOURNAL_MID_APPEND)
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())

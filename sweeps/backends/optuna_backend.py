@@ -15,8 +15,9 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from sweeps.backends import driver_faults, optuna_study
+from core import faults
 from sweeps.backends import optuna_recovery as recovery
+from sweeps.backends import optuna_study
 from sweeps.backends.base import StudyResult
 from sweeps.backends.driver_signals import DriverSignals, stopped_by
 from sweeps.backends.journal_file import LINK_SUFFIX
@@ -108,7 +109,7 @@ class OptunaBackend:
             if study.user_attrs.get(optuna_study.ATTR_PARENT_RUN) != parent.run_id:
                 study.set_user_attr(optuna_study.ATTR_PARENT_RUN, parent.run_id)
             with _killed_if_storage_lost(tracker, parent):
-                driver_faults.starting()
+                faults.signal_here(faults.Fault.DRIVER_SIGTERM_AT_START)
                 recovered = self._recover_orphans(spec, study, tracker)
                 if spec.lr_finder.enabled:
                     from sweeps.study_lr_finder import run_study_lr_finder  # lazy: torch, only when used
@@ -125,13 +126,13 @@ class OptunaBackend:
                 elif signals.signum:  # while it started: no worker is started
                     stopped, code = _stopped_while(signals.signum, "the study started")
                 else:
-                    driver_faults.handing_over()
+                    faults.signal_here(faults.Fault.DRIVER_SIGINT_AT_HANDOVER)
                     stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker,
                                                     early, signals)
                 result = optuna_study.study_result(spec, optuna.load_study(
                     study_name=study.study_name, storage=optuna_study.open_storage(spec)))
                 result.stopped_reason = stopped
-                driver_faults.ending()
+                faults.signal_here(faults.Fault.DRIVER_SIGTERM_AT_END)
                 write_summary(tracker, parent, result)
                 if signals.signum and code < 128:  # while it ended: the summary above is complete
                     stopped, code = _stopped_while(signals.signum, "the study ended")
@@ -155,9 +156,9 @@ class OptunaBackend:
                             slot=slot.index, threads=slot.threads, beat_file=str(beat))
 
         def on_progress() -> None:
-            if driver_faults.any_armed() and any(
+            if faults.mid_trial_armed() and any(
                     t.intermediate_values for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
-                driver_faults.trial_mid_way()
+                faults.trial_mid_way()
             result = optuna_study.study_result(spec, study)
             view.update_result(result)
             if len(result.finished()) != finished[0]:

@@ -20,10 +20,10 @@ import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from core.faults import pause_here
+from core import faults
 from sweeps import deploy_check
 from sweeps import search_space as ss
-from sweeps.backends import driver_faults, optuna_adapter, optuna_study
+from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.backends.optuna_ask_lock import ask_lock
 from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
 from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
@@ -229,7 +229,7 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
             return False
         try:
             trial.report(value, epoch)
-            driver_faults.hold_mid_trial(signals.event)
+            faults.hold_mid_trial(signals.event)
             return trial.should_prune()
         except StorageUnavailable as exc:
             signals.storage_gone(exc)
@@ -344,7 +344,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     for module in TRIAL_IMPORTS:
         importlib.import_module(module)
-    pause_here("worker_before_go")
+    faults.pause_here(faults.Pause.WORKER_BEFORE_GO)
     line = sys.stdin.readline()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

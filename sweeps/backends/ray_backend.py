@@ -29,8 +29,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from core import faults
 from sweeps import search_space as ss
-from sweeps.backends import driver_faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
 from sweeps.backends.budget_outcome import max_failures_stop, unfinished_stop
@@ -119,7 +119,7 @@ class RayBackend:
                 done, failed = len(result.finished()), result.counts().get("FAIL", 0)
                 stopped, code = unfinished_stop(done, _budget_size(spec), failed, spec.path)
             result.stopped_reason = stopped
-            driver_faults.ending()
+            faults.signal_here(faults.Fault.DRIVER_SIGTERM_AT_END)
             write_summary(tracker, parent, result)
             if early.signum and code < 128:  # while it ended: the summary above is complete
                 stopped, code = _stopped_by(early.signum)
@@ -190,7 +190,7 @@ class RayBackend:
         started_ray = False
         with early.around_ray_init():
             started_ray = init_ray(spec)
-            driver_faults.starting()
+            faults.signal_here(faults.Fault.DRIVER_SIGTERM_AT_START)
         try:
             if (meta := rr.read_meta(study_name) or {}).get("joined") is False:  # from now on trials may run
                 rr.write_meta(study_name, {**meta, "joined": True})

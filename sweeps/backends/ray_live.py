@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from sweeps.backends import driver_faults
+from core import faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
 from sweeps.backends.budget_outcome import failures_in_a_row
@@ -39,7 +39,7 @@ class DriverCallback(_Callback):
         if result.get("epoch"):
             LIVE["history"].setdefault(trial.trial_id, []).append(result)
             if not result.get("sweeps_done"):
-                driver_faults.trial_mid_way()
+                faults.trial_mid_way()
         if time.monotonic() - LIVE["drawn"] > 0.5:
             LIVE["drawn"] = time.monotonic()
             LIVE["view"].update_result(self._result(trials))

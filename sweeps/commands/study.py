@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from core.faults import pause_here
+from core.faults import Pause, pause_here
 from sweeps.backends.budget_outcome import EXIT_BUDGET_UNMET, no_trial_completed
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import SpecError, StudyStateError, UsageError
@@ -79,7 +79,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(a: argparse.Namespace) -> int:
     from sweeps.backends.by_name import get_backend
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
-    pause_here("spec_read")  # tests edit the file here: nothing may read it again
+    pause_here(Pause.SPEC_READ)  # tests edit the file here: nothing may read it again
     _warn_nothing_searched(spec, a.spec)
     if a.add_trials:
         before, after = _extend(spec, a.spec, a.add_trials)

@@ -41,6 +41,15 @@ def test_an_unexpected_exception_prints_one_line_and_where_its_traceback_is(tmp_
     assert debug.returncode == 1 and "Traceback" in debug.stderr  # SWEEPS_DEBUG=1 still raises
 
 
+def test_a_fault_point_that_does_not_exist_is_refused_before_the_command_runs(tmp_path):
+    spec = write_spec(tmp_path, name="oops")
+    proc = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_eror")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = _lines(proc)
+    assert line.startswith("error: SWEEPS_FAULT='cli_unexpected_eror' names 'cli_unexpected_eror', which is not")
+    assert "cli_unexpected_error" in line and "core/faults.py" in line
+
+
 def test_the_traceback_goes_to_the_temp_folder_when_runs_cannot_hold_it(tmp_path):
     spec = write_spec(tmp_path, name="oops", seed_store=False)
     (tmp_path / "runs").write_text("not a folder\n")  # runs/.errors cannot be created

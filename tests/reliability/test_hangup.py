@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sweeps.backends.driver_faults import DRIVER_HANGUP_MID_TRIAL
+from core.faults import Fault
 from tests.sweeps.backends.conftest import mlflow_client, study_runs
 from tests.sweeps.study_helpers import run_cli, sweeps_env, write_spec
 
@@ -21,8 +21,8 @@ def test_a_closed_terminal_stops_the_study_the_resumable_way(tmp_path):
     spec = write_spec(tmp_path, name="hangup", train={"epochs": 3, "batch_size": 16}, budget={"n_trials": 2})
     # Its own session, as a login shell's job: the hangup reaches its group, never pytest.
     hung = subprocess.run([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--quiet"], cwd=tmp_path,
-                          env=sweeps_env(SWEEPS_FAULT=DRIVER_HANGUP_MID_TRIAL), capture_output=True, text=True,
-                          timeout=600, start_new_session=True)
+                          env=sweeps_env(SWEEPS_FAULT=Fault.DRIVER_HANGUP_MID_TRIAL.value), capture_output=True,
+                          text=True, timeout=600, start_new_session=True)
     out = hung.stdout + hung.stderr
     assert hung.returncode == 129, out[-4000:]
     assert "stopped by SIGHUP; running trials were checkpointed and requeued" in hung.stdout, out[-4000:]

@@ -221,11 +221,11 @@ def test_a_signal_to_the_driver_alone_mid_trial_exits_128_plus_it_and_the_study_
     """`kill -INT`, `kill -TERM` or `kill -HUP` of the driver (not of its process group) while a
     trial trains: exit 130, 143 or 129 with the budget unmet, no run RUNNING, no process left; the same
     command then finishes the budget with no step logged twice."""
-    from sweeps.backends.driver_faults import DRIVER_SIGHUP_MID_TRIAL, DRIVER_SIGINT_MID_TRIAL, DRIVER_SIGTERM_MID_TRIAL
+    from core.faults import Fault
 
     name = f"signal_{backend}"
-    fault = {signal.SIGINT: DRIVER_SIGINT_MID_TRIAL, signal.SIGTERM: DRIVER_SIGTERM_MID_TRIAL,
-             signal.SIGHUP: DRIVER_SIGHUP_MID_TRIAL}[signum]
+    fault = {signal.SIGINT: Fault.DRIVER_SIGINT_MID_TRIAL.value, signal.SIGTERM: Fault.DRIVER_SIGTERM_MID_TRIAL.value,
+             signal.SIGHUP: Fault.DRIVER_SIGHUP_MID_TRIAL.value}[signum]
     spec_path = _trust_spec(tmp_path, backend, "signal", train={"epochs": 3, "batch_size": 16},
                             budget={"n_trials": 2}, resources={"devices": "cpu", "workers": 1})
     stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
@@ -248,12 +248,12 @@ def test_a_study_resumed_after_a_driver_sigkill_mid_trial_logs_no_step_twice(tmp
     """The driver SIGKILLs itself once a trial has reported (and checkpointed) an epoch and
     trains on; what it started dies with it; the same command then finishes the budget: no
     run RUNNING, no metric with a repeated step, every completed run with all its epochs."""
-    from sweeps.backends.driver_faults import DRIVER_KILL_MID_TRIAL
+    from core.faults import Fault
 
     name = f"killed_{backend}"
     spec_path = _trust_spec(tmp_path, backend, "killed", train={"epochs": 3, "batch_size": 16},
                             budget={"n_trials": 2}, resources={"devices": "cpu", "workers": 1})
-    killed = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=DRIVER_KILL_MID_TRIAL)
+    killed = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=Fault.DRIVER_KILL_MID_TRIAL.value)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
     _after_a_driver_kill(backend, tmp_path)
     assert not _processes_left(backend, tmp_path), "a killed driver left processes behind"
@@ -311,11 +311,11 @@ def test_a_sigterm_while_the_driver_starts_or_ends_is_a_clean_stop(tmp_path, bac
     """SIGTERM outside the trials (the study run made, Ray just initialised with its own exit-15
     handler; or every trial done, before the summary and the tags): exit 143 saying so, the study
     run KILLED, never left RUNNING; the same command then finishes the study."""
-    from sweeps.backends.driver_faults import DRIVER_SIGTERM_AT_END, DRIVER_SIGTERM_AT_START
+    from core.faults import Fault
 
     name = f"{when}_{backend}"
     spec_path = _trust_spec(tmp_path, backend, when, budget={"n_trials": 1}, resources={"devices": "cpu", "workers": 1})
-    fault = DRIVER_SIGTERM_AT_START if when == "start" else DRIVER_SIGTERM_AT_END
+    fault = Fault.DRIVER_SIGTERM_AT_START.value if when == "start" else Fault.DRIVER_SIGTERM_AT_END.value
     stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "stopped by SIGTERM" in stopped.stdout

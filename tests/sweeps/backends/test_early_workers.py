@@ -59,12 +59,12 @@ def test_a_ctrl_c_as_the_supervisor_takes_over_from_the_driver_stops_the_study(t
     handlers are in place (the driver's own records it): obeyed as mid-study, exit 130 with the
     study run KILLED and no trial run; the same command then finishes the study. Before, the
     supervisor started its workers and ran the whole study, and only the exit code said 130."""
-    from sweeps.backends.driver_faults import DRIVER_SIGINT_AT_HANDOVER
+    from core.faults import Fault
     from tests.sweeps.backends.conftest import study_runs
     from tests.sweeps.study_helpers import run_cli, write_spec
 
     spec = write_spec(tmp_path, "handover", budget={"n_trials": 1})
-    stopped = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT=DRIVER_SIGINT_AT_HANDOVER)
+    stopped = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT=Fault.DRIVER_SIGINT_AT_HANDOVER.value)
     assert stopped.returncode == 128 + signal.SIGINT, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "stopped by SIGINT" in stopped.stdout and "Traceback" not in stopped.stderr
     parents, children = study_runs(tmp_path, "handover")

@@ -41,7 +41,7 @@ def test_a_trial_ray_forgot_when_its_driver_was_killed_continues_its_run(tmp_pat
     reports epoch 1 and the driver SIGKILLs itself there (``driver_kill_mid_trial``). Ray
     snapshots its experiment at most every hour here (``TUNE_GLOBAL_CHECKPOINT_S``), so trial 1
     is not in the snapshot the next run restores: Ray draws it again under a new trial id."""
-    from sweeps.backends.driver_faults import DRIVER_KILL_MID_TRIAL
+    from core.faults import Fault
 
     study = tiny_spec("forgot", backend="ray", search={"epochs": {"type": "categorical", "choices": [1, 2]}},
                       sampler={"name": "tpe", "seed": _seed_drawing(1, 2)}, budget={"n_trials": 2, "max_failures": 1},
@@ -49,7 +49,7 @@ def test_a_trial_ray_forgot_when_its_driver_was_killed_continues_its_run(tmp_pat
     del study["train"]["epochs"]  # searched
     spec = save_spec(tmp_path, study)
     rarely = {"TUNE_GLOBAL_CHECKPOINT_S": "3600"}
-    killed = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT=DRIVER_KILL_MID_TRIAL, **rarely)
+    killed = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT=Fault.DRIVER_KILL_MID_TRIAL.value, **rarely)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
     _, before = study_runs(tmp_path, "forgot")
     lost = [r for r in before if r.info.run_name == "trial-1"]

@@ -107,14 +107,14 @@ def test_a_driver_stopped_by_sigterm_leaves_no_process_behind_not_even_a_zombie(
     services run with `init: true`.)"""
     import json
 
-    from sweeps.backends.driver_faults import DRIVER_SIGTERM_MID_TRIAL
+    from core.faults import Fault
     from tests.sweeps.study_helpers import sweeps_env
 
     spec_path = _ray_spec(tmp_path, "reaped", train={"epochs": 3, "batch_size": 16}, budget={"n_trials": 1},
                           resources={"devices": "cpu", "workers": 1})
     wrapper = [sys.executable, str(ROOT / "tests" / "sweeps" / "backends" / "under_subreaper.py"),
                sys.executable, "-m", "sweeps.cli", "run", str(spec_path), "--quiet"]
-    env = sweeps_env(OMP_NUM_THREADS="1", SWEEPS_FAULT=DRIVER_SIGTERM_MID_TRIAL)
+    env = sweeps_env(OMP_NUM_THREADS="1", SWEEPS_FAULT=Fault.DRIVER_SIGTERM_MID_TRIAL.value)
     proc = subprocess.run(wrapper, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["code"] == 128 + signal.SIGTERM, proc.stdout[-3000:] + proc.stderr[-3000:]
