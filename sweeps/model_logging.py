@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sweeps.errors import ArtifactError, PromoteError, SweepsError
 from sweeps.resolved_config import load_resolved_config, task_from_resolved
 from sweeps.tracking import layout
+from sweeps.tracking.mlflow_adapter import fluent_uri
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
 
@@ -144,16 +145,6 @@ def _pip_requirements() -> list[str]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out.append(f"{pkg}=={importlib.metadata.version(pkg).split('+')[0]}")
     return out
-
-
-@contextlib.contextmanager
-def fluent_uri(uri: str):
-    """Point MLflow's fluent API at ``uri`` for a moment: ``log_model`` and the SQL registry
-    store (which looks the logged model up to create a version) read it, not the client's."""
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
-    with _use_tracking_uri(uri):
-        yield
 
 
 def promoted_name(number: int) -> str:

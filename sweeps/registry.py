@@ -33,11 +33,12 @@ from core.metrics import LOOP_METRICS, declared_metrics
 from sweeps.backends.by_name import get_backend
 from sweeps.compare import best_over_epochs, metric_curve, open_client, side_by_side
 from sweeps.errors import BadNameError, NothingQualifies, PromoteError, PromoteRefused, UsageError
-from sweeps.model_logging import find_logged_model, fluent_uri, log_model, promoted_name
+from sweeps.model_logging import find_logged_model, log_model, promoted_name
 from sweeps.pareto import parse_where
 from sweeps.safe_names import safe_component
 from sweeps.spec_objectives import is_deploy_metric
 from sweeps.tracking import layout
+from sweeps.tracking.mlflow_adapter import fluent_uri
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID
 

@@ -2,9 +2,9 @@
 
 Ray may move or drop a private name in any release. Keeping every such use here makes an upgrade
 a review of one short file: re-check each function below against the new Ray's source, then
-update :data:`RAY_CHECKED` (tests/sweeps/backends/test_ray_adapter.py fails until then, and a
-static test there fails if any other module of core/, sweeps/ or dashboards/ imports a private
-Ray module). Each function says why Ray's public API does not do it.
+update :data:`RAY_CHECKED` (tests/test_private_apis.py fails until then, and fails if any other
+module of core/, sweeps/ or dashboards/ imports a private Ray module). Each function says why
+Ray's public API does not do it.
 """
 from __future__ import annotations
 

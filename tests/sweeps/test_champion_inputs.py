@@ -9,7 +9,7 @@ import pytest
 
 from core.tasks.digits import DigitsTask
 from core.tasks.inputs import InputRefused, InputSpec
-from sweeps.model_logging import fluent_uri
+from sweeps.tracking.mlflow_adapter import fluent_uri
 from tests.sweeps.promoted_model import promote_logged, train_digits, trial_run
 
 
