@@ -27,7 +27,7 @@ TARGET_S = 0.3
 # What a worker imports before its first digits trial: the worker's own preloads (TRIAL_IMPORTS:
 # torch, torchmetrics, MLflow's SQL store, the trainer, onnx, onnxruntime) and the task module,
 # whose split comes from its cache (core/tasks/digits.py) once any run has made it.
-WORKER_IMPORTS = ("import importlib, sweeps.objective, core.tasks.digits\n"
+WORKER_IMPORTS = ("import importlib, sweeps.trial, core.tasks.digits\n"
                   "from sweeps.backends.optuna_worker import TRIAL_IMPORTS\n"
                   "for module in TRIAL_IMPORTS:\n"
                   "    importlib.import_module(module)")

@@ -1,7 +1,7 @@
 """Tracking overhead: the same ``core.train()`` run with MLflow tracking on and off.
 
 * off: ``NullReporter`` (what a plain ``train()`` call does);
-* tracked (the product, as Optuna workers and Ray trials run it): ``sweeps.objective.TrialReporter``
+* tracked (the product, as Optuna workers and Ray trials run it): ``sweeps.trial.TrialReporter``
   on an ``MlflowTracker`` in the trainer's process, the one tracking path: per-step points are
   buffered and written to the SQLite store by the trainer every 2,000 points / 5 s and at
   ``end_run``, which returns once the run's last points and its status are in the store;

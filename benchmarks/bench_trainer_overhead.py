@@ -3,7 +3,7 @@
 Both sides train the same model on the same data with the same batch size, number of steps,
 optimizer (SGD, momentum 0.9, weight decay 5e-4, constant lr), fp32 and DataLoader settings
 (in-process loading, no pinning). ``core.train()`` runs the way a sweep trial runs it: with a
-real ``sweeps.objective.TrialReporter`` on the ``MlflowTracker`` an Optuna worker uses
+real ``sweeps.trial.TrialReporter`` on the ``MlflowTracker`` an Optuna worker uses
 (SQLite in a temp folder), so every optimizer step is tracked. No checkpoints, no ONNX export.
 
 Two measurements of the same ratio:

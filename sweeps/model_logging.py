@@ -34,7 +34,7 @@ TAG_PROMOTED = "sweeps.promoted"  # "true" on logged models written by promote
 TAG_FORMAT = "sweeps.model_format"  # their layout (sweeps.serving.MODEL_FORMAT); another one is not reused
 EXAMPLE_ROWS = 8  # rows of the input example stored with the model
 CHECK_ROWS = 256  # validation inputs the ONNX re-verification runs on
-TORCHSCRIPT_DIR = "torchscript"  # where a trial logs model.ts (sweeps.objective's artifact folders)
+TORCHSCRIPT_DIR = "torchscript"  # where a trial logs model.ts (sweeps.trial's artifact folders)
 ART_TORCHSCRIPT = "torchscript_model"  # its key among the pyfunc model's artifacts
 
 

@@ -24,7 +24,6 @@ import json
 import math
 import re
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,17 +35,17 @@ from core.config import apply_overrides
 from core.ddp_launch import TaskSpec, train_distributed
 from core.train import train
 from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, compared_metric, metric_curve, open_client
-from sweeps.objective import TrialOutcome, TrialReporter, finish_trial_run
 from sweeps.resolved_config import config_from_resolved, load_resolved_config, task_from_resolved
 from sweeps.safe_names import safe_component
 from sweeps.study_run import git_commit, package_versions
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.reader import TrackingReader
+from sweeps.trial import TrialOutcome, TrialReporter, finish_trial_run
+from sweeps.trial_control import TrialControl
 
 if TYPE_CHECKING:
     from core.reporting import Decision
-    from sweeps.objective import TrialReporter
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 _CPU_THREADS = re.compile(r"^cpu \((\d+) threads?\)")
@@ -220,8 +219,8 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     stop_after = (len([s for s in metric_curve(reader, original_id, metric) if s >= 1])
                   if tags.get(layout.TAG_PRUNED) == "true" else None)
     limit = stop_after or 0
-    reporter: Any = TrialReporter(tracker, run, metric, lambda epoch, value: limit > 0 and epoch >= limit,
-                                  threading.Event())
+    reporter: Any = TrialReporter(tracker, run, metric,
+                                  TrialControl(should_prune=lambda epoch, value: limit > 0 and epoch >= limit))
     if console is not None:
         reporter = ProgressReporter(reporter, console, stop_after or cfg.epochs)
     out_dir = Path(out_root) / safe_component(study, "study name") / "reruns" / run.run_id
@@ -238,7 +237,7 @@ def rerun_once(tracker: MlflowTracker, original_id: str, seed: int | None = None
     started = time.monotonic()
     try:
         with _cpu_threads(threads):
-            if cfg.distributed.nproc > 1:  # DDP inside the trial, like sweeps.objective runs it
+            if cfg.distributed.nproc > 1:  # DDP inside the trial, like sweeps.trial runs it
                 section = resolved["task"]
                 args = dict(section.get("args") or {})
                 model = args.pop("model", section.get("model"))

@@ -18,7 +18,7 @@ from sweeps.tracking.reader import TrackingReader
 
 
 def load_resolved_config(reader: TrackingReader, run_id: str) -> dict:
-    """The trial's ``config/resolved_config.json`` artifact (written by ``sweeps.objective``)."""
+    """The trial's ``config/resolved_config.json`` artifact (written by ``sweeps.trial``)."""
     with tempfile.TemporaryDirectory(prefix="sweeps-config-") as tmp:
         try:
             path = reader.download_artifact(run_id, layout.ART_CONFIG, tmp)

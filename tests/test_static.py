@@ -31,3 +31,19 @@ def test_no_undefined_names():
 def test_no_unused_imports_except_those_marked_for_their_side_effect():
     bad = _ruff("F401")
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_probes_a_tracker_for_what_it_is():
+    """Callers use the Tracker protocol (sweeps/tracking/base.py): no getattr, hasattr or isinstance
+    on a tracker to find out what it is or what it wraps."""
+    import ast
+
+    probes = []
+    for package in ("core", "sweeps", "dashboards"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id in ("getattr", "hasattr", "isinstance") and node.args
+                        and "tracker" in ast.unparse(node.args[0]).lower()):
+                    probes.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not probes, probes

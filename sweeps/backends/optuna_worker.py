@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,29 +31,27 @@ from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError, SweepsError, TrackingError
-from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
 from sweeps.spec import StudySpec
 from sweeps.spec_checks import spec_from_text
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.store_urls import redact_url
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
+from sweeps.trial import TrialSpec, run_trial, worker_name
+from sweeps.trial_control import StopRequest, TrialControl, TrialInterrupted
 
 log = logging.getLogger("sweeps")
 EXIT_OK, EXIT_MAX_FAILURES = 0, 3  # `sweeps worker`'s exit codes (besides 128 + a signal's number)
-ENV_HOLD_TRIAL = "SWEEPS_HOLD_TRIAL"  # tests: see _hold_if_asked
 
 
 class _Signals:
-    """SIGTERM / SIGINT / SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) set an event the running
-    trial polls at every optimizer step: it then saves a checkpoint and stops; the worker marks
-    it FAIL and requeues it. While the trial is still setting up (the task's imports, datasets
-    and model: nothing to checkpoint yet, and no step to poll at), ``run_trial`` marks the event
-    ``abortable`` and the handler raises :class:`TrialInterrupted` instead, so a hang there
-    stops as well."""
+    """SIGTERM / SIGINT / SIGHUP (:data:`~sweeps.stop_signals.STOP_SIGNALS`) request a stop of the
+    running trial (``event``, its :class:`~sweeps.trial_control.StopRequest`): it stops at its next
+    optimizer step with a checkpoint, or aborts its set-up (:class:`TrialInterrupted`); the worker
+    marks it FAIL and requeues it."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.event = StopRequest()
         self.signum: int | None = None
         self.storage_lost: StorageUnavailable | None = None
         for signum in STOP_SIGNALS:
@@ -63,10 +60,7 @@ class _Signals:
     def _handle(self, signum, _frame) -> None:
         after_hangup(signum)
         self.signum = signum
-        self.event.set()
-        if getattr(self.event, "abortable", False):
-            self.event.abortable = False  # type: ignore[attr-defined]
-            raise TrialInterrupted(signum)
+        self.event.request_from_signal(signum)
 
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else EXIT_OK
@@ -76,7 +70,7 @@ class _Signals:
         checkpoints at its next step), and the worker then exits with ``exc``."""
         self.storage_lost = self.storage_lost or exc
         self.signum = self.signum or signal.SIGTERM
-        self.event.set()
+        self.event.request(self.signum)
 
 
 def trial_dir(spec: StudySpec, study_name: str, number: int) -> Path:
@@ -219,9 +213,7 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
 
 def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides, uid, signals, beat):
     """The trial's training (through ``run_trial``, the path every backend shares) with Optuna's
-    pruning, after the test hold (``SWEEPS_HOLD_TRIAL``) if one is asked for."""
-    _hold_if_asked(beat, signals.event)
-
+    pruning."""
     several = len(trial.study.directions) > 1
 
     def should_prune(epoch: int, value: float) -> bool:
@@ -229,7 +221,7 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
             return False
         try:
             trial.report(value, epoch)
-            faults.hold_mid_trial(signals.event)
+            control.hold_mid_trial()
             return trial.should_prune()
         except StorageUnavailable as exc:
             signals.storage_gone(exc)
@@ -238,7 +230,8 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
     # The folder is this trial's (the study's identity and its original number): a retry (crash,
     # SIGTERM) resumes from the checkpoint there, and anything else found there is moved aside.
     owner = f"{uid}:{out_dir.name}"
-    spec_trial = TrialSpec(trial.number, params, out_dir, tags=tags, overrides=overrides, owner=owner)
+    spec_trial = TrialSpec(trial.number, params, out_dir, parent, "optuna", tags=tags, overrides=overrides,
+                           owner=owner)
 
     def on_start(run) -> None:
         try:
@@ -247,8 +240,8 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
             signals.storage_gone(exc)
         beat()
 
-    return run_trial(spec, tracker, parent, spec_trial, "optuna", should_prune, signals.event, beat,
-                     on_start=on_start)
+    control = TrialControl(signals.event, should_prune, beat, on_start)
+    return run_trial(spec, spec_trial, control, tracker)
 
 
 def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, overrides: dict) -> bool:
@@ -296,16 +289,6 @@ def _tell(study: optuna.Study, trial: optuna.Trial, **kwargs) -> bool:
             raise
         return True
     return False
-
-
-def _hold_if_asked(beat, stop: threading.Event) -> None:
-    """For tests: with ``SWEEPS_HOLD_TRIAL=<file>``, a trial waits at its start, RUNNING (its
-    worker's heartbeat thread runs) and marking progress as a long step would, until that file
-    exists (or a signal stops it). A
-    test holds a worker busy this way for exactly as long as it needs, whatever the speed."""
-    gate = os.environ.get(ENV_HOLD_TRIAL, "")
-    while gate and not os.path.exists(gate) and not stop.wait(0.5):
-        beat()
 
 
 def spec_of(go: WorkerGo) -> StudySpec:

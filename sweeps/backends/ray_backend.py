@@ -8,7 +8,7 @@ from the experiment state (:mod:`sweeps.backends.ray_records`), settles the MLfl
 with the final Ray states, and writes the same summary as the Optuna backend.
 
 Each trial runs :func:`sweeps.backends.ray_trainable.run_ray_trial`, which calls the
-shared ``sweeps.objective.run_trial``: the MLflow layout is the Optuna backend's.
+shared ``sweeps.trial.run_trial``: the MLflow layout is the Optuna backend's.
 
 Budget: ``n_trials`` is Ray's ``num_samples``; ``max_failures`` is Ray's per-trial
 ``FailureConfig`` (a failing trial is retried that many times from its latest

@@ -1,4 +1,4 @@
-"""The Ray Tune trainable: one Ray trial = one ``sweeps.objective.run_trial`` call.
+"""The Ray Tune trainable: one Ray trial = one ``sweeps.trial.run_trial`` call.
 
 Runs inside a Ray actor. The MLflow layout, params, artifacts and status mapping are
 ``run_trial``'s, exactly as under Optuna; this module only adds what Ray needs:
@@ -17,7 +17,7 @@ Runs inside a Ray actor. The MLflow layout, params, artifacts and status mapping
   trial gets them back into its folder and resumes with ``resume=True``; a trial that
   MLflow shows as finished (the driver died before Ray recorded it) is never run again;
 - one MLflow run per Ray trial: a trial that starts again (retry, pause, driver restart)
-  continues its own run (:class:`ContinuingTracker`) instead of opening a second one;
+  continues its own run (``TrialSpec.continues``) instead of opening a second one;
 - PBT: the exploit copies the better trial's checkpoint; the new ``lr`` (and ``momentum``)
   are applied by rescaling the optimizer and scheduler state in ``last.pt`` before resuming,
   so the schedule keeps its shape at the new scale (a constant schedule trains at exactly
@@ -44,7 +44,7 @@ from sweeps.backends.ray_checkpoints import (
     report_with_checkpoint,
     restore_checkpoint,
 )
-from sweeps.backends.ray_continuing_run import TAG_RAY_TRIAL_ID, ContinuingTracker, adopt_lost_run, logged_up_to
+from sweeps.backends.ray_continuing_run import TAG_RAY_TRIAL_ID, adopt_lost_run, logged_up_to
 from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog, recorded_hang
 from sweeps.durations import stop_grace_seconds
 from sweeps.spec import StudySpec
@@ -52,6 +52,7 @@ from sweeps.spec_objectives import DEPLOY_METRICS, is_deploy_metric
 from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
+from sweeps.trial_control import StopRequest, TrialControl
 
 if TYPE_CHECKING:
     from sweeps.tracking.reader import TrackingReader
@@ -144,7 +145,7 @@ def _join_trial_thread() -> None:
     if session is not None:
         stop = _CURRENT.get("stop")
         if stop is not None:
-            stop.set()  # stop at the next optimizer step, with a checkpoint, not at the epoch's end
+            stop.request()  # stop at the next optimizer step, with a checkpoint, not at the epoch's end
         session.finish(timeout=stop_wait_seconds())
 
 
@@ -159,7 +160,7 @@ def make_trainable(ctx: TrialContext):
 
 
 # ---- one trial -----------------------------------------------------------------------------------
-_CURRENT: dict[str, threading.Event] = {}  # "stop": the running trial's stop request (one trial per actor)
+_CURRENT: dict[str, StopRequest] = {}  # "stop": the running trial's stop request (one trial per actor)
 _TRACKERS: dict[str, Any] = {}  # one tracker per actor process (actors are reused between trials)
 _TRACKERS_LOCK = threading.Lock()
 
@@ -176,7 +177,7 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
     import torch
     from ray import tune
 
-    from sweeps.objective import TrialSpec  # lazy: the Ray driver loads no torch
+    from sweeps.trial import TrialSpec  # lazy: the Ray driver loads no torch
 
     spec = ctx.spec
     if os.path.isdir(ctx.cwd):
@@ -226,8 +227,9 @@ def run_ray_trial(config: dict, ctx: TrialContext) -> None:
                 tags.update({"sweeps.pbt_params": json.dumps(params), "sweeps.pbt_from": donor["number"]})
         else:
             clear_checkpoints(out_dir)  # a retry without a Ray checkpoint starts over
-        _train(ctx, reader, existing, TrialSpec(number, params, out_dir, resume=resume, tags=tags,
-                                                        log_resumed_curves=existing is None), trial_id)
+        trial = TrialSpec(number, params, out_dir, ctx.parent, "ray", resume=resume, tags=tags, continues=existing,
+                          logged_up_to=logged_up_to(reader, existing.run_id) if existing is not None else {})
+        _train(ctx, trial, trial_id)
 
 
 @contextlib.contextmanager
@@ -244,23 +246,23 @@ def _own_folder(ctx: TrialContext, out_dir: Path, trial_id: str, number: int):
         yield moved
 
 
-def _train(ctx: TrialContext, reader, existing: RunHandle | None, trial, trial_id: str) -> None:
+def _train(ctx: TrialContext, trial, trial_id: str) -> None:
     """Train the trial (its folder holds what it resumes from) and report its end to Ray."""
-    from sweeps.objective import run_trial, trial_config  # lazy: the Ray driver loads no torch
+    from sweeps.trial import run_trial, trial_config  # lazy: the Ray driver loads no torch
 
     spec, number, params, out_dir = ctx.spec, trial.number, trial.params, trial.out_dir
     epochs = trial_config(spec, params).epochs
     objective, maximize = spec.objective.metric, spec.objective.direction == "maximize"
     n_objectives = len(spec.objective_list())
     several = [r_objective(i) for i in range(n_objectives)] if n_objectives > 1 else []
-    tracker = ContinuingTracker(_tracker(spec), existing,
-                                logged_up_to(reader, existing.run_id) if existing is not None else None)
+    tracker = _tracker(spec)
+    existing = trial.continues
     state: dict[str, Any] = {"stopped": False, "best": None, "run_id": existing.run_id if existing else None}
 
     def on_hung(reason: str) -> None:  # budget.trial_timeout: the run says why, then the actor is killed
         if state.get("run") is not None:
-            tracker.inner.log(state["run"], tags={layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason, TAG_HUNG: reason})
-            tracker.inner.end_run(state["run"], "FAILED")
+            tracker.log(state["run"], tags={layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason, TAG_HUNG: reason})
+            tracker.end_run(state["run"], "FAILED")
 
     limit = spec.trial_timeout_seconds()
     watchdog = HangWatchdog(limit, spec.budget.trial_timeout, on_hung) if limit else None
@@ -292,12 +294,13 @@ def _train(ctx: TrialContext, reader, existing: RunHandle | None, trial, trial_i
 
     # Ray stopping the actor (the end of the fit: a signal, budget.timeout) sets this: the
     # trial stops at its next optimizer step rather than at the end of its epoch.
-    interrupt = _CURRENT["stop"] = threading.Event()
+    interrupt = _CURRENT["stop"] = StopRequest()
+    heartbeat = watchdog.beat if watchdog is not None else (lambda: None)
+    control = TrialControl(interrupt, should_prune, heartbeat, on_start)
     if watchdog is not None:
         watchdog.start()
     try:
-        outcome = run_trial(spec, tracker, ctx.parent, trial, "ray", should_prune, interrupt,
-                            heartbeat=watchdog.beat if watchdog else None, on_start=on_start)
+        outcome = run_trial(spec, trial, control, tracker)
     finally:
         if watchdog is not None:
             watchdog.stop()

@@ -124,7 +124,7 @@ class LocalWorker:
 
     @property
     def name(self) -> str:
-        """How its trials name it (``objective.worker_name`` in the worker: same host, same boot)."""
+        """How its trials name it (``trial.worker_name`` in the worker: same host, same boot)."""
         return worker_identity(self.proc.pid)
 
     def began_a_trial(self) -> bool:

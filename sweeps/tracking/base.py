@@ -1,4 +1,4 @@
-"""The Tracker interface: what code that writes a study's runs may do, in five calls.
+"""The Tracker interface: everything code that writes a study's runs may do.
 
 Runs are addressed by explicit :class:`RunHandle` values, never by a global "active run",
 so threads and processes can write to different runs without stepping on each other.
@@ -10,13 +10,17 @@ Who calls what, in order:
                       the parent a reader found (``sweeps.tracking.reader``)
   per trial           ``start_run(name, parent=study)``, ``log(run, params=..., tags=...)``
   while training      ``log_metrics`` on every step/epoch (buffers only), ``log_artifact``
-                      when a file is final
-  end of trial        ``log(run, tags=...)`` (state), ``end_run`` (flushes, then the status)
+                      when a file is final, ``log_inputs`` when the datasets are built
+  end of trial        ``log_trial_model`` (a completed trial's best checkpoint), ``log(run,
+                      tags=...)`` (state), ``end_run`` (flushes, then the status)
+  before reading back ``flush`` (the buffered points reach the store), ``store_run_id`` (the id
+                      a reader finds the run by)
 
-Reading runs back is another interface (``sweeps.tracking.reader.TrackingReader``), and so
-is the life of the object behind a Tracker (``MlflowTracker.check_connection``, ``flush``,
-``close``): code that only writes never needs either, and wrappers (Ray's
-``ContinuingTracker``) implement just these five.
+Every implementation honours every call; none is probed for. Reading runs back is another
+interface (``sweeps.tracking.reader.TrackingReader``), and so is the life of the object behind a
+Tracker (``MlflowTracker.check_connection``, ``close``), which only the code that made it calls.
+A trial that continues its earlier run (a Ray trial started again) is a mode of the trial
+(``sweeps.trial.TrialSpec.continues``), not of the Tracker.
 """
 from __future__ import annotations
 
@@ -82,6 +86,28 @@ class Tracker(Protocol):
         Also called to store an object (resolved config, summary): ``artifact`` is a dict or
         list, stored as the file ``path`` (JSON; YAML for .yaml/.yml). ``path`` must be a safe
         relative path."""
+        ...
+
+    def log_inputs(self, run: RunHandle, datasets: list[dict[str, Any]]) -> None:
+        """Called once the trial's datasets are built: each one described (``name``, ``source``,
+        ``digest``, ``context`` = training or validation, ``profile``; ``Task.describe_dataset``),
+        recorded as the run's dataset inputs. Kept locally like every write while the store is down."""
+        ...
+
+    def log_trial_model(self, run: RunHandle, described: Mapping[str, Any]) -> None:
+        """Called once a trial completed: its best checkpoint as the run's logged model
+        (``sweeps.tracking.trial_model.model_record``; ``replace`` in it: the run's earlier one is
+        removed). Made after the run's buffered points; kept locally while the store is down."""
+        ...
+
+    def flush(self, run: RunHandle | None = None) -> None:
+        """Called before its caller reads a run back: the buffered points of ``run`` (None: of
+        every run) are sent; what the store cannot take now is kept locally."""
+        ...
+
+    def store_run_id(self, run_id: str) -> str:
+        """The id the store knows run ``run_id`` by, for a reader: itself, or for a run started
+        while the store was down (under a local id) the store's id once it was created there."""
         ...
 
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:

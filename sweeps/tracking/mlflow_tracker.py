@@ -59,9 +59,9 @@ class MlflowTracker:
     (None: ``SWEEPS_TRACKING_RETRY_S``, default 30).
     ``client``: an ``MlflowClient`` (or a wrapper around one) to use instead of a new one.
 
-    Besides the five Tracker calls, its owner (the code that made it) calls
-    ``check_connection`` before training, ``flush`` before reading a run back, and ``close``
-    when done. Reads go through a ``sweeps.tracking.reader.TrackingReader``.
+    Besides the Tracker calls, its owner (the code that made it) calls ``check_connection``
+    before training and ``close`` when done. Reads go through a
+    ``sweeps.tracking.reader.TrackingReader``.
 
     Thread-safe; one per process (it holds locks and a buffer: pass ``RunHandle`` values
     between processes, not the tracker).
@@ -289,10 +289,6 @@ class MlflowTracker:
     def store_down(self) -> str:
         """Why the store is down now, or "" (a run is then made under a local id, ``local_runs``)."""
         return self._down_reason if time.monotonic() < self._down_until else ""
-
-    @property
-    def client(self) -> Any:  # for reading a run's own history back (TrialExtras)
-        return self._client
 
     # -- end -----------------------------------------------------------------------------
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:

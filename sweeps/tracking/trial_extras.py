@@ -9,56 +9,37 @@ on the run (and logged as a warning), and the trial goes on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps.tracking.base import RunHandle, Tracker
 from sweeps.tracking.confusion_image import IMAGE_FILE, render
-from sweeps.tracking.mlflow_tracker import MlflowTracker
 from sweeps.tracking.system_metrics import SystemMetrics
 from sweeps.tracking.trial_model import TAG_MODEL_ERROR, model_record
 
 if TYPE_CHECKING:
     from core.results import TrainResult
-    from sweeps.tracking.mlflow_tracker import MlflowTracker
 
 log = logging.getLogger(__name__)
 
 TAG_DATASET_ERROR = "sweeps.dataset_error"
 CONTEXTS = {"train": "training", "val": "validation"}  # MLflow's usual mlflow.data.context values
-
-
-def mlflow_tracker_of(tracker: Any) -> MlflowTracker | None:
-    """The MlflowTracker under ``tracker`` (Ray's ContinuingTracker wraps one as ``inner``), or
-    None for another Tracker: dataset inputs and logged models are MLflow calls beyond the five."""
-    for _ in range(4):
-        if isinstance(tracker, MlflowTracker):
-            return tracker
-        tracker = getattr(tracker, "inner", None)
-    return None
+SYSTEM_STEP_METRIC = "system/cpu_utilization_percentage"  # sampled at every system step
 
 
 class TrialExtras:
     """Started with the trial's run (system metrics from then on); ``watch_datasets`` before
-    training; ``confusion_image`` when the matrix is written; ``finish`` before the run ends."""
+    training; ``confusion_image`` when the matrix is written; ``finish`` before the run ends.
+    ``logged_up_to``: None for a new run; for a run the trial continues, the last step of each
+    metric it holds (its system metrics go on after theirs, its logged model is replaced)."""
 
-    def __init__(self, tracker: Tracker, run: RunHandle) -> None:
+    def __init__(self, tracker: Tracker, run: RunHandle, logged_up_to: Mapping[str, int] | None = None) -> None:
         self.tracker, self.run = tracker, run
-        self.mlflow = mlflow_tracker_of(tracker)
         self.datasets: dict[str, dict] = {}  # split -> described dataset, as logged
-        # Ray's ContinuingTracker holds ``existing`` when the trial continues its earlier run.
-        self.continued = getattr(tracker, "existing", None) is not None
-        self.system = SystemMetrics(tracker, run, first_step=self._next_system_step()).start()
-
-    def _next_system_step(self) -> int:
-        if not self.continued or self.mlflow is None:
-            return 0
-        try:
-            points = self.mlflow.client.get_metric_history(self.mlflow.store_run_id(self.run.run_id),
-                                                           "system/cpu_utilization_percentage")
-            return max((p.step for p in points), default=-1) + 1
-        except Exception:  # noqa: BLE001 - the store is down: steps start again at 0, the samples still count
-            return 0
+        self.continued = logged_up_to is not None
+        first_step = (logged_up_to or {}).get(SYSTEM_STEP_METRIC, -1) + 1
+        self.system = SystemMetrics(tracker, run, first_step=first_step).start()
 
     def _warn(self, tag: str, what: str, exc: BaseException) -> None:
         reason = f"{what}: {type(exc).__name__}: {exc}"[:1000]
@@ -102,11 +83,7 @@ class TrialExtras:
                 d["context"] = CONTEXTS[split]
                 self.datasets[split] = d
                 described.append(d)
-            if self.mlflow is None:
-                self.tracker.log(self.run, tags={f"sweeps.dataset.{d['context']}": f"{d['name']} {d['digest']}"
-                                                 for d in described})
-            else:
-                self.mlflow.log_inputs(self.run, described)
+            self.tracker.log_inputs(self.run, described)
         except Exception as exc:  # noqa: BLE001 - describing data is optional; training is not
             self._warn(TAG_DATASET_ERROR, "datasets not logged", exc)
 
@@ -125,11 +102,11 @@ class TrialExtras:
         A pruned or diverged trial's is left in its run: promote never picks one, and the Models
         tab then lists the models worth comparing."""
         self.system.stop()
-        if result is None or result.status != "completed" or result.checkpoint_best is None or self.mlflow is None:
+        if result is None or result.status != "completed" or result.checkpoint_best is None:
             return
         try:
             # Made now, or kept in the outbox with the run's other writes while the store is down.
-            self.mlflow.log_trial_model(self.run, model_record(number, params, result, self.datasets,
-                                                               replace=self.continued))
+            self.tracker.log_trial_model(self.run, model_record(number, params, result, self.datasets,
+                                                                replace=self.continued))
         except Exception as exc:  # noqa: BLE001 - the checkpoint is in the run's artifacts either way
             self._warn(TAG_MODEL_ERROR, "no logged model", exc)

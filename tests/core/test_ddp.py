@@ -208,17 +208,28 @@ class _MemoryTracker:
     def log_artifact(self, run, artifact, path=None):
         pass
 
+    def log_inputs(self, run, datasets):
+        self.tags["datasets"] = list(datasets)
+
+    def log_trial_model(self, run, described):
+        self.tags["model"] = dict(described)
+
+    def flush(self, run=None):
+        pass
+
+    def store_run_id(self, run_id):
+        return run_id
+
     def end_run(self, run, status="FINISHED"):
         self.status = status
 
 
 @pytest.mark.parametrize("fail_rank", [None, 1])
 def test_a_sweep_trial_with_nproc_2_runs_ddp_and_a_failing_rank_is_a_fail(tmp_path, fail_rank):
-    import threading
-
-    from sweeps.objective import TrialSpec, run_trial
     from sweeps.spec_checks import spec_from_dict
     from sweeps.tracking.base import RunHandle
+    from sweeps.trial import TrialSpec, run_trial
+    from sweeps.trial_control import TrialControl
 
     spec = spec_from_dict({
         "name": "ddp", "description": "DDP trial through run_trial",
@@ -231,8 +242,8 @@ def test_a_sweep_trial_with_nproc_2_runs_ddp_and_a_failing_rank_is_a_fail(tmp_pa
         "resources": {"devices": "cpu", "workers": 1},
     })
     tracker = _MemoryTracker()
-    outcome = run_trial(spec, tracker, RunHandle("study", "0", "study"), TrialSpec(0, {"lr": 0.05}, tmp_path / "t0"),
-                        "optuna", lambda epoch, value: False, threading.Event())
+    trial = TrialSpec(0, {"lr": 0.05}, tmp_path / "t0", RunHandle("study", "0", "study"), "optuna")
+    outcome = run_trial(spec, trial, TrialControl(), tracker)
     assert tracker.params["global_batch_size"] == 32
     assert tracker.params["scaled_lr"] == pytest.approx(0.1)  # 0.05 x 2 processes (linear rule)
     if fail_rank is None:

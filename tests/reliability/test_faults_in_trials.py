@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import errno
-import threading
 from pathlib import Path
 
 import pytest
@@ -60,16 +59,17 @@ def test_a_hanging_trial_is_stopped_failed_and_the_study_goes_on(tmp_path):
 
 def _run_one_trial(tmp_path, monkeypatch, resume=False):
     """One trial in-process through the shared trial runner, with a real MLflow store."""
-    from sweeps.objective import TrialSpec, run_trial
     from sweeps.spec_checks import load_spec
     from sweeps.study_run import find_or_create_parent, tracker_for
+    from sweeps.trial import TrialSpec, run_trial
+    from sweeps.trial_control import TrialControl
 
     monkeypatch.chdir(tmp_path)
     spec = load_spec(write_spec(tmp_path, name="inproc", train={"epochs": 2}))
     tracker = tracker_for(spec)
     parent = find_or_create_parent(tracker, spec, spec.name, "optuna")
-    trial = TrialSpec(0, {"lr": 0.1}, tmp_path / "runs" / "inproc" / "trial-0000", resume=resume)
-    return run_trial(spec, tracker, parent, trial, "optuna", lambda e, v: False, threading.Event()), tracker, trial
+    trial = TrialSpec(0, {"lr": 0.1}, tmp_path / "runs" / "inproc" / "trial-0000", parent, "optuna", resume=resume)
+    return run_trial(spec, trial, TrialControl(), tracker), tracker, trial
 
 
 def test_disk_full_during_checkpoint_fails_the_trial_with_the_reason(tmp_path, monkeypatch):

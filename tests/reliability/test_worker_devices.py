@@ -51,7 +51,7 @@ def test_a_wrong_flag_is_named_with_the_fix_before_anything_starts(tmp_path, arg
 def test_the_flags_reach_the_workers_so_a_two_gpu_trial_runs_two_ddp_ranks(tmp_path, monkeypatch):
     # The spec file says 1 GPU per trial on cpu; `--devices 0,1,2,3 --gpus-per-trial 2` plans two
     # slots of two GPUs, and each worker's trial must run DDP over both as under `sweeps run`.
-    from sweeps import objective
+    from sweeps import trial
     from sweeps.backends.optuna_worker import spec_of
     from sweeps.backends.worker_pool import plan_for_flags, with_resources
     from sweeps.backends.worker_protocol import WorkerGo
@@ -67,9 +67,9 @@ def test_the_flags_reach_the_workers_so_a_two_gpu_trial_runs_two_ddp_ranks(tmp_p
                   slot=1, threads=1, beat_file="b", resources=flags)
     in_worker = spec_of(WorkerGo.from_line(go.to_line()))  # as the worker reads it from its stdin
     assert in_worker.resources.gpus_per_trial == 2 and in_worker.resources.devices == [0, 1, 2, 3]
-    monkeypatch.setattr(objective, "visible_gpu_count", lambda: 2)  # the two GPUs of its slot
-    assert objective.trial_config(in_worker, {"lr": 0.05}).distributed.nproc == 2
-    assert objective.trial_config(spec_of(WorkerGo.from_line(go.to_line().replace(
+    monkeypatch.setattr(trial, "visible_gpu_count", lambda: 2)  # the two GPUs of its slot
+    assert trial.trial_config(in_worker, {"lr": 0.05}).distributed.nproc == 2
+    assert trial.trial_config(spec_of(WorkerGo.from_line(go.to_line().replace(
         '"resources": {"devices": [0, 1, 2, 3], "gpus_per_trial": 2.0}', '"resources": null'))),
         {"lr": 0.05}).distributed.nproc == 1  # without the flags: the file's cpu
 

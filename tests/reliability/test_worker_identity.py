@@ -11,11 +11,11 @@ from pathlib import Path
 
 from sweeps import worker_identity as identity
 from sweeps.backends.supervisor import LocalWorker
-from sweeps.objective import worker_name
 from sweeps.pool import WorkerSlot
+from sweeps.trial import worker_name
 
 ROOT = Path(__file__).resolve().parents[2]
-PRINT_NAME = "from sweeps.objective import worker_name; print(worker_name())"
+PRINT_NAME = "from sweeps.trial import worker_name; print(worker_name())"
 
 
 def _name_in_child(env: dict) -> tuple[subprocess.Popen, str]:

@@ -3,10 +3,10 @@ worst gradient and the anomaly's culprit in the sweeps.reason tag (the trial is 
 from __future__ import annotations
 
 import json
-import threading
 
 from core.train import train
-from sweeps import objective
+from sweeps import trial
+from sweeps.trial_control import TrialControl
 from tests.core.helpers import fast_config
 from tests.core.test_forensics import _NanBackward
 
@@ -16,11 +16,11 @@ def test_diverged_json_and_the_reason_land_in_the_trials_run(tmp_path):
 
     tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = tracker.start_run("trial-0000", experiment="t")
-    reporter = objective.TrialReporter(tracker, run, "val_acc", lambda epoch, value: False, threading.Event())
+    reporter = trial.TrialReporter(tracker, run, "val_acc", TrialControl())
     result = train(_NanBackward(), fast_config(epochs=1, detect_anomaly=True), reporter=reporter,
                    out_dir=tmp_path / "trial")
-    outcome = objective._outcome_of(result, run)
-    objective.finish_trial_run(tracker, run, outcome)
+    outcome = trial._outcome_of(result, run)
+    trial.finish_trial_run(tracker, run, outcome)
 
     reader = TrackingReader(tracker.tracking_uri)
     assert "diagnostics/diverged.json" in reader.list_artifacts(run.run_id, "diagnostics")

@@ -26,27 +26,32 @@ def _ray_spec(tmp_path, name, **overrides):
 def test_a_continued_run_logs_no_step_it_already_holds(tmp_path, monkeypatch):
     """A trial resumed from a checkpoint older than what its run holds trains those steps
     again: the continued run keeps one point per step and takes the new ones after it."""
-    from sweeps.backends.ray_trainable import ContinuingTracker, logged_up_to
+    from sweeps.backends.ray_continuing_run import logged_up_to
     from sweeps.spec_checks import load_spec
     from sweeps.study_run import find_or_create_parent, reader_for, tracker_for
+    from sweeps.trial import TrialReporter, TrialSpec, start_trial_run
+    from sweeps.trial_control import TrialControl
 
     monkeypatch.chdir(tmp_path)
     spec = load_spec(_ray_spec(tmp_path, "steps"))
-    inner = tracker_for(spec)
-    parent = find_or_create_parent(inner, spec, spec.name, "ray")
-    first = ContinuingTracker(inner, None)
-    run = first.start_run("trial-0", parent=parent)
+    tracker = tracker_for(spec)
+    parent = find_or_create_parent(tracker, spec, spec.name, "ray")
+    trial = TrialSpec(0, {"lr": 0.1}, tmp_path / "trial-0000", parent, "ray")
+    run = start_trial_run(spec, tracker, trial)
+    first = TrialReporter(tracker, run, "val_acc", TrialControl())
     for step in range(1, 8):  # killed mid-epoch 2: the checkpoint holds epoch 1 (steps 1-4)
-        first.log_metrics(run, {"step/train_loss": 1.0 / step}, step)
-    first.log_metrics(run, {"val_acc": 0.5}, 1)
-    inner.end_run(run, "KILLED")
+        first.report_step(step, {"train_loss": 1.0 / step})
+    first.report_epoch(1, 4, {"val_acc": 0.5})
+    tracker.end_run(run, "KILLED")
 
-    again = ContinuingTracker(inner, run, logged_up_to(reader_for(spec), run.run_id))
-    again.start_run("trial-0", parent=parent)
+    held = logged_up_to(reader_for(spec), run.run_id)
+    start_trial_run(spec, tracker, TrialSpec(0, {"lr": 0.1}, trial.out_dir, parent, "ray", continues=run,
+                                             logged_up_to=held))
+    again = TrialReporter(tracker, run, "val_acc", TrialControl(), held)
     for step in range(5, 11):  # the retry trains steps 5-10 from the epoch-1 checkpoint
-        again.log_metrics(run, {"step/train_loss": 2.0 / step}, step)
-    again.log_metrics(run, {"val_acc": 0.6}, 2)
-    again.end_run(run, "FINISHED")
+        again.report_step(step, {"train_loss": 2.0 / step})
+    again.report_epoch(2, 10, {"val_acc": 0.6})
+    tracker.end_run(run, "FINISHED")
 
     client = mlflow_client(tmp_path)
     losses = {m.step: m.value for m in client.get_metric_history(run.run_id, "step/train_loss")}

@@ -150,16 +150,11 @@ def make_tracker(store, tmp_path):
     return make
 
 
-@pytest.fixture(params=["mlflow", "continuing"])
+@pytest.fixture(params=["mlflow"])
 def any_tracker(request, make_tracker):
     """The Tracker contract's subjects (``test_tracker_contract.py``): ``any_tracker()`` is a
-    fresh MlflowTracker, or the Ray trial's ContinuingTracker around one (a trial's first
-    start: it continues no run)."""
-    if request.param == "mlflow":
-        return make_tracker
-    from sweeps.backends.ray_trainable import ContinuingTracker
-
-    return lambda: ContinuingTracker(make_tracker(), existing=None)
+    fresh MlflowTracker, the one implementation the product writes through."""
+    return make_tracker
 
 
 @pytest.fixture

@@ -1,8 +1,7 @@
 """The Tracker contract (``sweeps.tracking.base.Tracker``), shared by every implementation: each
-test takes ``any_tracker`` (conftest: MlflowTracker, and Ray's ContinuingTracker around one),
-uses only the interface's five calls, and reads what they wrote back from a real MLflow store
-(sqlite + file artifacts) with MlflowClient. What is particular to MlflowTracker (batching,
-flush, the spool, check_connection) is in test_mlflow_tracker.py."""
+test takes ``any_tracker`` (conftest), uses only the interface's calls, and reads what they wrote
+back from a real MLflow store (sqlite + file artifacts) with MlflowClient. What is particular to
+MlflowTracker (batching, the spool, check_connection) is in test_mlflow_tracker.py."""
 from __future__ import annotations
 
 import json
@@ -202,3 +201,25 @@ def test_threads_log_to_their_own_runs(any_tracker, store):
         assert sorted(m.step for m in hist) == list(range(1, 501))
         got = store.client.get_run(run.run_id)
         assert got.info.status == "FINISHED" and got.data.tags["last"] == "500"
+
+
+def test_flush_sends_the_buffered_points_and_store_run_id_names_the_run(any_tracker, store):
+    tracker = any_tracker(flush_every_s=3600, flush_every_points=10**6)
+    run = tracker.start_run("trial-0", parent=_study(tracker, store))
+    tracker.log_metrics(run, {"loss": 1.0}, 1)
+    assert store.client.get_metric_history(run.run_id, "loss") == []  # buffered
+    tracker.flush(run)
+    assert [(m.step, m.value) for m in store.client.get_metric_history(run.run_id, "loss")] == [(1, 1.0)]
+    assert tracker.store_run_id(run.run_id) == run.run_id  # made while the store answered
+
+
+def test_log_inputs_records_the_runs_datasets_with_their_context(any_tracker, store):
+    tracker = any_tracker()
+    run = tracker.start_run("trial-0", parent=_study(tracker, store))
+    tracker.log_inputs(run, [{"name": f"toy-{split}", "source": "task:toy", "digest": f"d-{split}",
+                              "context": context, "profile": {"num_rows": 5}}
+                             for split, context in (("train", "training"), ("val", "validation"))])
+    tracker.end_run(run)
+    inputs = store.client.get_run(run.run_id).inputs.dataset_inputs
+    got = {i.tags[0].value: (i.dataset.name, i.dataset.digest) for i in inputs}
+    assert got == {"training": ("toy-train", "d-train"), "validation": ("toy-val", "d-val")}

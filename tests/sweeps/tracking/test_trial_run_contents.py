@@ -180,25 +180,27 @@ def test_a_continued_run_keeps_one_logged_model_its_latest(make_tracker, store, 
     import mlflow
 
     from core.results import TrainResult
-    from sweeps.backends.ray_trainable import ContinuingTracker
+    from sweeps.backends.ray_continuing_run import logged_up_to
+    from sweeps.tracking.reader import TrackingReader
     from sweeps.tracking.trial_extras import TrialExtras
 
-    inner = make_tracker()
+    tracker = make_tracker()
     experiment = store.experiment_name()
-    run = inner.start_run("trial-0", experiment=experiment)
+    run = tracker.start_run("trial-0", experiment=experiment)
     best = tmp_path / "best.pt"
     best.write_bytes(b"weights")
     ids = []
     for start, value in enumerate((0.5, 0.75)):
-        tracker = inner if start == 0 else ContinuingTracker(inner, existing=run)
+        held = None  # a new run; started again, the run continues (what it holds, as a Ray trial reads it)
         if start:
             tracker.start_run(run)
+            held = logged_up_to(TrackingReader(store.uri), run.run_id)
         tracker.log_metrics(run, {"val_acc": value, "lr": 0.1}, start + 1)
         history = [{"epoch": start + 1, "step": start + 1, "val_acc": value, "lr": 0.1}]
         result = TrainResult("completed", "", start + 1, start + 1, history[-1], value, start + 1, history,
                              checkpoint_best=best)
-        TrialExtras(tracker, run).finish(0, {"lr": 0.1}, result)
-        inner.flush(run)
+        TrialExtras(tracker, run, held).finish(0, {"lr": 0.1}, result)
+        tracker.flush(run)
         ids.append(store.client.get_run(run.run_id).data.tags["sweeps.model_id"])
     mlflow.set_tracking_uri(store.uri)
     models = mlflow.search_logged_models(experiment_ids=[run.experiment_id], output_format="list")

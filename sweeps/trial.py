@@ -1,8 +1,9 @@
-"""One trial, whichever backend runs it: spec + sampled params -> core.train -> a tracked MLflow run.
+"""One whole trial, whichever backend runs it: spec + sampled params -> core.train -> a tracked run.
 
-The backend supplies two small callables: ``should_prune(epoch, value)`` (Optuna's
-pruner or a Ray scheduler) and an ``interrupt`` event (SIGTERM/Ctrl-C, or a deadline).
-Everything else about a trial (the MLflow child run, its params, per-step curves,
+The backend describes the trial (:class:`TrialSpec`: its number, params, folder, the study's run
+it nests under, and the run it continues, if any) and steers it through one
+:class:`~sweeps.trial_control.TrialControl` (the stop request, pruning, heartbeat, the hook told
+the run). Everything else about a trial (the MLflow child run, its params, per-step curves,
 artifacts and status mapping) is decided here, once, so both backends write the same layout.
 """
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,10 +33,10 @@ from sweeps.study_run import process_git_commit
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.trial_extras import TrialExtras
+from sweeps.trial_control import TrialControl, TrialInterrupted
 from sweeps.worker_identity import worker_identity
 
 TrialState = Literal["COMPLETE", "PRUNED", "FAIL", "INTERRUPTED"]
-PruneFn = Callable[[int, float], bool]
 
 _ARTIFACT_DIRS = {
     "checkpoint_best": layout.ART_CHECKPOINT_DIR, "onnx": layout.ART_ONNX_DIR, "onnx_report": layout.ART_ONNX_DIR,
@@ -75,26 +75,20 @@ class TrialSpec:
     number: int
     params: dict
     out_dir: Path
+    parent: RunHandle  # the study's run: the trial's run nests under it
+    backend: str  # the backend's name, on the trial's run
     resume: bool = False  # without ``owner``: whether to resume from a checkpoint in out_dir
     tags: dict = field(default_factory=dict)  # extra tags: retry_of, worker slot, backend ids
     overrides: dict = field(default_factory=dict)  # train fields forced by the backend (OOM retry)
     # "<study uid>:<trial folder>": out_dir is claimed for it (sweeps.trial_folder) and a
     # checkpoint there is resumed only if it is this owner's; anything else is moved aside.
     owner: str | None = None
-    # False when the trial continues an MLflow run that already holds its own points (a Ray
-    # trial started again): the checkpoint's curves are not logged a second time, and a PBT
-    # donor's curves never land in this trial's run.
-    log_resumed_curves: bool = True
-
-
-class TrialInterrupted(BaseException):
-    """Raised by a worker's signal handler while a trial is still setting up (imports, the
-    task's datasets and model), where there is no step to stop at. A BaseException, so a
-    user task's ``except Exception`` does not swallow it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    # The trial's own earlier run, which it continues (a Ray trial started again): reopened RUNNING
+    # without its stale end-of-run tags, its first params and config kept (PBT's new ones are tags).
+    continues: RunHandle | None = None
+    # With ``continues``: each metric's last step in that run. Steps trained again from an older
+    # checkpoint are not logged twice, nor the checkpoint's (or a PBT donor's) curves.
+    logged_up_to: dict[str, int] = field(default_factory=dict)
 
 
 def worker_name() -> str:
@@ -116,40 +110,48 @@ def trial_config(spec: StudySpec, params: dict, overrides: dict | None = None) -
     return apply_overrides(cfg, {**extra, **(overrides or {})})
 
 
-class TrialReporter:
-    """core.reporting.Reporter for one tracked trial."""
+def new_points(metrics: Mapping[str, float], step: int, logged_up_to: Mapping[str, int] | None) -> dict[str, float]:
+    """``metrics`` less those a continued run already holds at ``step`` (or later)."""
+    return {k: v for k, v in metrics.items() if step > (logged_up_to or {}).get(k, -1)}
 
-    def __init__(self, tracker: Tracker, run: RunHandle, objective: str, should_prune: PruneFn,
-                 interrupt: threading.Event, heartbeat: Callable[[], None] | None = None,
-                 log_resumed_curves: bool = True, extras: TrialExtras | None = None) -> None:
+
+class TrialReporter:
+    """core.reporting.Reporter for one tracked trial. ``logged_up_to``: None for a new run; for a
+    continued one, the last step of each metric it holds (see ``TrialSpec.logged_up_to``)."""
+
+    def __init__(self, tracker: Tracker, run: RunHandle, objective: str, control: TrialControl,
+                 logged_up_to: Mapping[str, int] | None = None, extras: TrialExtras | None = None) -> None:
         self.tracker, self.run, self.objective = tracker, run, objective
         self.extras = extras  # the confusion matrix is also drawn, when the run records extras
-        self.log_resumed_curves = log_resumed_curves
-        self.should_prune, self.interrupt, self.heartbeat = should_prune, interrupt, heartbeat
+        self.control, self.logged_up_to = control, logged_up_to
         self.intermediate: dict[int, float] = {}
         self._last_beat = 0.0
 
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Buffered by the tracker (no I/O on this path); a continued run's old steps are left out."""
+        points = new_points(metrics, step, self.logged_up_to)
+        if points:
+            self.tracker.log_metrics(self.run, points, step)
+
     def report_step(self, step: int, metrics: dict[str, float]) -> Decision:
-        self.interrupt.abortable = False  # type: ignore[attr-defined]  # stepping: stop at a step from now on
-        # Buffered by the tracker: no I/O on this path.
-        self.tracker.log_metrics(self.run, {layout.STEP_METRIC_PREFIX + k: v for k, v in metrics.items()}, step)
+        self.control.stop.stepping()  # stop at a step from now on
+        self.log_metrics({layout.STEP_METRIC_PREFIX + k: v for k, v in metrics.items()}, step)
         now = time.monotonic()
-        if self.heartbeat is not None and now - self._last_beat > 1.0:
+        if now - self._last_beat > 1.0:
             self._last_beat = now
-            self.heartbeat()
-        return Decision.INTERRUPT if self.interrupt.is_set() else Decision.CONTINUE
+            self.control.heartbeat()
+        return Decision.INTERRUPT if self.control.stop.is_set() else Decision.CONTINUE
 
     def report_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> Decision:
         # Buffered too: the tracker sends a batch every few seconds and at the end of the run.
         # A synchronous flush here cost about a tenth of a short epoch (benchmarks/RESULTS.md).
-        self.tracker.log_metrics(self.run, metrics, epoch)
-        if self.heartbeat is not None:
-            self.heartbeat()
-        if self.interrupt.is_set():
+        self.log_metrics(metrics, epoch)
+        self.control.heartbeat()
+        if self.control.stop.is_set():
             return Decision.INTERRUPT
         value = metrics[self.objective]
         self.intermediate[epoch] = value
-        return Decision.PRUNE if self.should_prune(epoch, value) else Decision.CONTINUE
+        return Decision.PRUNE if self.control.should_prune(epoch, value) else Decision.CONTINUE
 
     def resumed(self, epochs: list[tuple[int, int, dict[str, float]]],
                 steps: list[tuple[int, dict[str, float]]]) -> None:
@@ -163,14 +165,13 @@ class TrialReporter:
         for epoch, _, metrics in epochs:  # the pruner is not asked again about these epochs
             if self.objective in metrics:
                 self.intermediate[epoch] = metrics[self.objective]
-        if not self.log_resumed_curves:
+        if self.logged_up_to is not None:  # a continued run holds its own points already
             return
         for step, metrics in steps:
             self.tracker.log_metrics(self.run, {prefix + k: v for k, v in metrics.items()}, step)
         for epoch, _, metrics in epochs:
             self.tracker.log_metrics(self.run, metrics, epoch)
-        if self.heartbeat is not None:
-            self.heartbeat()
+        self.control.heartbeat()
 
     def log_artifact(self, path: Path, kind: str) -> None:
         if kind in _ARTIFACT_DIRS:
@@ -179,17 +180,23 @@ class TrialReporter:
             self.extras.confusion_image(path, _ARTIFACT_DIRS[kind])
 
 
-def start_trial_run(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: TrialSpec,
-                    backend: str) -> RunHandle:
-    """Create the trial's nested MLflow run with its tags, params and resolved config."""
+# End-of-run tags of an earlier start that a continued run drops when it runs again.
+_STALE_TAGS = (layout.TAG_PRUNED, layout.TAG_ERROR, "sweeps.reason", "sweeps.traceback")
+
+
+def start_trial_run(spec: StudySpec, tracker: Tracker, trial: TrialSpec) -> RunHandle:
+    """Create the trial's nested MLflow run with its tags, params and resolved config; or reopen
+    the run it continues, with its tags (the first start's params and config are kept)."""
     cfg = trial_config(spec, trial.params, trial.overrides)
     tags = {
-        layout.TAG_ROLE: layout.ROLE_TRIAL, layout.TAG_STUDY: spec.name, layout.TAG_BACKEND: backend,
+        layout.TAG_ROLE: layout.ROLE_TRIAL, layout.TAG_STUDY: spec.name, layout.TAG_BACKEND: trial.backend,
         layout.TAG_TRIAL_NUMBER: trial.number, layout.TAG_STATE: "RUNNING", layout.TAG_SEED: cfg.seed,
         layout.TAG_DEVICE: _device_description(), layout.TAG_WORKER: worker_name(),
         layout.TAG_SPEC_HASH: spec.spec_hash(), layout.TAG_GIT_COMMIT: process_git_commit(), **trial.tags,
     }
-    run = tracker.start_run(f"trial-{trial.number}", parent=parent, tags=tags)
+    if trial.continues is not None:
+        return tracker.start_run(trial.continues, tags={**dict.fromkeys(_STALE_TAGS), **tags})
+    run = tracker.start_run(f"trial-{trial.number}", parent=trial.parent, tags=tags)
     tracker.log(run, params=trial_params(spec, trial, cfg))
     tracker.log_artifact(run, resolved_config(spec, trial, cfg), layout.ART_CONFIG)
     return run
@@ -232,32 +239,28 @@ def resolved_config(spec: StudySpec, trial: TrialSpec, cfg: TrainConfig) -> dict
             "objective": spec.objective.model_dump(), "spec_hash": spec.spec_hash()}
 
 
-def run_trial(spec: StudySpec, tracker: Tracker, parent: RunHandle, trial: TrialSpec, backend: str,
-              should_prune: PruneFn, interrupt: threading.Event,
-              heartbeat: Callable[[], None] | None = None,
-              on_start: Callable[[RunHandle], None] | None = None) -> TrialOutcome:
+def run_trial(spec: StudySpec, trial: TrialSpec, control: TrialControl, tracker: Tracker) -> TrialOutcome:
     """Run one trial end to end. Never raises for a failing trial: the failure is the outcome.
-    ``on_start`` receives the trial's MLflow run before training (the backend records its id,
-    so a crash recovery can close the run)."""
+    ``control.on_start`` receives the trial's run before training."""
+    control.hold_if_asked()
     started = time.monotonic()
-    run = start_trial_run(spec, tracker, parent, trial, backend)
-    if on_start is not None:
-        on_start(run)
-    extras = TrialExtras(tracker, run)  # system metrics from now until the trial ends
-    reporter = TrialReporter(tracker, run, spec.objective.metric, should_prune, interrupt, heartbeat,
-                             log_resumed_curves=trial.log_resumed_curves, extras=extras)
+    run = start_trial_run(spec, tracker, trial)
+    control.on_start(run)
+    logged_up_to = trial.logged_up_to if trial.continues is not None else None
+    extras = TrialExtras(tracker, run, logged_up_to)  # system metrics from now until the trial ends
+    reporter = TrialReporter(tracker, run, spec.objective.metric, control, logged_up_to, extras)
     try:
         with _claimed(trial) as moved:
             if moved is not None:
                 tracker.log(run, tags={"sweeps.moved_aside": str(moved)})
-            outcome = _train_trial(spec, trial, reporter, interrupt, run)
+            outcome = _train_trial(spec, trial, reporter, run)
     except Exception as exc:  # noqa: BLE001 - the folder cannot be had: the trial fails, saying why
         outcome = TrialOutcome("FAIL", None, f"{type(exc).__name__}: {_first_line(exc)}", run)
     finally:
         extras.system.stop()  # also when a BaseException leaves: no sampler outlives its trial
     extras.finish(trial.number, trial.params, outcome.result)
     outcome.seconds = time.monotonic() - started
-    finish_trial_run(tracker, run, outcome)
+    finish_trial_run(tracker, run, outcome, logged_up_to)
     return outcome
 
 
@@ -268,33 +271,30 @@ def _claimed(trial: TrialSpec):
     return trial_folder.claimed(trial.out_dir, trial.owner, trial.params)
 
 
-def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, interrupt: threading.Event,
-                 run: RunHandle) -> TrialOutcome:
+def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, run: RunHandle) -> TrialOutcome:
     """Build the task and train; every failure becomes the outcome, never an exception."""
     # With an owner, the folder holds only this trial's own checkpoint now (or nothing).
     resume = trial.resume or trial.owner is not None
     try:
         # Until the first step, a signal aborts the set-up at once (see TrialInterrupted).
-        interrupt.abortable = True  # type: ignore[attr-defined]
-        if interrupt.is_set():
-            raise TrialInterrupted(0)
-        figures = _measured(spec, trial, reporter.tracker, run)
-        reason = deploy_check.rejection_reason(spec.constraints, figures)
-        if reason:  # no epoch is trained; Optuna's sampler learns from its constraint values
-            reporter.tracker.log(run, tags={deploy_check.TAG_REJECTED: "true"})
-            return TrialOutcome("PRUNED", None, reason, run, figures=figures, rejected=True)
-        task = spec.make_task(trial.params)  # also checks the task section before any rank starts
-        cfg = trial_config(spec, trial.params, trial.overrides)
-        if reporter.extras is not None and cfg.distributed.nproc > 1:
-            reporter.extras.not_watched("under DDP every rank builds its own copy, in its own process")
-        elif reporter.extras is not None:
-            reporter.extras.watch_datasets(task)
-        if cfg.distributed.nproc > 1:  # N rank processes; this process keeps the reporter
-            result = train_distributed(task_spec(spec, trial.params), cfg, reporter=reporter,
-                                       out_dir=trial.out_dir, resume=resume, owner=trial.owner)
-        else:
-            result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=resume, owner=trial.owner)
-        interrupt.abortable = False  # type: ignore[attr-defined]
+        with reporter.control.stop.setting_up():
+            figures = _measured(spec, trial, reporter)
+            reason = deploy_check.rejection_reason(spec.constraints, figures)
+            if reason:  # no epoch is trained; Optuna's sampler learns from its constraint values
+                reporter.tracker.log(run, tags={deploy_check.TAG_REJECTED: "true"})
+                return TrialOutcome("PRUNED", None, reason, run, figures=figures, rejected=True)
+            task = spec.make_task(trial.params)  # also checks the task section before any rank starts
+            cfg = trial_config(spec, trial.params, trial.overrides)
+            if reporter.extras is not None and cfg.distributed.nproc > 1:
+                reporter.extras.not_watched("under DDP every rank builds its own copy, in its own process")
+            elif reporter.extras is not None:
+                reporter.extras.watch_datasets(task)
+            if cfg.distributed.nproc > 1:  # N rank processes; this process keeps the reporter
+                result = train_distributed(task_spec(spec, trial.params), cfg, reporter=reporter,
+                                           out_dir=trial.out_dir, resume=resume, owner=trial.owner)
+            else:
+                result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=resume,
+                               owner=trial.owner)
         outcome = _outcome_of(result, run)
         outcome.figures = figures
         if outcome.state == "COMPLETE":
@@ -318,23 +318,23 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, int
         if oom:
             _release_cuda_memory()
         return TrialOutcome("FAIL", None, reason, run, oom=oom)
-    finally:
-        interrupt.abortable = False  # type: ignore[attr-defined]
 
 
-def _measured(spec: StudySpec, trial: TrialSpec, tracker: Tracker, run: RunHandle) -> dict[str, float]:
+def _measured(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter) -> dict[str, float]:
     """The deployment figures, when an objective or a constraint needs them, logged to the run."""
     if not spec.deploy_metrics_needed():
         return {}
     figures = deploy_check.measure(spec, trial.params, trial.out_dir)
-    tracker.log_metrics(run, figures, 0)
+    reporter.log_metrics(figures, 0)
     return figures
 
 
-def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) -> None:
+def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome,
+                     logged_up_to: Mapping[str, int] | None = None) -> None:
     """Final metrics, tags and the MLflow status that mirrors the study state:
     COMPLETE -> FINISHED; PRUNED -> FINISHED + sweeps.pruned; FAIL -> FAILED + sweeps.error;
-    INTERRUPTED (SIGTERM) -> KILLED, and the study marks the trial FAIL with the reason."""
+    INTERRUPTED (SIGTERM) -> KILLED, and the study marks the trial FAIL with the reason.
+    ``logged_up_to``: a continued run's (``TrialSpec``), whose step 0 may hold them already."""
     tags: dict = {layout.TAG_STATE: "FAIL" if outcome.state == "INTERRUPTED" else outcome.state}
     if outcome.state == "PRUNED":
         tags[layout.TAG_PRUNED] = "true"
@@ -343,16 +343,19 @@ def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome) ->
     if outcome.state in ("FAIL", "INTERRUPTED"):
         tags[layout.TAG_ERROR] = outcome.reason
     result = outcome.result
+    final: dict[str, float] = {}
     if result is not None and result.onnx is not None:
         tags[layout.TAG_ONNX_PASSED] = str(result.onnx.passed).lower()
-        tracker.log_metrics(run, {"onnx_max_abs_diff": result.onnx.max_abs_diff,
-                                  "onnx_ort_latency_ms": result.onnx.ort_latency_ms,
-                                  "onnx_torch_latency_ms": result.onnx.torch_latency_ms}, 0)
+        final.update({"onnx_max_abs_diff": result.onnx.max_abs_diff, "onnx_ort_latency_ms": result.onnx.ort_latency_ms,
+                      "onnx_torch_latency_ms": result.onnx.torch_latency_ms})
     if result is not None and result.torchscript is not None:
-        tracker.log_metrics(run, {"torchscript_max_abs_diff": result.torchscript["max_abs_diff"]}, 0)
+        final["torchscript_max_abs_diff"] = result.torchscript["max_abs_diff"]
     if outcome.value is not None:
-        tracker.log_metrics(run, {"objective": outcome.value}, 0)
-    tracker.log_metrics(run, {"trial_seconds": outcome.seconds}, 0)
+        final["objective"] = outcome.value
+    final["trial_seconds"] = outcome.seconds
+    points = new_points(final, 0, logged_up_to)
+    if points:
+        tracker.log_metrics(run, points, 0)
     tracker.log(run, tags=tags)
     tracker.end_run(run, _MLFLOW_STATUS[outcome.state])
 
