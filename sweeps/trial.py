@@ -129,7 +129,7 @@ class TrialReporter:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffered by the tracker (no I/O on this path); a continued run's old steps are left out."""
-        points = new_points(metrics, step, self.logged_up_to)
+        points = new_points(metrics, step, self.logged_up_to) if self.logged_up_to else metrics
         if points:
             self.tracker.log_metrics(self.run, points, step)
 
