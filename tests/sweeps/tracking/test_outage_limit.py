@@ -7,6 +7,7 @@ client made to fail as an unreachable server (503) while a test says so."""
 from __future__ import annotations
 
 import logging
+import signal
 
 import pytest
 from mlflow.exceptions import MlflowException
@@ -15,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from sweeps.durations import ENV_STORAGE_WAIT
 from sweeps.errors import StoreGone, TrackingError
+from sweeps.stop_signals import STOP_SIGNALS
 from sweeps.tracking import sync_spool
 from sweeps.tracking.outage import TrackingUnavailable
 
@@ -142,3 +144,28 @@ def test_the_end_of_a_study_waits_for_a_store_that_answers_within_the_wait(make_
     assert flaky.failing == 0 and not tracker.spool.run_ids()  # waited through both
     assert store.client.get_run(run.run_id).info.status == "FINISHED" and _steps(store, run) == [1]
     assert "answers again after" in _said(caplog)[-1]
+
+
+def test_a_lone_workers_trial_beat_stops_its_trial_as_sigterm_does(make_tracker, store, free_port, fast_http_env,
+                                                                  monkeypatch):
+    """`sweeps worker` on its own has no supervisor: its trial's beat asks the tracker, and past the
+    wait the worker's stop event is set as by SIGTERM (the trial checkpoints at its next step)."""
+    from sweeps.backends.optuna_worker import _Signals, _watching_tracking
+
+    monkeypatch.setenv(ENV_STORAGE_WAIT, "0")
+    run = make_tracker().start_run("trial-0", experiment=store.experiment_name())
+    tracker = make_tracker(f"http://127.0.0.1:{free_port}", retry_interval_s=0)
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        signals, beats = _Signals(), []
+        beat = _watching_tracking(lambda: beats.append(1), tracker, signals)
+        beat()  # nothing kept: the store is not in question
+        assert not signals.event.is_set()
+        tracker.log_metrics(run, {"val_acc": 0.5}, 1)
+        tracker.flush(run)
+        beat()
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert beats == [1, 1] and signals.event.is_set() and signals.exit_code() == 143
+    assert isinstance(signals.storage_lost, TrackingUnavailable)
