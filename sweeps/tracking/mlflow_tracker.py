@@ -405,7 +405,8 @@ class MlflowTracker:
             raise TrackingError(f"MLflow store {self.tracking_uri} refused spooled writes:\n" + "\n".join(refusals))
 
     def _mark_down(self, exc: BaseException) -> None:
-        self._outage.failed(short_reason(exc, self._store_dir))  # one line, a full disk named
+        with self._send_lock:  # start_run's failed creation comes without it
+            self._outage.failed(short_reason(exc, self._store_dir))  # one line, a full disk named
 
     def _mark_up(self) -> None:
         if self._outage.answered():
