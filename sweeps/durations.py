@@ -72,3 +72,15 @@ ENV_STOP_GRACE = "SWEEPS_STOP_GRACE_S"
 
 def stop_grace_seconds() -> float:
     return env_seconds(ENV_STOP_GRACE, STOP_GRACE_S)
+
+
+# How long a process waits for a store it has used and that stopped answering, while trials train
+# on, before it stops as on SIGTERM: the Optuna storage (sweeps.backends.optuna_outage) and the MLflow
+# tracking store (sweeps.tracking.outage). One limit for both: an operator bounds "the infrastructure
+# is away" once, and the two stores are often one database server, away for the same time.
+STORAGE_WAIT_S = 300.0
+ENV_STORAGE_WAIT = "SWEEPS_STORAGE_WAIT_S"
+
+
+def store_wait_seconds() -> float:
+    return env_seconds(ENV_STORAGE_WAIT, STORAGE_WAIT_S)

@@ -44,6 +44,14 @@ class TrackingError(SweepsError):
     """The MLflow tracking store cannot be reached or refused a write."""
 
 
+class StoreGone(SweepsError):
+    """A store (the Optuna storage, the MLflow tracking store) has not answered for longer than the
+    wait allows (``SWEEPS_STORAGE_WAIT_S``): the process stops as SIGTERM stops it (running trials
+    checkpoint and are requeued) and exits as SIGTERM does, 128 + 15."""
+
+    exit_code = 143
+
+
 class UsageError(SweepsError):
     """Command-line arguments that do not fit together; the message says which to give."""
 

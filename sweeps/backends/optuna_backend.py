@@ -139,6 +139,8 @@ class OptunaBackend:
                     result.stopped_reason = stopped
                 tracker.end_run(parent, parent_status(result, code))
                 view.finish(result)
+        if code < 128:  # not after a stop: the writes kept in an outage are sent now, or said to be kept
+            tracker.send_spooled()
         result.exit_code = code
         return result
 
@@ -156,6 +158,7 @@ class OptunaBackend:
                             slot=slot.index, threads=slot.threads, beat_file=str(beat))
 
         def on_progress() -> None:
+            tracker.check_outage()  # the MLflow store away past its wait: the supervisor stops as on SIGTERM
             if faults.mid_trial_armed() and any(
                     t.intermediate_values for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
                 faults.trial_mid_way()

@@ -5,7 +5,8 @@ Every call a process makes to its RDB storage goes through :meth:`OutageWait.cal
 is wrapped once, in :func:`sweeps.backends.optuna_adapter.outage_tolerant`). A transient error
 (the server cannot be reached, closed the connection, is starting up or shutting down) is retried
 with backoff, while trials train on in their own threads, for up to ``SWEEPS_STORAGE_WAIT_S``
-seconds (default :data:`STORAGE_WAIT_S`), with one line saying what is waited for and one when
+seconds (default :data:`sweeps.durations.STORAGE_WAIT_S`, a limit the MLflow tracking store
+shares: ``sweeps.tracking.outage``), with one line saying what is waited for and one when
 it answers again. Past the limit :class:`StorageUnavailable` is raised (at once, from then on,
 while the storage stays down): a worker stops as a SIGTERM stops it (its trial checkpoints, its
 run is closed, the trial is requeued by the heartbeat once the storage is back) and so does
@@ -18,7 +19,6 @@ host or port must not be waited on for minutes. Only a storage this process has 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -27,12 +27,10 @@ from typing import TypeVar
 from optuna.exceptions import StorageInternalError
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from sweeps.durations import env_seconds
-from sweeps.errors import BackendError
+from sweeps.durations import ENV_STORAGE_WAIT, store_wait_seconds
+from sweeps.errors import BackendError, StoreGone
 
 log = logging.getLogger("sweeps")
-ENV_STORAGE_WAIT = "SWEEPS_STORAGE_WAIT_S"
-STORAGE_WAIT_S = 300.0
 MAX_PAUSE_S = 5.0  # the longest pause between two tries: a storage that is back is used within seconds
 
 # SQLSTATEs a retry clears: connection exceptions (class 08), the server shutting down or starting
@@ -50,14 +48,8 @@ TRANSIENT, PERMANENT = "transient", "permanent"
 T = TypeVar("T")
 
 
-class StorageUnavailable(BackendError):
+class StorageUnavailable(BackendError, StoreGone):
     """The storage has not answered for longer than the wait allows: the process stops as on SIGTERM."""
-
-    exit_code = 128 + signal.SIGTERM
-
-
-def wait_seconds() -> float:
-    return env_seconds(ENV_STORAGE_WAIT, STORAGE_WAIT_S)
 
 
 def _chain(exc: BaseException | None):
@@ -142,7 +134,7 @@ class OutageWait:
             return self._since is not None or time.monotonic() - self._back_at < seconds
 
     def _failed(self, exc: BaseException) -> None:
-        limit = wait_seconds()
+        limit = store_wait_seconds()
         with self._lock:
             now = time.monotonic()
             if self._since is None:

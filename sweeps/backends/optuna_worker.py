@@ -30,7 +30,7 @@ from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
-from sweeps.errors import StudyStateError, SweepsError, TrackingError
+from sweeps.errors import StoreGone, StudyStateError, SweepsError, TrackingError
 from sweeps.spec import StudySpec
 from sweeps.spec_checks import spec_from_text
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
@@ -53,7 +53,7 @@ class _Signals:
     def __init__(self) -> None:
         self.event = StopRequest()
         self.signum: int | None = None
-        self.storage_lost: StorageUnavailable | None = None
+        self.storage_lost: StoreGone | None = None
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
 
@@ -65,9 +65,10 @@ class _Signals:
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else EXIT_OK
 
-    def storage_gone(self, exc: StorageUnavailable) -> None:
-        """The storage did not come back within its wait: the trial stops as on SIGTERM (it
-        checkpoints at its next step), and the worker then exits with ``exc``."""
+    def storage_gone(self, exc: StoreGone) -> None:
+        """A store (the Optuna storage, the MLflow tracking store) did not come back within its
+        wait: the trial stops as on SIGTERM (it checkpoints at its next step), and the worker then
+        exits with ``exc``."""
         self.storage_lost = self.storage_lost or exc
         self.signum = self.signum or signal.SIGTERM
         self.event.request(self.signum)
@@ -180,6 +181,8 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     if retry_of is not None:
         tags["sweeps.retry_of_trial"] = retry_of
     beat = progress_beat(beat_file)
+    if beat_file is None:  # on its own (`sweeps worker`): no supervisor watches the MLflow store for it
+        beat = _watching_tracking(beat, tracker, signals)
     alive = TrialAlive.start(study, optuna_adapter.trial_id_of(trial))
     try:
         outcome = _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides, uid, signals, beat)
@@ -209,6 +212,21 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
         log.warning("the grid of search values is exhausted; this worker stops")
         return EXIT_OK
     return None
+
+
+def _watching_tracking(beat, tracker, signals: _Signals):
+    """The trial's beat (at most once a second) that also asks the tracker whether the MLflow store
+    has been away past its wait: the trial then stops as on SIGTERM. A worker of `sweeps run` or
+    of `sweeps worker --devices` is stopped by its supervisor, which asks the same of its tracker."""
+
+    def beat_and_check() -> None:
+        beat()
+        try:
+            tracker.check_outage()
+        except StoreGone as exc:
+            signals.storage_gone(exc)
+
+    return beat_and_check
 
 
 def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides, uid, signals, beat):

@@ -126,6 +126,8 @@ class RayBackend:
                 result.stopped_reason = stopped
             tracker.end_run(parent, parent_status(result, code))  # reopened by the next invocation
             view.finish(result)
+        if code < 128:  # not after a stop: the writes kept in an outage are sent now, or said to be kept
+            tracker.send_spooled()
         result.exit_code = code
         return result
 
@@ -229,6 +231,8 @@ class RayBackend:
             if started_ray:
                 shutdown_ray()
                 early.reinstall()  # ray.shutdown resets SIGTERM: the end of the study must not die on one
+        if interrupts.lost is not None:
+            return str(interrupts.lost), interrupts.lost.exit_code
         if interrupts.signum:
             return _stopped_by(interrupts.signum)
         if interrupts.stop_reason == "max_failures":

@@ -14,7 +14,7 @@ from typing import Any
 
 from sweeps.backends.driver_signals import DriverSignals
 from sweeps.backends.ray_guardian import Guardian
-from sweeps.errors import BackendError
+from sweeps.errors import BackendError, StoreGone
 from sweeps.pool import cpu_threads_available
 from sweeps.spec import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
@@ -153,6 +153,7 @@ class Interrupts:
         self.timeout_s, self.signum, self.timed_out = timeout_s, None, False
         self._early = early
         self.stop_reason = ""  # why stop() was called (e.g. "max_failures")
+        self.lost: StoreGone | None = None  # the MLflow store stayed away past its wait (store_gone)
         self._done = threading.Event()
         self._poking = threading.Event()
         self._old: dict = {}
@@ -178,6 +179,12 @@ class Interrupts:
         """End the fit (from a Ray callback): ``reason`` says why, for the verdict."""
         self.stop_reason = self.stop_reason or reason
         self._start(self._poke)
+
+    def store_gone(self, exc: StoreGone) -> None:
+        """The MLflow store did not come back within its wait: the fit ends as on SIGTERM, and the
+        driver exits with ``exc``."""
+        self.lost = self.lost or exc
+        self.stop("store gone")
 
     def _deadline(self) -> None:
         if not self._done.wait(self.timeout_s):

@@ -15,6 +15,7 @@ from sweeps.backends.base import StudyResult
 from sweeps.backends.budget_outcome import failures_in_a_row
 from sweeps.backends.ray_hang import recorded_hang
 from sweeps.backends.ray_trainable import find_trial_run
+from sweeps.errors import StoreGone
 from sweeps.study_run import reader_for, update_parent_best
 
 log = logging.getLogger("sweeps")
@@ -31,11 +32,16 @@ except ImportError:  # pragma: no cover - ray is a dependency; keeps `import swe
 
 class DriverCallback(_Callback):
     """Keeps the live view and the parent run's best trial current, and stops the fit after
-    ``budget.max_failures`` failed trials in a row."""
+    ``budget.max_failures`` failed trials in a row, or once the MLflow store has been away past
+    its wait (the trials' writes wait in this machine's spool, which the driver's tracker watches)."""
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if not LIVE:
             return
+        try:
+            LIVE["tracker"].check_outage()
+        except StoreGone as exc:
+            LIVE["interrupts"].store_gone(exc)
         if result.get("epoch"):
             LIVE["history"].setdefault(trial.trial_id, []).append(result)
             if not result.get("sweeps_done"):

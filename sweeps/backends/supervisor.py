@@ -28,10 +28,10 @@ from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends import optuna_study
 from sweeps.backends.budget_outcome import max_failures_stop
 from sweeps.backends.driver_signals import DriverSignals
-from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import ENV_STOP_GRACE, stop_grace_seconds
+from sweeps.errors import StoreGone
 from sweeps.pool import WorkerSlot
 from sweeps.spec import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
@@ -139,7 +139,8 @@ class Supervisor:
     beat_dir: Path
     since: float
     deadline: float | None
-    on_progress: Callable[[], None]  # live view and parent run, about twice a second
+    # Live view, parent run and the MLflow store's outage check, about twice a second.
+    on_progress: Callable[[], None]
     workers: list[LocalWorker] = field(default_factory=list)
     stopping: str = ""  # why the workers were told to stop ("" while they run)
     signum: int | None = None
@@ -148,7 +149,7 @@ class Supervisor:
     max_failures_code: int = 1  # the exit code for budget.max_failures (`sweeps worker` says 3)
     early: EarlyWorkers | None = None  # processes started before the study was ready, one per slot
     driver_signals: DriverSignals | None = None  # what took the signals before this (sweeps run's driver)
-    storage_lost: StorageUnavailable | None = None  # the Optuna storage stayed away past its wait
+    storage_lost: StoreGone | None = None  # the Optuna storage or the MLflow store stayed away past its wait
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
@@ -175,7 +176,7 @@ class Supervisor:
                     if not any(w.proc.poll() is None for w in self.workers):
                         break
                     self.on_progress()
-                except StorageUnavailable as exc:  # waited for as long as allowed: stop as on SIGTERM
+                except StoreGone as exc:  # waited for as long as allowed: stop as on SIGTERM
                     self.storage_lost = self.storage_lost or exc
                     self._stop(str(exc))
                 self._check_hung()

@@ -100,7 +100,8 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
             signal.signal(s, handler)
     if study is None:
         return 128 + received[0]
-    check_tracking_before_trials(tracker_for(spec), spec.experiment_name())
+    tracker = tracker_for(spec)  # its check_outage stops the workers as on SIGTERM once the store is away too long
+    check_tracking_before_trials(tracker, spec.experiment_name())
     uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
     # Read once here, while the store answers (just checked): a worker restarted in an outage needs no read.
     parent = reader_for(spec).handle(study.user_attrs[optuna_study.ATTR_PARENT_RUN])
@@ -114,7 +115,7 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
 
     log.warning("joining study %r with %d worker(s) on this machine: %s", study.study_name, len(slots),
                 ", ".join(f"slot {s.index} on {_devices_text(s)}" for s in slots))
-    supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), since, None, on_progress=lambda: None,
+    supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), since, None, on_progress=tracker.check_outage,
                             max_failures_code=EXIT_MAX_FAILURES)
     stopped, code = supervisor.run(slots)
     if stopped:

@@ -21,6 +21,7 @@ from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.experiments import experiment_id_of
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, known_store_id, new_client_id, new_run_record
+from sweeps.tracking.outage import TrackingOutage
 from sweeps.tracking.send import StoreRefusesEveryWrite, drain, send_records
 from sweeps.tracking.spool import Spool
 from sweeps.tracking.store_errors import (
@@ -38,13 +39,13 @@ from sweeps.tracking.sync import (
     is_http_uri,
     kept_until_fixed,
     retry_seconds,
-    sync_command,
 )
 from sweeps.tracking.values import clean_key, param_values, tag_values
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SPOOL_DIR = Path("runs") / ".mlflow_spool"
+MAX_PAUSE_S = 5.0  # the longest pause between two tries at the end of a study
 
 
 class MlflowTracker:
@@ -60,7 +61,9 @@ class MlflowTracker:
     ``client``: an ``MlflowClient`` (or a wrapper around one) to use instead of a new one.
 
     Besides the Tracker calls, its owner (the code that made it) calls ``check_connection``
-    before training and ``close`` when done. Reads go through a
+    before training, ``check_outage`` while trials train (to stop when the store has been away past
+    the wait, ``tracking.outage``), ``close`` when done, and, at the end of a study,
+    ``send_spooled``. Reads go through a
     ``sweeps.tracking.reader.TrackingReader``.
 
     Thread-safe; one per process (it holds locks and a buffer: pass ``RunHandle`` values
@@ -93,8 +96,8 @@ class MlflowTracker:
         self._n_buffered = 0
         self._last_flush = time.monotonic()
         self._metric_keys: dict[object, str] = {}
-        self._down_until = 0.0  # monotonic time before which we do not try the store
-        self._down_reason = ""
+        self._outage = TrackingOutage(self.tracking_uri, self.spool.directory, self.retry_interval_s)  # is it down
+        self._next_look = 0.0  # monotonic time before which check_outage tries nothing
         # Runs this tracker spooled for: sent as soon as the store answers again, even
         # those that ended meanwhile and will not flush again.
         self._spooled: set[str] = set()
@@ -150,6 +153,29 @@ class MlflowTracker:
     def close(self) -> None:
         """When the process is done with the tracker: send every buffered point."""
         self.flush()
+
+    def check_outage(self) -> None:
+        """While trials train, cheap enough for every step: raise ``TrackingUnavailable`` once the
+        store has not answered for longer than the wait. When a retry is due it tries the writes
+        kept for this store (this process's or its workers'), so an owner that writes little (a
+        driver between trials) sees an outage start, end and outlast the wait as its workers do."""
+        now = time.monotonic()
+        if now >= max(self._outage.until, self._next_look):
+            self._next_look = now + self.retry_interval_s
+            self._try_kept()
+        if self._outage.gone is not None:
+            raise self._outage.gone
+
+    def send_spooled(self) -> None:
+        """At the end of a study, its runs closed: send the writes kept for this store, trying again
+        with backoff while it does not answer, until the outage has lasted the wait. Raises
+        TrackingError (exit 1) counting the runs still kept and naming the command that sends them."""
+        pause = 0.25
+        while self._try_kept() and self._outage.reason:  # kept, and the store did not take them
+            if self._outage.gone is not None:
+                raise self._outage.still_kept(len(self.spool.run_ids(store=self.tracking_uri)))
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_PAUSE_S)
 
     # -- runs ----------------------------------------------------------------------------
     def start_run(self, run: str | RunHandle, *, experiment: str | None = None,
@@ -288,7 +314,7 @@ class MlflowTracker:
     @property
     def store_down(self) -> str:
         """Why the store is down now, or "" (a run is then made under a local id, ``local_runs``)."""
-        return self._down_reason if time.monotonic() < self._down_until else ""
+        return self._outage.reason if time.monotonic() < self._outage.until else ""
 
     # -- end -----------------------------------------------------------------------------
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
@@ -308,14 +334,7 @@ class MlflowTracker:
                 log.error("%s", exc)
             pending = self.spool.has_pending(run.run_id)
         if pending:
-            log.warning(
-                "MLflow tracking store %s is unreachable (%s): %d writes of run %s (%s, status %s) "
-                "are kept in %s. This process, or the next sweeps process that reaches the store, sends "
-                "them; or send them with: %s",
-                self.tracking_uri, self._down_reason or "see above", self.spool.pending_count(run.run_id),
-                run.run_id, run.name, status, self.spool.path(run.run_id),
-                sync_command(self.tracking_uri, self.spool.directory),
-            )
+            self._outage.kept_at_end(run, status, self.spool.pending_count(run.run_id), self.spool.path(run.run_id))
 
     # -- internals -----------------------------------------------------------------------
     def _submit(self, run_id: str, records: list[list[Any]], force: bool = False) -> None:
@@ -326,7 +345,7 @@ class MlflowTracker:
             return
         with self._send_lock:
             run_id = self.store_run_id(run_id)
-            down = time.monotonic() < self._down_until and not force
+            down = time.monotonic() < self._outage.until and not force
             # A local run not yet created on the store queues behind its own creation.
             if down or self.spool.has_pending(run_id) or is_local(run_id):
                 # Older writes wait in the spool: queue behind them to keep the order.
@@ -374,7 +393,7 @@ class MlflowTracker:
             return
         if drained:
             self._spooled.discard(run_id)
-        if self._down_reason:
+        if self._outage.reason:
             log.info("MLflow store %s reachable again; sent spooled writes of run %s: %s",
                      self.tracking_uri, run_id, counts)
         self._mark_up()
@@ -382,26 +401,29 @@ class MlflowTracker:
             raise TrackingError(f"MLflow store {self.tracking_uri} refused spooled writes:\n" + "\n".join(refusals))
 
     def _mark_down(self, exc: BaseException) -> None:
-        reason = short_reason(exc, self._store_dir)  # one line, a full disk named
-        if not self._down_reason:  # warn once per outage, not on every flush
-            log.warning("MLflow tracking store %s %s (%s); training goes on, writes are kept in %s and retried "
-                        "every %.0f s", self.tracking_uri, "cannot write" if reason.startswith("disk full")
-                        else "unreachable", reason, self.spool.directory, self.retry_interval_s)
-        self._down_reason = reason
-        self._down_until = time.monotonic() + self.retry_interval_s
+        with self._send_lock:  # start_run's failed creation comes without it
+            self._outage.failed(short_reason(exc, self._store_dir))  # one line, a full disk named
 
     def _mark_up(self) -> None:
-        was_down = bool(self._down_reason)
-        self._down_reason = ""
-        self._down_until = 0.0
-        if was_down:
+        if self._outage.answered():
             self._drain_waiting()
+
+    def _try_kept(self) -> list[str]:
+        """Try the store with the oldest run kept for it (taken: the rest follows); the runs that were kept."""
+        waiting = self.spool.run_ids(store=self.tracking_uri)
+        if waiting:
+            try:
+                with self._send_lock:
+                    self._drain(waiting[0])
+            except TrackingError as exc:  # refused: said, and no sign of an outage
+                log.error("%s", exc)
+        return waiting
 
     def _drain_waiting(self) -> None:
         """Send every spool waiting for this store: this tracker's, then any other process's
         (one that ended or died during an outage), so no one has to run the sync by hand."""
         for run_id in dict.fromkeys([*sorted(self._spooled), *self.spool.run_ids(store=self.tracking_uri)]):
-            if self._down_reason:  # it went away again while we were catching up
+            if self._outage.reason:  # it went away again while we were catching up
                 break
             try:
                 with self._send_lock:

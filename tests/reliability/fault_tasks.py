@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import torch
@@ -89,3 +91,45 @@ class GatedTask(DigitsTask):
 @task
 def make_gated_task(model: str = "mlp") -> GatedTask:
     return GatedTask(model)
+
+
+class _WaitForSigterm(nn.Module):
+    """After ``calls`` training forwards, touches the file ``at`` and waits until this process gets
+    SIGTERM (its own handler, the worker's, runs first): the trial is stopped mid-epoch at a known
+    point, whoever sends the signal and whenever. Each process counts from zero, so a retry that
+    resumes past ``calls`` steps never waits."""
+
+    def __init__(self, inner: nn.Module, calls: int, at: str | None) -> None:
+        super().__init__()
+        self.inner, self.calls, self.seen, self.at = inner, calls, 0, at
+
+    def forward(self, x):
+        if self.training and self.at:
+            self.seen += 1
+            if self.seen == self.calls + 1:
+                got = threading.Event()
+                worker_handler = signal.getsignal(signal.SIGTERM)
+
+                def chained(signum, frame):
+                    if callable(worker_handler):
+                        worker_handler(signum, frame)  # the trial stops at its next step
+                    got.set()
+
+                signal.signal(signal.SIGTERM, chained)
+                open(self.at, "w").close()
+                while not got.wait(0.05):
+                    pass
+        return self.inner(x)
+
+
+class StopWaitingTask(DigitsTask):
+    """``STOP_AFTER`` training forwards (default 1), then wait for SIGTERM; only with ``STOP_AT`` set."""
+
+    def build_model(self):
+        return _WaitForSigterm(super().build_model(), calls=int(os.environ.get("STOP_AFTER", "1")),
+                               at=os.environ.get("STOP_AT"))
+
+
+@task
+def make_stop_waiting_task(model: str = "mlp") -> StopWaitingTask:
+    return StopWaitingTask(model)
