@@ -58,7 +58,7 @@ def draw_png(trials, objectives: list[tuple[str, str]], names: list[str], title:
 
 def main(argv: list[str] | None = None) -> int:
     from sweeps.backends.by_name import get_backend
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     p = argparse.ArgumentParser(prog="python -m scripts.pareto_figure", description=__doc__.splitlines()[0])
     p.add_argument("spec", help="study spec YAML file of a finished study with several objectives")

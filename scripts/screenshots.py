@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if find_chromium() is None:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(args.spec)
     pruned_spec = load_spec(args.pruned)

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from core.metrics import LOOP_METRICS
 from sweeps.errors import RunLookupError
-from sweeps.spec import DEFAULT_TRACKING_URI
+from sweeps.spec.model import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.sync import check_sqlite_store

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sweeps.errors import SweepsError, TrackingError
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 from sweeps.store_urls import redact_url
 from sweeps.study_run import package_versions
 from sweeps.tracking import layout

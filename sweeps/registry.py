@@ -36,7 +36,7 @@ from sweeps.errors import BadNameError, NothingQualifies, PromoteError, PromoteR
 from sweeps.model_logging import find_logged_model, fluent_uri, log_model, promoted_name
 from sweeps.pareto import parse_where
 from sweeps.safe_names import safe_component
-from sweeps.spec_objectives import is_deploy_metric
+from sweeps.spec.objectives import is_deploy_metric
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 from sweeps.tracking.trial_model import TAG_CHECKPOINT_MODEL, TAG_MODEL_ID

@@ -11,7 +11,7 @@ import sqlalchemy
 
 from sweeps.backends import optuna_outage
 from sweeps.backends.optuna_study import journal_file, sqlalchemy_url
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 from sweeps.store_urls import redact_url
 
 

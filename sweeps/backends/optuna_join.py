@@ -12,7 +12,7 @@ from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.backends.optuna_attrs import ATTR_PARENT_RUN
 from sweeps.backends.storage_errors import StorageUnreachableError
 from sweeps.errors import BackendError, StudyStateError
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 from sweeps.store_urls import redact_url
 from sweeps.tracking.store_access import check_experiment_writable
 from sweeps.tracking.sync import is_http_uri

@@ -24,7 +24,6 @@ from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.pool import NullPool
 
-from sweeps import search_space as ss
 from sweeps.backends import optuna_adapter, optuna_outage
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.journal_file import open_journal
@@ -46,8 +45,9 @@ from sweeps.backends.storage_errors import storage_error
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
 from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED
 from sweeps.errors import BackendError, PathError, StudyStateError
-from sweeps.spec import StudySpec
-from sweeps.spec_objectives import judged_by, judged_by_changes
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
+from sweeps.spec.objectives import judged_by, judged_by_changes
 from sweeps.store_urls import redact_url
 
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...

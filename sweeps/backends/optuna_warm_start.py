@@ -1,6 +1,6 @@
 """A study that starts from an earlier one, and a study that goes on past its budget.
 
-``warm_start: {from: STUDY, top: K}`` (sweeps/spec_warm_start.py): a new study's first trials
+``warm_start: {from: STUDY, top: K}`` (sweeps/spec/model.py): a new study's first trials
 are the K best completed configurations of the earlier study, enqueued with Optuna's
 ``enqueue_trial``; parameters the new search space lacks are dropped and those it adds are left
 to the sampler (a partial enqueued trial has its other parameters drawn).
@@ -18,8 +18,8 @@ from optuna.trial import TrialState
 
 from sweeps.backends import optuna_study
 from sweeps.errors import StudyStateError
-from sweeps.search_space import CategoricalParam
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
+from sweeps.spec.search_space import CategoricalParam
 
 ATTR_WARM_START = "warm_start_of"  # on an enqueued trial: "<earlier study>#<its trial number>"
 

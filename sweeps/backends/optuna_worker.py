@@ -22,7 +22,6 @@ from optuna.trial import TrialState
 
 from core.faults import pause_here
 from sweeps import deploy_check
-from sweeps import search_space as ss
 from sweeps.backends import driver_faults, optuna_adapter, optuna_study
 from sweeps.backends.optuna_ask_lock import ask_lock
 from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
@@ -33,8 +32,9 @@ from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
-from sweeps.spec import StudySpec
-from sweeps.spec_checks import spec_from_text
+from sweeps.spec import search_space as ss
+from sweeps.spec.load import spec_from_text
+from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.store_urls import redact_url
 from sweeps.study_run import reader_for, tracker_for

@@ -29,7 +29,6 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from sweeps import search_space as ss
 from sweeps.backends import driver_faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
@@ -49,8 +48,9 @@ from sweeps.backends.ray_trainable import (
 from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
-from sweeps.spec import StudySpec
-from sweeps.spec_objectives import judged_by, judged_by_changes
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
+from sweeps.spec.objectives import judged_by, judged_by_changes
 from sweeps.study_run import (
     find_or_create_parent,
     parent_status,

@@ -16,7 +16,7 @@ from sweeps.backends.driver_signals import DriverSignals
 from sweeps.backends.ray_guardian import Guardian
 from sweeps.errors import BackendError
 from sweeps.pool import cpu_threads_available
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 
 _GUARDIANS: list[Guardian] = []  # of the local Ray this process started (at most one)

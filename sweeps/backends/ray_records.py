@@ -39,7 +39,7 @@ from sweeps.backends.ray_trainable import (
     r_objective,
 )
 from sweeps.backends.run_lock import run_lock_held
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 

@@ -16,7 +16,7 @@ import threading
 import optuna
 
 from sweeps.backends import optuna_adapter, optuna_study
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 
 log = logging.getLogger("sweeps")
 MIN_INTERVAL_S = 0.5  # never poll the database faster than this, whatever the settings say

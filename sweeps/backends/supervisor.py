@@ -33,7 +33,7 @@ from sweeps.backends.stale_monitor import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import ENV_STOP_GRACE, stop_grace_seconds
 from sweeps.pool import WorkerSlot
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.worker_identity import boot_id, worker_identity
 

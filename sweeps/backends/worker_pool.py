@@ -25,7 +25,7 @@ from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import ResourcesError, UsageError
 from sweeps.pool import WorkerSlot
-from sweeps.spec import ResourcesSection, StudySpec
+from sweeps.spec.model import ResourcesSection, StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.study_run import reader_for, tracker_for
 

@@ -53,7 +53,7 @@ def _promote_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_promote(a: argparse.Namespace) -> int:
     from sweeps.registry import promote
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(a.spec)
     if not a.dry_run:  # a dry run writes nothing, and reads no artifact
@@ -102,7 +102,7 @@ def _positive_int(text: str) -> int:
 def cmd_rerun(a: argparse.Namespace) -> int:
     from sweeps.compare import find_trial_run, open_client, resolve_tracking_uri
     from sweeps.rerun import print_outcome, print_seed_summary, rerun_once, rerun_seeds
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     spec = load_spec(a.spec) if a.spec else None

@@ -36,6 +36,6 @@ def spec_argument(p: argparse.ArgumentParser) -> None:
 
 def load_spec_file(path: str):
     """The study spec at ``path``, validated (a SpecError, exit 2, lists every problem)."""
-    from sweeps.spec_checks import load_spec  # lazy: pydantic and the spec checks are not needed for --help
+    from sweeps.spec.load import load_spec  # lazy: pydantic and the spec checks are not needed for --help
 
     return load_spec(path)

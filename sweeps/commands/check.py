@@ -26,7 +26,7 @@ def _check_args(p: argparse.ArgumentParser) -> None:
 
 def first_point(search: dict[str, Any]) -> dict[str, Any]:
     """The search space's first point: a range's low end, a categorical's first choice."""
-    from sweeps.search_space import CategoricalParam
+    from sweeps.spec.search_space import CategoricalParam
 
     return {key: p.choices[0] if isinstance(p, CategoricalParam) else p.low for key, p in search.items()}
 

@@ -217,7 +217,7 @@ def test_a_sweep_trial_with_nproc_2_runs_ddp_and_a_failing_rank_is_a_fail(tmp_pa
     import threading
 
     from sweeps.objective import TrialSpec, run_trial
-    from sweeps.spec_checks import spec_from_dict
+    from sweeps.spec.load import spec_from_dict
     from sweeps.tracking.base import RunHandle
 
     spec = spec_from_dict({

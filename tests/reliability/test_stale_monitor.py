@@ -13,7 +13,7 @@ import pytest
 
 from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.backends.stale_monitor import StaleTrialMonitor, check_interval_seconds
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from sweeps.worker_identity import worker_identity
 from tests.scaleout import conftest as scaleout_fixtures
 from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for

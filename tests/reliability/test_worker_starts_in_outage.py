@@ -10,7 +10,7 @@ from optuna.trial import TrialState
 from sweeps.backends import optuna_study
 from sweeps.backends.optuna_worker import run_worker
 from sweeps.backends.worker_protocol import WorkerGo
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.mlflow_tracker import DEFAULT_SPOOL_DIR
 from sweeps.tracking.spool import Spool

@@ -13,7 +13,7 @@ import pytest
 
 from sweeps.cli import main
 from sweeps.doctor import OK, PROBLEM, SKIP, run_checks
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from sweeps.tracking.store_access import lock_holders
 from tests.sweeps.study_helpers import run_cli, write_spec
 

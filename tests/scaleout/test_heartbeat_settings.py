@@ -7,7 +7,7 @@ import pytest
 
 from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.errors import BackendError
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 
 
 def _spec(storage: str):

@@ -9,7 +9,7 @@ from sweeps.backends.optuna_study import open_storage
 from sweeps.backends.optuna_worker import join_study
 from sweeps.backends.storage_errors import StorageAccessError
 from sweeps.errors import StudyStateError
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from tests.sweeps.study_helpers import run_cli, write_spec
 
 

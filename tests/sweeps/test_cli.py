@@ -87,7 +87,7 @@ def test_the_cli_names_an_unknown_backend_in_one_line_and_exits_2(command, tmp_p
     # A spec file cannot hold an unknown backend (validation refuses it first); a spec built in
     # code can, so the command is handed one.
     from sweeps.commands import study
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
     from tests.sweeps.study_helpers import write_spec
 
     path = write_spec(tmp_path, name="nobackend", seed_store=False)

@@ -17,7 +17,7 @@ from sweeps.pool import (
     discover_devices,
     plan_workers,
 )
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from tests.sweeps.study_helpers import tiny_spec
 
 # --------------------------------------------------------------------------- device groups

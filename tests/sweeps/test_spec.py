@@ -10,10 +10,9 @@ import pytest
 
 from core.config import TrainConfig
 from sweeps.errors import SpecError
-from sweeps.spec import StudySpec, dump_spec_dict
-from sweeps.spec_checks import load_spec, spec_from_dict
+from sweeps.spec.load import load_spec, parse_yaml_text, spec_from_dict
+from sweeps.spec.model import StudySpec, dump_spec_dict
 from sweeps.store_urls import redact_url
-from sweeps.yaml_loader import load_yaml
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 
@@ -230,7 +229,7 @@ def test_missing_file(tmp_path):
 
 
 def test_yaml_1_2_scalars(tmp_path):
-    data = load_yaml(write(tmp_path, "a: 1e-3\nb: 1.0e3\nc: no\nd: on\ne: true\nf: 1:30\ng: 010\nh: 2024-01-01\n"))
+    data, _ = parse_yaml_text("a: 1e-3\nb: 1.0e3\nc: no\nd: on\ne: true\nf: 1:30\ng: 010\nh: 2024-01-01\n")
     assert data == {"a": 0.001, "b": 1000.0, "c": "no", "d": "on", "e": True, "f": "1:30", "g": "010",
                     "h": "2024-01-01"}
     assert isinstance(data["a"], float)
@@ -361,7 +360,7 @@ def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import
     code = textwrap.dedent(f"""
         import sys
         from sweeps.errors import SpecError
-        from sweeps.spec_checks import load_spec
+        from sweeps.spec.load import load_spec
         import sweeps.backends.optuna_backend, sweeps.live, sweeps.study_run
         load_spec({str(spec)!r})
         try:

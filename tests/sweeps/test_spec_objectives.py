@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from sweeps.errors import SpecError
-from sweeps.spec import dump_spec_dict
-from sweeps.spec_checks import load_spec, spec_from_dict
-from sweeps.spec_objectives import Bound
+from sweeps.spec.load import load_spec, spec_from_dict
+from sweeps.spec.model import dump_spec_dict
+from sweeps.spec.objectives import Bound
 from tests.sweeps.test_spec import write
 
 BASE = "name: t\ntask: {name: digits, model: cnn}\ntrain: {epochs: 2}\n"

@@ -11,8 +11,8 @@ import optuna
 import pytest
 
 from sweeps.errors import StudyStateError
-from sweeps.spec_checks import spec_from_dict
-from sweeps.spec_objectives import judged_by
+from sweeps.spec.load import spec_from_dict
+from sweeps.spec.objectives import judged_by
 from tests.sweeps.study_helpers import run_cli, tiny_spec, write_spec
 
 

@@ -10,7 +10,7 @@ from sweeps.backends import ray_records
 from sweeps.backends.optuna_backend import OptunaBackend
 from sweeps.backends.run_lock import run_lock, run_lock_held
 from sweeps.errors import StudyStateError
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 
 
 def _spec(storage: str | None = None):

@@ -10,8 +10,8 @@ import pytest
 
 from sweeps.backends.optuna_study import make_sampler
 from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
-from sweeps.search_space import optuna_distributions
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
+from sweeps.spec.search_space import optuna_distributions
 from tests.sweeps.study_helpers import tiny_spec
 
 FLOATS = {"lr": {"type": "float", "low": 1e-3, "high": 1.0, "log": True},
