@@ -102,7 +102,7 @@ def check_storage(spec: StudySpec) -> str:
 def _check_database(url: str) -> str:
     import sqlalchemy
 
-    from sweeps.backends.optuna_study import sqlalchemy_url
+    from sweeps.backends.optuna_storage import sqlalchemy_url
 
     shown = redact_url(url)
     postgres = url.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "postgres")

@@ -8,10 +8,10 @@ import time
 
 import optuna
 
-from sweeps.backends import optuna_adapter, optuna_study
+from sweeps.backends import optuna_adapter, optuna_storage, optuna_study
 from sweeps.backends.optuna_attrs import ATTR_PARENT_RUN
-from sweeps.backends.storage_errors import StorageUnreachableError
-from sweeps.errors import BackendError, StudyStateError
+from sweeps.backends.optuna_storage import StorageUnreachableError
+from sweeps.errors import BackendError, StudyStateError, cause_chain
 from sweeps.spec.model import StudySpec
 from sweeps.store_urls import redact_url
 from sweeps.tracking.store_access import check_experiment_writable
@@ -67,7 +67,7 @@ def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None
     has no tables or no study of that name yet. Any other problem (credentials, a changed search
     space) raises."""
     try:
-        storage = optuna_study.open_storage(spec, create=False)
+        storage = optuna_storage.open_storage(spec, create=False)
     except StorageUnreachableError as exc:
         return None, str(exc).removeprefix("storage: ")
     except BackendError as exc:
@@ -84,11 +84,8 @@ def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None
     return optuna_study.open_study(spec, worker_index=worker_index, create=False), ""
 
 
-def _tables_missing(exc: BaseException | None) -> bool:
-    while exc is not None:  # the database error is a few causes down
-        text = f"{type(exc).__name__} {exc}".lower()
-        if ("undefinedtable" in text or "no such table" in text or ("relation" in text and "does not exist" in text)
-                or ("table" in text and "doesn't exist" in text)):  # PostgreSQL, SQLite, MySQL
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+def _tables_missing(exc: BaseException) -> bool:
+    """Whether the database says it has no Optuna tables (PostgreSQL, SQLite, MySQL), a few causes down."""
+    texts = (f"{type(link).__name__} {link}".lower() for link in cause_chain(exc))
+    return any("undefinedtable" in text or "no such table" in text or ("relation" in text and "does not exist" in text)
+               or ("table" in text and "doesn't exist" in text) for text in texts)

@@ -13,7 +13,7 @@ shared ``sweeps.objective.run_trial``: the MLflow layout is the Optuna backend's
 Budget: ``n_trials`` is Ray's ``num_samples``; ``max_failures`` is Ray's per-trial
 ``FailureConfig`` (a failing trial is retried that many times from its latest
 checkpoint, then marked FAIL) and, as under Optuna, that many failed trials in a row stop
-the study (exit 1, :mod:`sweeps.backends.budget_outcome`); ``timeout`` stops this
+the study (exit 1, :mod:`sweeps.backends.driver`); ``timeout`` stops this
 invocation the resumable way: Ray saves the experiment with the running trials'
 checkpoints, and the next ``sweeps run`` resumes them (Ray's ``time_budget_s`` would
 instead terminate them for good and end the search). SIGTERM and SIGINT do the same,
@@ -32,8 +32,7 @@ from pathlib import Path
 from sweeps.backends import driver_faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
-from sweeps.backends.budget_outcome import max_failures_stop, unfinished_stop
-from sweeps.backends.driver_signals import DriverSignals, stopped_by
+from sweeps.backends.driver import DriverSignals, max_failures_stop, run_lock, stopped_by, unfinished_stop
 from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise, shutdown_ray
 from sweeps.backends.ray_live import LIVE, DriverCallback
 from sweeps.backends.ray_search import make_scheduler, make_search, plan_resources
@@ -45,7 +44,6 @@ from sweeps.backends.ray_trainable import (
     make_trainable,
     trial_dirname,
 )
-from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
 from sweeps.spec import search_space as ss

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sweeps.backends.driver_signals import DriverSignals
+from sweeps.backends.driver import DriverSignals
 from sweeps.backends.ray_guardian import Guardian
 from sweeps.errors import BackendError
 from sweeps.pool import cpu_threads_available

@@ -12,7 +12,7 @@ import time
 from sweeps.backends import driver_faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
-from sweeps.backends.budget_outcome import failures_in_a_row
+from sweeps.backends.driver import failures_in_a_row
 from sweeps.backends.ray_hang import recorded_hang
 from sweeps.backends.ray_trainable import find_trial_run
 from sweeps.study_run import reader_for, update_parent_best

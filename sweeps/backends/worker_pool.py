@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from sweeps.backends import optuna_study
+from sweeps.backends import optuna_attrs
 from sweeps.backends.optuna_backend import plan_local_workers, workers_beat_dir
 from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
 from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
@@ -101,9 +101,9 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
     if study is None:
         return 128 + received[0]
     check_tracking_before_trials(tracker_for(spec), spec.experiment_name())
-    uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
+    uid = study.user_attrs[optuna_attrs.ATTR_STUDY_UID]
     # Read once here, while the store answers (just checked): a worker restarted in an outage needs no read.
-    parent = reader_for(spec).handle(study.user_attrs[optuna_study.ATTR_PARENT_RUN])
+    parent = reader_for(spec).handle(study.user_attrs[optuna_attrs.ATTR_PARENT_RUN])
     since = time.time()
 
     def go_for(slot: WorkerSlot, beat: Path) -> WorkerGo:

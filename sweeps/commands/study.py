@@ -14,7 +14,7 @@ import json
 import sys
 
 from core.faults import pause_here
-from sweeps.backends.budget_outcome import EXIT_BUDGET_UNMET, no_trial_completed
+from sweeps.backends.driver import EXIT_BUDGET_UNMET, no_trial_completed
 from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import SpecError, StudyStateError, UsageError
 from sweeps.moved_store import follow_moved_store
@@ -59,7 +59,7 @@ def _extend(spec, path: str, add: int) -> tuple[int, int]:
     if spec.backend != "optuna":
         raise UsageError(f"--add-trials extends Optuna studies; {path} has backend {spec.backend}: raise "
                          "budget.n_trials in the spec instead")
-    from sweeps.backends.optuna_warm_start import extend_budget  # here: Optuna loads only when a study is extended
+    from sweeps.backends.optuna_study import extend_budget  # here: Optuna loads only when a study is extended
 
     try:
         after = extend_budget(spec, add)
@@ -219,7 +219,7 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_repair_journal(a: argparse.Namespace) -> int:
-    from sweeps.backends.journal_repair import repair_journal
+    from sweeps.backends.journal_file import repair_journal
 
     console.print(repair_journal(a.journal), markup=False, highlight=False)
     return 0

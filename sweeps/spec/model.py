@@ -234,7 +234,7 @@ class StudySpec(_Section):
     lr_finder: LrFinderSection = Field(default_factory=LrFinderSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     storage: str | None = None  # default runs/<name>.journal
-    warm_start: WarmStartSection | None = None  # start from an earlier study's best (backends/optuna_warm_start.py)
+    warm_start: WarmStartSection | None = None  # start from an earlier study's best (backends/optuna_study.py)
     _path: Path | None = PrivateAttr(default=None)
     _text: str | None = PrivateAttr(default=None)
 

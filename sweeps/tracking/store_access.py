@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from sweeps.errors import TrackingError
+from sweeps.errors import TrackingError, cause_chain
 
 # Where MLflow's server says its Host-header check refused the request (mlflow.server.security_utils).
 INVALID_HOST = "Invalid Host header"
@@ -105,7 +105,7 @@ def check_experiment_writable(uri: str, experiment: str, session: Any = None) ->
 def sqlite_locked_error(uri: str, path: Path | None, exc: BaseException) -> TrackingError | None:
     """The error for a SQLite store that another process holds locked, naming the process when
     this one may see it; None when ``exc`` (or its cause) is not SQLite's "database is locked"."""
-    if path is None or not _is_locked(exc):
+    if path is None or not any("database is locked" in str(link) for link in cause_chain(exc)):
         return None
     holders = lock_holders(path)
     by = f" by {'; '.join(holders)}" if holders else " by another process (not one this user can see)"
@@ -113,15 +113,6 @@ def sqlite_locked_error(uri: str, path: Path | None, exc: BaseException) -> Trac
         f"the SQLite tracking store {uri!r} is locked{by}: SQLite gave up waiting for it. Let that process finish "
         "or stop it, then run the command again; for several processes writing at once, use an MLflow server "
         "(docs/SCALE_OUT.md) instead of one SQLite file.")
-
-
-def _is_locked(exc: BaseException | None) -> bool:
-    seen = 0
-    while exc is not None and seen < 8:
-        if "database is locked" in str(exc):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
 
 
 def lock_holders(path: Path) -> list[str]:

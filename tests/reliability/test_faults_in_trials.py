@@ -126,7 +126,7 @@ def test_torn_last_journal_record_is_repaired_and_the_study_resumes(tmp_path):
 
 
 def test_corrupt_journal_record_in_the_middle_gives_a_repair_command(tmp_path):
-    from sweeps.backends.journal_repair import check_journal, repair_journal
+    from sweeps.backends.journal_file import check_journal, repair_journal
     from sweeps.errors import StudyStateError
 
     journal = tmp_path / "x.journal"

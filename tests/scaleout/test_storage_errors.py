@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sweeps.backends.optuna_study import open_storage
+from sweeps.backends.optuna_storage import StorageAccessError, open_storage
 from sweeps.backends.optuna_worker import join_study
-from sweeps.backends.storage_errors import StorageAccessError
 from sweeps.errors import StudyStateError
 from sweeps.spec.load import load_spec
 from tests.sweeps.study_helpers import run_cli, write_spec

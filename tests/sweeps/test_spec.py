@@ -377,7 +377,7 @@ def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import
 
 
 def test_n_startup_trials_reaches_the_tpe_and_gp_samplers(tmp_path):
-    from sweeps.backends.optuna_study import make_sampler
+    from sweeps.backends.optuna_sampler import make_sampler
 
     for name in ("tpe", "gp"):
         spec = load_spec(write(tmp_path, GOOD + f"sampler: {{name: {name}, seed: 0, n_startup_trials: 4}}\n"))

@@ -203,7 +203,7 @@ def test_a_trial_without_an_objectives_value_is_told_which_and_why(tmp_path):
 def test_a_constrained_studys_sampler_is_made_without_optunas_deprecated_constraints_func(sampler):
     import warnings
 
-    from sweeps.backends.optuna_study import make_sampler
+    from sweeps.backends.optuna_sampler import make_sampler
     from sweeps.deploy_check import constraint_values
 
     spec = spec_from_dict({"name": "c", "task": {"name": "digits"}, "constraints": {"params": {"max": 5000}},

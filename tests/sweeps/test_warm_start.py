@@ -10,7 +10,7 @@ from optuna.trial import TrialState, create_trial
 
 from sweeps import cli
 from sweeps.backends import optuna_study
-from sweeps.backends.optuna_warm_start import ATTR_WARM_START, enqueue_warm_start, extend_budget
+from sweeps.backends.optuna_study import ATTR_WARM_START, enqueue_warm_start, extend_budget
 from sweeps.errors import StudyStateError
 from sweeps.spec.load import spec_from_dict
 from sweeps.spec.search_space import suggest

@@ -8,8 +8,7 @@ import math
 import optuna
 import pytest
 
-from sweeps.backends.optuna_study import make_sampler
-from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
+from sweeps.backends.optuna_sampler import TrialSeededSampler, make_sampler
 from sweeps.spec.load import spec_from_dict
 from sweeps.spec.search_space import optuna_distributions
 from tests.sweeps.study_helpers import tiny_spec
