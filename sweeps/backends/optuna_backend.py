@@ -26,9 +26,9 @@ from sweeps.backends.supervisor import EarlyWorkers, Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
-from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
+from sweeps.parent_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
+from sweeps.slot_plan import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
 from sweeps.spec.model import StudySpec
-from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
 
 log = logging.getLogger("sweeps")
 

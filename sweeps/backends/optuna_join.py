@@ -14,8 +14,7 @@ from sweeps.backends.optuna_storage import StorageUnreachableError
 from sweeps.errors import BackendError, StudyStateError, cause_chain
 from sweeps.spec.model import StudySpec
 from sweeps.store_urls import redact_url
-from sweeps.tracking.store_access import check_experiment_writable
-from sweeps.tracking.sync import is_http_uri
+from sweeps.tracking.store_checks import check_experiment_writable, is_http_uri
 
 log = logging.getLogger("sweeps")
 

@@ -23,8 +23,8 @@ from sweeps.backends.optuna_attrs import (
     ATTR_WORKER,
     MAX_RETRIES,
 )
+from sweeps.parent_run import running_children
 from sweeps.spec.model import StudySpec
-from sweeps.study_run import running_children
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.mlflow_tracker import MlflowTracker

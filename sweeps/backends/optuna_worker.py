@@ -31,12 +31,12 @@ from sweeps.backends.trial_liveness import StaleTrialMonitor, TrialAlive, progre
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError, SweepsError, TrackingError
 from sweeps.objective import TrialInterrupted, TrialSpec, run_trial, worker_name
+from sweeps.parent_run import reader_for, tracker_for
 from sweeps.spec import search_space as ss
 from sweeps.spec.load import spec_from_text
 from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.store_urls import redact_url
-from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 
 log = logging.getLogger("sweeps")

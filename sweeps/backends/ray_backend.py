@@ -46,16 +46,16 @@ from sweeps.backends.ray_trainable import (
 )
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
-from sweeps.spec import search_space as ss
-from sweeps.spec.model import StudySpec
-from sweeps.spec.objectives import judged_by, judged_by_changes
-from sweeps.study_run import (
+from sweeps.parent_run import (
     find_or_create_parent,
     parent_status,
     reader_for,
     tracker_for,
     write_summary,
 )
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
+from sweeps.spec.objectives import judged_by, judged_by_changes
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.reader import TrackingReader

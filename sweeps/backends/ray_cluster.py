@@ -15,7 +15,7 @@ from typing import Any
 from sweeps.backends.driver import DriverSignals
 from sweeps.backends.ray_guardian import Guardian
 from sweeps.errors import BackendError
-from sweeps.pool import cpu_threads_available
+from sweeps.slot_plan import cpu_threads_available
 from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 

@@ -15,7 +15,7 @@ from sweeps.backends.base import StudyResult
 from sweeps.backends.driver import failures_in_a_row
 from sweeps.backends.ray_hang import recorded_hang
 from sweeps.backends.ray_trainable import find_trial_run
-from sweeps.study_run import reader_for, update_parent_best
+from sweeps.parent_run import reader_for, update_parent_best
 
 log = logging.getLogger("sweeps")
 # The running driver's view: spec, study, tracker, parent, view, history (trial id -> results),

@@ -20,7 +20,7 @@ from typing import Any
 
 from sweeps.backends.ray_trainable import R_OBJECTIVE, r_objective
 from sweeps.errors import BackendError
-from sweeps.pool import auto_cpu_workers
+from sweeps.slot_plan import auto_cpu_workers
 from sweeps.spec import search_space as ss
 from sweeps.spec.model import StudySpec
 

@@ -31,7 +31,7 @@ from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.trial_liveness import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import ENV_STOP_GRACE, stop_grace_seconds
-from sweeps.pool import WorkerSlot
+from sweeps.slot_plan import WorkerSlot
 from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.worker_identity import boot_id, worker_identity

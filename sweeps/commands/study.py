@@ -139,7 +139,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     if a.slot is not None:
         raise UsageError(f"--slot {a.slot} cannot be combined with --devices / --gpus-per-trial: the fan-out "
                          "numbers its workers' slots itself (0, 1, ...); leave --slot out")
-    from sweeps.backends.worker_pool import parse_devices_flag, run_worker_pool
+    from sweeps.backends.device_fanout import parse_devices_flag, run_worker_pool
 
     overrides: dict = {}
     if a.devices is not None:

@@ -61,8 +61,8 @@ def test_a_hanging_trial_is_stopped_failed_and_the_study_goes_on(tmp_path):
 def _run_one_trial(tmp_path, monkeypatch, resume=False):
     """One trial in-process through the shared trial runner, with a real MLflow store."""
     from sweeps.objective import TrialSpec, run_trial
+    from sweeps.parent_run import find_or_create_parent, tracker_for
     from sweeps.spec.load import load_spec
-    from sweeps.study_run import find_or_create_parent, tracker_for
 
     monkeypatch.chdir(tmp_path)
     spec = load_spec(write_spec(tmp_path, name="inproc", train={"epochs": 2}))

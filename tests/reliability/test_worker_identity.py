@@ -12,7 +12,7 @@ from pathlib import Path
 from sweeps import worker_identity as identity
 from sweeps.backends.supervisor import LocalWorker
 from sweeps.objective import worker_name
-from sweeps.pool import WorkerSlot
+from sweeps.slot_plan import WorkerSlot
 
 ROOT = Path(__file__).resolve().parents[2]
 PRINT_NAME = "from sweeps.objective import worker_name; print(worker_name())"

@@ -361,7 +361,7 @@ def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import
         import sys
         from sweeps.errors import SpecError
         from sweeps.spec.load import load_spec
-        import sweeps.backends.optuna_backend, sweeps.live, sweeps.study_run
+        import sweeps.backends.optuna_backend, sweeps.live, sweeps.parent_run
         load_spec({str(spec)!r})
         try:
             load_spec({str(bad)!r})

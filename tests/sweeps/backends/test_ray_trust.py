@@ -27,8 +27,8 @@ def test_a_continued_run_logs_no_step_it_already_holds(tmp_path, monkeypatch):
     """A trial resumed from a checkpoint older than what its run holds trains those steps
     again: the continued run keeps one point per step and takes the new ones after it."""
     from sweeps.backends.ray_trainable import ContinuingTracker, logged_up_to
+    from sweeps.parent_run import find_or_create_parent, reader_for, tracker_for
     from sweeps.spec.load import load_spec
-    from sweeps.study_run import find_or_create_parent, reader_for, tracker_for
 
     monkeypatch.chdir(tmp_path)
     spec = load_spec(_ray_spec(tmp_path, "steps"))

@@ -24,10 +24,10 @@ from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import ResourcesError, UsageError
-from sweeps.pool import WorkerSlot
+from sweeps.parent_run import reader_for, tracker_for
+from sweeps.slot_plan import WorkerSlot
 from sweeps.spec.model import ResourcesSection, StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
-from sweeps.study_run import reader_for, tracker_for
 
 log = logging.getLogger("sweeps")
 # The flags and the spec fields they override: messages about the field name the flag given.
