@@ -138,7 +138,7 @@ class TrackingPathError(TrackingError, PathError):
 
 
 class StoppedBySignal(SweepsError):
-    """SIGINT or SIGTERM ended a wait that had nothing to save (sweeps/interruptible.py); the exit
+    """SIGINT or SIGTERM ended a wait that had nothing to save (sweeps/stop_signals.py); the exit
     code is 128 + the signal's number, as for a study stopped by it."""
 
     def __init__(self, message: str, signum: int) -> None:

@@ -57,10 +57,6 @@ class StorageUnavailable(BackendError):
     exit_code = 128 + signal.SIGTERM
 
 
-def wait_seconds() -> float:
-    return env_seconds(ENV_STORAGE_WAIT, STORAGE_WAIT_S)
-
-
 def classify(exc: BaseException) -> str | None:
     """TRANSIENT, PERMANENT, or None for an error that is not the database's (a study that does
     not exist, a finished trial updated: Optuna's own answers, passed on as they are)."""
@@ -135,7 +131,7 @@ class OutageWait:
             return self._since is not None or time.monotonic() - self._back_at < seconds
 
     def _failed(self, exc: BaseException) -> None:
-        limit = wait_seconds()
+        limit = env_seconds(ENV_STORAGE_WAIT, STORAGE_WAIT_S)
         with self._lock:
             now = time.monotonic()
             if self._since is None:

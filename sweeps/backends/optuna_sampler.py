@@ -102,11 +102,11 @@ class TrialSeededSampler(BaseSampler):
 
 
 def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.BaseSampler:
-    """The spec's sampler, the same in every process of the study: ``worker_index`` no longer
-    changes it (the argument is kept for callers). A seeded sampler draws trial n's values from
-    ``(sampler.seed, n)`` (:class:`TrialSeededSampler`), so resuming, more
-    budget and replacement or parallel workers never redraw a point already drawn, and the
-    same spec run again from scratch draws the same points. ``seed: null`` stays unseeded."""
+    """The spec's sampler, the same in every process of the study whichever ``worker_index`` asks.
+    A seeded sampler draws trial n's values from ``(sampler.seed, n)`` (:class:`TrialSeededSampler`),
+    so resuming, more budget and replacement or parallel workers never redraw a point already
+    drawn, and the same spec run again from scratch draws the same points. ``seed: null`` stays
+    unseeded."""
     seed, name = spec.sampler.seed, spec.sampler.name
     samplers = optuna.samplers
     if name == "grid":

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sweeps.errors import TrackingError, TrackingPathError, cause_chain
-from sweeps.interruptible import interrupted_by_signals
+from sweeps.stop_signals import interrupted_by_signals
 from sweeps.store_urls import RDB_DIALECTS, sqlite_path
 from sweeps.tracking.store_errors import disk_full_error, store_folder
 
