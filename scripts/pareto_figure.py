@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dashboards.front import DOMINATED_COLOR, FRONT_COLOR, front_points, pareto_figure
+from dashboards.figures import DOMINATED_COLOR, FRONT_COLOR, front_points, pareto_figure
 from dashboards.tables import param_names, trials_table
 
 
