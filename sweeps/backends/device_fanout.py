@@ -94,7 +94,7 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
-        study = join_study(spec, 0, wait_s, stop)
+        study = join_study(spec, wait_s, stop)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -30,8 +30,7 @@ def check_tracking_before_trials(tracker, experiment: str) -> None:
         check_experiment_writable(tracker.tracking_uri, experiment)
 
 
-def join_study(spec: StudySpec, worker_index: int, wait_s: float,
-               stop: threading.Event | None = None) -> optuna.Study | None:
+def join_study(spec: StudySpec, wait_s: float, stop: threading.Event | None = None) -> optuna.Study | None:
     """The study of ``spec`` once ``sweeps run`` has created it with its MLflow parent run.
 
     A worker started first waits (saying so once) up to ``wait_s`` seconds, then fails with
@@ -42,7 +41,7 @@ def join_study(spec: StudySpec, worker_index: int, wait_s: float,
     where = redact_url(spec.storage_url())
     said = False
     while True:
-        study, missing = _find_study(spec, worker_index)
+        study, missing = _find_study(spec)
         if study is not None and study.user_attrs.get(ATTR_PARENT_RUN):
             if said:
                 log.warning("study %r found; joining it", study.study_name)
@@ -61,7 +60,7 @@ def join_study(spec: StudySpec, worker_index: int, wait_s: float,
             return None
 
 
-def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None, str]:
+def _find_study(spec: StudySpec) -> tuple[optuna.Study | None, str]:
     """(study, "") when it exists; (None, what is missing) while the database does not answer,
     has no tables or no study of that name yet. Any other problem (credentials, a changed search
     space) raises."""
@@ -80,7 +79,7 @@ def _find_study(spec: StudySpec, worker_index: int) -> tuple[optuna.Study | None
         rdb = optuna_adapter.rdb_of(storage)
         if rdb is not None:  # polled every 2 s: do not pile up connection pools
             rdb.engine.dispose()
-    return optuna_study.open_study(spec, worker_index=worker_index, create=False), ""
+    return optuna_study.open_study(spec, create=False), ""
 
 
 def _tables_missing(exc: BaseException) -> bool:

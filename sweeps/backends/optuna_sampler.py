@@ -101,12 +101,11 @@ class TrialSeededSampler(BaseSampler):
         pass
 
 
-def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.BaseSampler:
-    """The spec's sampler, the same in every process of the study whichever ``worker_index`` asks.
-    A seeded sampler draws trial n's values from ``(sampler.seed, n)`` (:class:`TrialSeededSampler`),
-    so resuming, more budget and replacement or parallel workers never redraw a point already
-    drawn, and the same spec run again from scratch draws the same points. ``seed: null`` stays
-    unseeded."""
+def make_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, the same in every process of the study. A seeded sampler draws trial n's
+    values from ``(sampler.seed, n)`` (:class:`TrialSeededSampler`), so resuming, more budget and
+    replacement or parallel workers never redraw a point already drawn, and the same spec run again
+    from scratch draws the same points. ``seed: null`` stays unseeded."""
     seed, name = spec.sampler.seed, spec.sampler.name
     samplers = optuna.samplers
     if name == "grid":

@@ -62,8 +62,7 @@ def current_study_name(storage, name: str) -> str | None:
     return versions[-1][1] if versions else None
 
 
-def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
-               create: bool = True) -> optuna.Study:
+def open_study(spec: StudySpec, fresh: bool = False, create: bool = True) -> optuna.Study:
     """Create or load the spec's study (``fresh`` starts a new version and keeps the old).
 
     A study resumed under the same name with a different search space is refused, naming
@@ -78,7 +77,7 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
         name = f"{spec.name}-v{version}"
     name = name or spec.name
     directions = spec.directions()
-    sampler, pruner = make_sampler(spec, worker_index), make_pruner(spec)
+    sampler, pruner = make_sampler(spec), make_pruner(spec)
     if create and not exists:
         study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, directions=directions,
                                     sampler=sampler, pruner=pruner)

@@ -105,7 +105,7 @@ def run_worker(spec: StudySpec, worker_index: int = 0, go: WorkerGo | None = Non
 def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s: float, tracker) -> int:
     signals = _Signals()
     if go is None:
-        study = join_study(spec, worker_index, wait_s, signals.event)
+        study = join_study(spec, wait_s, signals.event)
         if study is None:
             return signals.exit_code()
         check_tracking_before_trials(tracker, spec.experiment_name())
@@ -117,7 +117,7 @@ def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s
         finally:
             if monitor is not None:
                 monitor.stop()
-    study = optuna_study.open_study(spec, worker_index=worker_index)
+    study = optuna_study.open_study(spec)
     return _take_trials(spec, worker_index, go, study, tracker, signals)
 
 
