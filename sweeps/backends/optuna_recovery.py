@@ -11,7 +11,7 @@ import copy
 import logging
 
 import optuna
-from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from sweeps.backends import optuna_adapter
@@ -74,6 +74,18 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
             _close_run(tracker, run_id, "orphaned: the process running this trial died")
 
 
+def _set_failed(storage: BaseStorage, trial_id: int, reason: str, interrupted: bool) -> bool:
+    """Record why, and whether it was not the trial's fault (``interrupted``: it then does not
+    count toward budget.max_failures), then FAIL the trial; False when it had already finished."""
+    try:
+        storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
+        if interrupted:
+            storage.set_trial_user_attr(trial_id, "interrupted", True)
+        return storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+
+
 def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, tracker=None,
                tracking_uri: str | None = None, interrupted: bool = False) -> bool:
     """Fail another process's RUNNING trial with a reason, close its MLflow run, and
@@ -83,12 +95,7 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     (this process's monitor, or another machine's) may have failed and requeued it first."""
     # Through the storage: the trial is another process's, so there is no Trial object to set it on.
     storage, trial_id = optuna_adapter.storage_of(study), optuna_adapter.trial_id_of(t)
-    try:
-        storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
-        if interrupted:
-            storage.set_trial_user_attr(trial_id, "interrupted", True)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
-    except optuna.exceptions.UpdateFinishedTrialError:
+    if not _set_failed(storage, trial_id, reason, interrupted):
         return False
     frozen = storage.get_trial(trial_id)
     if requeue:
@@ -114,13 +121,8 @@ def fail_stale_trials(study: optuna.Study) -> list[int]:
         reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or cut "
                   f"off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its last "
                   "checkpoint")
-        try:
-            storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
-            storage.set_trial_user_attr(trial_id, "interrupted", True)  # not the trial's fault: not a failure in a row
-            if storage.set_trial_state_values(trial_id, TrialState.FAIL):
-                failed.append(trial_id)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue  # another worker failed it first
+        if _set_failed(storage, trial_id, reason, interrupted=True):  # False: another worker failed it first
+            failed.append(trial_id)
     callback = optuna_adapter.stale_trial_callback(study)
     for trial_id in failed:
         if callback is not None:
