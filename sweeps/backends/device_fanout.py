@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from sweeps.backends import optuna_attrs
 from sweeps.backends.optuna_backend import plan_local_workers, workers_beat_dir
-from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
+from sweeps.backends.optuna_study import check_tracking_before_trials, join_study
 from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo

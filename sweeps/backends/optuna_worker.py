@@ -24,9 +24,9 @@ from core.faults import pause_here
 from sweeps import deploy_check
 from sweeps.backends import driver_faults, optuna_adapter, optuna_attrs, optuna_recovery, optuna_storage, optuna_study
 from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
-from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
 from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.optuna_storage import ask_lock
+from sweeps.backends.optuna_study import check_tracking_before_trials, join_study
 from sweeps.backends.trial_liveness import StaleTrialMonitor, TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError, SweepsError, TrackingError
