@@ -2,7 +2,7 @@
 
 Reads the study through its backend (``get_backend(spec.backend).load``, never writing) and
 the trial runs through MLflow; writes nothing but the page file. Logging the page to the
-study's parent run is the command's job (``sweeps.commands.report``).
+study's parent run is the command's job (``sweeps.commands.after_sweep``).
 """
 from __future__ import annotations
 

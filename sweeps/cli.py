@@ -14,7 +14,7 @@ import os
 import sys
 
 from core.diskfull import describe_disk_full
-from sweeps.commands import after_sweep, check, cluster, report, study
+from sweeps.commands import after_sweep, cluster, study
 from sweeps.commands.base import Command, err_console
 from sweeps.errors import DiskFullError, SweepsError
 from sweeps.fast_exit import exit_now
@@ -22,8 +22,7 @@ from sweeps.faults import armed
 
 # Every subcommand, in the order `sweeps --help` lists them. A command module that fails to
 # import is a bug in this project: the ImportError surfaces here, no command is hidden.
-COMMANDS: tuple[Command, ...] = (*study.COMMANDS, *check.COMMANDS, *cluster.COMMANDS, *after_sweep.COMMANDS,
-                                 *report.COMMANDS)
+COMMANDS: tuple[Command, ...] = (*study.COMMANDS, *cluster.COMMANDS, *after_sweep.COMMANDS)
 
 DESCRIPTION = ("Hyperparameter sweeps for PyTorch: Optuna or Ray Tune studies over core.train(), every trial "
                "tracked in MLflow.")

@@ -9,7 +9,7 @@ import pytest
 
 from core.sanity import OVERFIT_STEPS
 from sweeps import cli
-from sweeps.commands.check import first_point
+from sweeps.commands.study import first_point
 from sweeps.spec.load import spec_from_dict
 
 SEARCH = {"lr": {"type": "float", "low": 1.0e-3, "high": 0.1, "log": True},

@@ -61,12 +61,12 @@ def test_version_without_package_metadata_says_how_to_install(capsys, monkeypatc
 
 
 def test_a_command_module_that_cannot_be_imported_stops_the_cli():
-    # None in sys.modules makes `import sweeps.commands.report` raise ModuleNotFoundError naming
+    # None in sys.modules makes `import sweeps.commands.after_sweep` raise ModuleNotFoundError naming
     # that module: the CLI must not start without the command.
-    code = "import sys; sys.modules['sweeps.commands.report'] = None; import sweeps.cli; sweeps.cli.build_parser()"
+    code = "import sys; sys.modules['sweeps.commands.after_sweep'] = None; import sweeps.cli; sweeps.cli.build_parser()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "ModuleNotFoundError" in proc.stderr and "sweeps.commands.report" in proc.stderr
+    assert "ModuleNotFoundError" in proc.stderr and "sweeps.commands.after_sweep" in proc.stderr
 
 
 # ---- errors --------------------------------------------------------------------------------------
