@@ -14,8 +14,7 @@ import os
 import sys
 
 from core.diskfull import describe_disk_full
-from sweeps.commands import after_sweep, cluster, study
-from sweeps.commands.base import Command, err_console
+from sweeps.commands import Command, after_sweep, cluster, err_console, study
 from sweeps.errors import DiskFullError, SweepsError
 from sweeps.fast_exit import exit_now
 from sweeps.faults import armed

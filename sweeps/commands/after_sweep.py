@@ -19,7 +19,7 @@ import argparse
 import os
 from pathlib import Path
 
-from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
+from sweeps.commands import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import PathError, UsageError
 from sweeps.moved_store import follow_moved_store
 from sweeps.tracking import layout

@@ -21,7 +21,7 @@ from typing import Any
 
 from core.faults import pause_here
 from sweeps.backends.driver import EXIT_BUDGET_UNMET, no_trial_completed
-from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
+from sweeps.commands import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import SpecError, StudyStateError, UsageError
 from sweeps.moved_store import follow_moved_store
 

@@ -10,7 +10,7 @@ from importlib.metadata import version
 import pytest
 
 from sweeps import cli
-from sweeps.commands.base import Command
+from sweeps.commands import Command
 from tests.sweeps.study_helpers import write_spec
 
 EVERY_COMMAND = ["validate", "run", "worker", "status", "sync-tracking", "repair-journal", "check", "doctor", "slurm",
