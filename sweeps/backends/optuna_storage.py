@@ -34,12 +34,14 @@ from sweeps.store_urls import redact_url
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
 GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
 ENV_HEARTBEAT, ENV_GRACE = "SWEEPS_HEARTBEAT_S", "SWEEPS_GRACE_S"  # override both (whole seconds)
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # The retry callback and its helpers are marked experimental since Optuna 2.8 but are stable
 # in practice; the warning would otherwise print once per worker and per trial.
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 # Workers ask/tell instead of Study.optimize and record the heartbeat themselves (optuna_worker).
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
 # What libpq and PostgreSQL say (psycopg 2 and 3 alike) when the credentials are refused.
 _REFUSED = ("password authentication failed", "no password supplied", "authentication failed",
             "pg_hba.conf", "permission denied for database")
@@ -177,7 +179,7 @@ def ask_lock(spec: StudySpec) -> Iterator[None]:
                 fcntl.flock(fh, fcntl.LOCK_UN)
         return
     if url.startswith("postgresql"):
-        engine = sqlalchemy.create_engine(sqlalchemy_url(url), poolclass=sqlalchemy.pool.NullPool)
+        engine = sqlalchemy.create_engine(sqlalchemy_url(url), poolclass=NullPool)
         key = int.from_bytes(spec.name.encode()[:8].ljust(8, b"\0"), "big") & 0x7FFFFFFFFFFFFFFF
         outage = optuna_outage.outage_wait(redact_url(url))
 
