@@ -39,7 +39,6 @@ NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")  # always fullmatch: "$" would let "tin
 NAME_MAX = 100
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"  # relative to the working directory, like storage
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
-PRUNERS = ("none", "median", "percentile", "asha", "hyperband", "pbt")
 BACKEND_SAMPLERS = {"optuna": SAMPLERS, "ray": ("random", "grid", "tpe")}
 BACKEND_PRUNERS = {"optuna": ("none", "median", "percentile", "asha", "hyperband"),
                    "ray": ("none", "median", "asha", "hyperband", "pbt")}

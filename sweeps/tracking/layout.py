@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TAG_PREFIX = "sweeps."
 TAG_ROLE = "sweeps.role"  # "study" | "trial" | "rerun" | "seeds"
 ROLE_STUDY, ROLE_TRIAL, ROLE_RERUN, ROLE_SEEDS = "study", "trial", "rerun", "seeds"
 TAG_STUDY = "sweeps.study"  # study name, on parent and children

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from sweeps.errors import TrackingError, TrackingPathError, cause_chain
 from sweeps.stop_signals import interrupted_by_signals
-from sweeps.store_urls import RDB_DIALECTS, sqlite_path
+from sweeps.store_urls import sqlite_path
 from sweeps.tracking.store_errors import disk_full_error, store_folder
 
 # Where MLflow's server says its Host-header check refused the request (mlflow.server.security_utils).
@@ -167,11 +167,6 @@ _FAST_FAIL_HTTP_ENV = {
 
 def is_http_uri(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
-
-
-def is_database_uri(uri: str) -> bool:
-    """A SQLAlchemy URL (``postgresql+psycopg2://...``), which MLflow opens with its SQL store."""
-    return uri.split(":", 1)[0].split("+", 1)[0] in RDB_DIALECTS
 
 
 def apply_fast_fail_http_defaults() -> None:
