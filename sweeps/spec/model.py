@@ -338,10 +338,6 @@ class StudySpec(_Section):
         data = self.model_dump(mode="json", exclude={"description", *unset})
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    def search_space_signature(self) -> dict[str, dict[str, Any]]:
-        """Canonical form of ``search``: a study resumed with a different one must be refused."""
-        return ss.signature(self.search)
-
 
 def check_storage(value: Any) -> None:
     """Raise ValueError unless ``value`` is a safe journal path or an RDB URL Optuna can open."""

@@ -12,6 +12,7 @@ from core.config import TrainConfig
 from sweeps.errors import SpecError
 from sweeps.spec.load import load_spec, parse_yaml_text, spec_from_dict
 from sweeps.spec.model import StudySpec, dump_spec_dict
+from sweeps.spec.search_space import signature
 from sweeps.store_urls import redact_url
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
@@ -290,8 +291,8 @@ def test_spec_hash_and_search_signature(tmp_path):
     c = load_spec(write(tmp_path, GOOD.replace("high: 1.0", "high: 0.5"), "c.yaml"))
     assert a.spec_hash() == load_spec(tmp_path / "a.yaml").spec_hash() == b.spec_hash()
     assert len(a.spec_hash()) == 64 and c.spec_hash() != a.spec_hash()
-    assert a.search_space_signature() == b.search_space_signature() != c.search_space_signature()
-    assert list(a.search_space_signature()) == ["batch_size", "lr"]  # canonical: sorted keys
+    assert signature(a.search) == signature(b.search) != signature(c.search)
+    assert list(signature(a.search)) == ["batch_size", "lr"]  # canonical: sorted keys
 
 
 def test_dump_is_json_and_round_trips(tmp_path):
