@@ -37,7 +37,7 @@ def _init_worker() -> None:
 
 def base_config(seed: int, epochs: int | None = None):
     from core.config import apply_overrides
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(SPEC)
     cfg = spec.resolved_train_config({"lr": 0.01, "batch_size": 32})

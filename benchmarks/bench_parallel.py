@@ -120,7 +120,7 @@ def run(ctx: Context) -> dict:
                   f"ONNX export verified in onnxruntime), batch 32, {ctx.pick(1, main_study['train']['epochs'])} "
                   "epoch(s); random sampler over "
                   "lr only (equal cost per trial), no pruner.",
-                  "Each worker gets cpu_threads // workers torch threads (sweeps.pool.plan_workers). The ceiling "
+                  "Each worker gets cpu_threads // workers torch threads (sweeps.slot_plan.plan_workers). The ceiling "
                   "is 2 x (1-worker trial time) / (2-worker trial time): a trial that gains from its second "
                   "thread leaves less for a second worker to add."],
         "details": {"runs": runs},

@@ -224,14 +224,14 @@ def _ram_gib() -> float | None:
 
 
 def package_versions(names: Iterable[str] = VERSION_PACKAGES) -> dict[str, str]:
-    from sweeps.study_run import package_versions as installed_versions
+    from sweeps.parent_run import package_versions as installed_versions
 
     return {"python": platform.python_version(), **installed_versions(tuple(names))}
 
 
 def git_commit() -> str:
     """Short HEAD of this checkout (``+dirty`` with uncommitted changes), or "unknown"."""
-    from sweeps.study_run import git_commit as full_commit
+    from sweeps.parent_run import git_commit as full_commit
 
     head, plus, dirty = full_commit(ROOT).partition("+")
     return (head[:7] if head != "unknown" else head) + plus + dirty

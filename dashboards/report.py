@@ -2,7 +2,7 @@
 
 Reads the study through its backend (``get_backend(spec.backend).load``, never writing) and
 the trial runs through MLflow; writes nothing but the page file. Logging the page to the
-study's parent run is the command's job (``sweeps.commands.report``).
+study's parent run is the command's job (``sweeps.commands.after_sweep``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dashboards.page import header_from_spec, render_page, write_page
 from dashboards.tables import StudyTables, build_tables
 from sweeps.backends.base import StudyResult
 from sweeps.backends.by_name import get_backend
-from sweeps.study_run import reader_for, tracker_for
+from sweeps.parent_run import reader_for, tracker_for
 from sweeps.tracking import layout
 from sweeps.tracking.reader import RunLookupError, TrackingReader
 
@@ -32,7 +32,7 @@ class LoadedStudy:
 def find_parent_run_id(reader: TrackingReader, experiment_name: str,
                        study_name: str) -> tuple[str | None, str | None]:
     """(parent run id, experiment id) of the study's parent run, searched by its tags (of any
-    identity, unlike ``study_run.find_parent``: the report shows whatever the store holds)."""
+    identity, unlike ``parent_run.find_parent``: the report shows whatever the store holds)."""
     experiment_id = reader.experiment_id(experiment_name)
     if experiment_id is None:
         return None, None

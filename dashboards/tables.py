@@ -19,7 +19,7 @@ import pandas as pd
 
 from dashboards import mlflow_tables as mt
 from sweeps.backends.base import StudyResult
-from sweeps.search_space import optuna_distributions
+from sweeps.spec.search_space import optuna_distributions
 
 STATE_ORDER = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
 FINISHED_STATES = ("COMPLETE", "PRUNED", "FAIL")

@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dashboards.front import DOMINATED_COLOR, FRONT_COLOR, front_points, pareto_figure
+from dashboards.figures import DOMINATED_COLOR, FRONT_COLOR, front_points, pareto_figure
 from dashboards.tables import param_names, trials_table
 
 
@@ -58,7 +58,7 @@ def draw_png(trials, objectives: list[tuple[str, str]], names: list[str], title:
 
 def main(argv: list[str] | None = None) -> int:
     from sweeps.backends.by_name import get_backend
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     p = argparse.ArgumentParser(prog="python -m scripts.pareto_figure", description=__doc__.splitlines()[0])
     p.add_argument("spec", help="study spec YAML file of a finished study with several objectives")

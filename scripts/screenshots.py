@@ -89,7 +89,7 @@ def mlflow_pngs(spec, out: Path, work: Path) -> list[Path]:
     """Screenshot the MLflow UI's runs table (the trials expanded under the study's run), the best
     trial's page, the comparison of the trial runs and the Models tab."""
     from dashboards.report import load_study
-    from sweeps.study_run import reader_for
+    from sweeps.parent_run import reader_for
 
     loaded = load_study(spec)
     trials = sorted((t for t in loaded.result.trials if t.run_id), key=lambda t: t.number)
@@ -141,7 +141,7 @@ def pruned_png(spec, out: Path, work: Path) -> Path:
     """Screenshot the runs table of ``spec``'s study filtered to its pruned trials (the
     ``sweeps.state`` tag): each one FINISHED, with a logged model of its own."""
     from dashboards.report import load_study
-    from sweeps.study_run import reader_for
+    from sweeps.parent_run import reader_for
 
     loaded = load_study(spec)
     pruned = sorted((t for t in loaded.result.trials if t.state == "PRUNED" and t.run_id), key=lambda t: t.number)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if find_chromium() is None:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(args.spec)
     pruned_spec = load_spec(args.pruned)

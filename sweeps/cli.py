@@ -15,15 +15,13 @@ import sys
 
 from core import faults
 from core.diskfull import describe_disk_full
-from sweeps.commands import after_sweep, check, cluster, report, study
-from sweeps.commands.base import Command, err_console
+from sweeps.commands import Command, after_sweep, cluster, err_console, study
 from sweeps.errors import DiskFullError, SweepsError
 from sweeps.fast_exit import exit_now
 
 # Every subcommand, in the order `sweeps --help` lists them. A command module that fails to
 # import is a bug in this project: the ImportError surfaces here, no command is hidden.
-COMMANDS: tuple[Command, ...] = (*study.COMMANDS, *check.COMMANDS, *cluster.COMMANDS, *after_sweep.COMMANDS,
-                                 *report.COMMANDS)
+COMMANDS: tuple[Command, ...] = (*study.COMMANDS, *cluster.COMMANDS, *after_sweep.COMMANDS)
 
 DESCRIPTION = ("Hyperparameter sweeps for PyTorch: Optuna or Ray Tune studies over core.train(), every trial "
                "tracked in MLflow.")

@@ -21,10 +21,10 @@ from rich.text import Text
 
 from core.metrics import LOOP_METRICS
 from sweeps.errors import RunLookupError
-from sweeps.spec import DEFAULT_TRACKING_URI
+from sweeps.spec.model import DEFAULT_TRACKING_URI
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
-from sweeps.tracking.sync import check_sqlite_store
+from sweeps.tracking.store_checks import check_sqlite_store
 
 # Metrics that measure the machine, not the training: never part of a curve comparison.
 TIMING_METRICS = frozenset({"samples_per_s", "epoch_time_s", "peak_mem_mb", "trial_seconds"})

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sweeps.spec import StudySpec
-from sweeps.spec_objectives import Bound, is_deploy_metric
+from sweeps.spec.model import StudySpec
+from sweeps.spec.objectives import Bound, is_deploy_metric
 
 if TYPE_CHECKING:
     pass

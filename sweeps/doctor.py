@@ -21,15 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from sweeps.errors import SweepsError, TrackingError
-from sweeps.spec import StudySpec
+from sweeps.parent_run import package_versions
+from sweeps.spec.model import StudySpec
 from sweeps.store_urls import redact_url
-from sweeps.study_run import package_versions
 from sweeps.tracking import layout
-from sweeps.tracking.store_access import check_experiment_writable, host_header_refusal, http_credentials
-from sweeps.tracking.sync import (
+from sweeps.tracking.store_checks import (
     apply_fast_fail_http_defaults,
+    check_experiment_writable,
     check_sqlite_store,
     check_store,
+    host_header_refusal,
+    http_credentials,
     is_http_uri,
     sqlite_path,
 )
@@ -102,7 +104,7 @@ def check_storage(spec: StudySpec) -> str:
 def _check_database(url: str) -> str:
     import sqlalchemy
 
-    from sweeps.backends.optuna_study import sqlalchemy_url
+    from sweeps.backends.optuna_storage import sqlalchemy_url
 
     shown = redact_url(url)
     postgres = url.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "postgres")

@@ -41,19 +41,6 @@ def parse_duration(value: object) -> float | None:
     return seconds
 
 
-def format_duration(seconds: float) -> str:
-    """Short human form for messages and summaries: 5400 -> '1h30m', 42.5 -> '42.5s'."""
-    if seconds < 60:
-        return f"{seconds:g}s"
-    whole = int(round(seconds))
-    parts = []
-    for unit in ("d", "h", "m", "s"):
-        n, whole = divmod(whole, int(_UNIT_SECONDS[unit]))
-        if n:
-            parts.append(f"{n}{unit}")
-    return "".join(parts)
-
-
 def env_seconds(name: str, default: float) -> float:
     """A number of seconds >= 0 from the environment variable ``name`` (tests and operators tune
     waits this way); ``default`` when unset or not a number."""

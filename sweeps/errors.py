@@ -4,6 +4,18 @@ The CLI maps SweepsError subclasses to exit codes: bad input (spec, path, CLI us
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+
+def cause_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then its causes and contexts, each once: a library's error (Optuna's, MLflow's)
+    often wraps the database's own, which says what went wrong."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
 
 class SweepsError(Exception):
     exit_code = 1
@@ -134,7 +146,7 @@ class TrackingPathError(TrackingError, PathError):
 
 
 class StoppedBySignal(SweepsError):
-    """SIGINT or SIGTERM ended a wait that had nothing to save (sweeps/interruptible.py); the exit
+    """SIGINT or SIGTERM ended a wait that had nothing to save (sweeps/stop_signals.py); the exit
     code is 128 + the signal's number, as for a study stopped by it."""
 
     def __init__(self, message: str, signum: int) -> None:

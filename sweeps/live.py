@@ -16,7 +16,7 @@ from rich.text import Text
 
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.program import sweeps_command
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 
 
 def _fmt(value: float | None) -> str:

@@ -6,7 +6,7 @@ MLflow records absolute artifact locations in its SQLite database: every experim
 MLflow reads from, and writes into, the old absolute path: a checkpoint that is there reads
 as missing, and a new artifact recreates the old folder (a copy would write into the
 original's). ``sweeps`` keeps artifacts beside the database (``runs/mlartifacts``, see
-``study_run.tracker_for``), so a store whose recorded folder is another ``mlartifacts`` while
+``parent_run.tracker_for``), so a store whose recorded folder is another ``mlartifacts`` while
 its own sibling ``mlartifacts/<experiment>`` exists has moved: :func:`follow_moved_store`
 points those locations at the sibling folder, in one transaction, and says so. It is called
 by the commands that read or write a store's artifacts (``report``, ``rerun``, ``promote``),

@@ -36,7 +36,7 @@ from sweeps.errors import BadNameError, NothingQualifies, PromoteError, PromoteR
 from sweeps.model_logging import find_logged_model, log_model, promoted_name
 from sweeps.pareto import parse_where
 from sweeps.safe_names import safe_component
-from sweeps.spec_objectives import is_deploy_metric
+from sweeps.spec.objectives import is_deploy_metric
 from sweeps.tracking import layout
 from sweeps.tracking.mlflow_adapter import fluent_uri
 from sweeps.tracking.reader import TrackingReader

@@ -35,9 +35,9 @@ from core.config import apply_overrides
 from core.ddp_launch import TaskSpec, train_distributed
 from core.train import train
 from sweeps.compare import CurveComparison, best_over_epochs, compare_curves, compared_metric, metric_curve, open_client
+from sweeps.parent_run import git_commit, package_versions
 from sweeps.resolved_config import config_from_resolved, load_resolved_config, task_from_resolved
 from sweeps.safe_names import safe_component
-from sweeps.study_run import git_commit, package_versions
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.reader import TrackingReader

@@ -37,11 +37,6 @@ MODEL_FORMAT = "pyfunc-task/1"  # tag value of logged models in this layout (old
 PREDICT_CHUNK = 256  # rows per forward pass, so a large batch does not hold every activation at once
 
 
-def task_from_section(section: dict[str, Any]):
-    """The task of a trial's task section (the same path as ``sweeps rerun``)."""
-    return task_from_resolved({"task": section})
-
-
 def as_array(model_input: Any) -> np.ndarray:
     """``model_input`` as a numpy array: a pandas DataFrame by its values; a list of images of
     different sizes as a one-dimensional object array (one natural input per row)."""
@@ -104,7 +99,7 @@ class TaskModel(PythonModel):
 
         spec = json.loads(Path(context.artifacts[ART_TASK]).read_text())
         self.natural = bool(spec["natural_input"])
-        self.task = task_from_section(spec["task"])
+        self.task = task_from_resolved({"task": spec["task"]})  # the same path as `sweeps rerun`
         # A torch.export program (pt2) or a pickled module in eval mode, on the CPU, as promote saved it.
         self.model = mlflow.pytorch.load_model(context.artifacts[ART_TORCH])
 

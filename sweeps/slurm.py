@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sweeps.errors import SweepsError, UsageError
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 
 MIN_GRACE_S = 10  # a trial needs a few seconds to write its checkpoint and requeue itself
 

@@ -16,8 +16,8 @@ import optuna
 
 from core.lr_finder import lr_range_test
 from sweeps.backends import optuna_study
-from sweeps.search_space import CategoricalParam
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
+from sweeps.spec.search_space import CategoricalParam
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.mlflow_tracker import MlflowTracker

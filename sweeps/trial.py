@@ -27,9 +27,9 @@ from core.results import TrainResult
 from core.train import train
 from sweeps import deploy_check, trial_folder
 from sweeps.model_logging import TORCHSCRIPT_DIR
-from sweeps.pool import ddp_processes, visible_gpu_count
-from sweeps.spec import StudySpec
-from sweeps.study_run import process_git_commit
+from sweeps.parent_run import process_git_commit
+from sweeps.slot_plan import ddp_processes, visible_gpu_count
+from sweeps.spec.model import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.trial_extras import TrialExtras

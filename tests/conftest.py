@@ -99,7 +99,7 @@ def pytest_configure(config):
     # processes that run tests at once (two processes with two threads each would make torch's
     # threads wait for each other's cores). The xdist controller runs no test: its workers decide.
     if not _is_xdist_controller(config):
-        from sweeps.pool import cpu_threads_available  # the pool's count: affinity mask, cgroup cpusets
+        from sweeps.slot_plan import cpu_threads_available  # the pool's count: affinity mask, cgroup cpusets
 
         threads = cpu_threads_available() // _xdist_workers()
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, threads))))

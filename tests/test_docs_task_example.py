@@ -57,7 +57,7 @@ def test_the_example_keeps_the_task_contract(example):
 def test_the_example_trains_and_its_spec_validates(example, tmp_path):
     from core.config import TrainConfig
     from core.train import train
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     task = __import__("mypkg.tasks", fromlist=["RoomTemperature"]).RoomTemperature(width=16)
     cfg = TrainConfig(epochs=4, batch_size=64, lr=0.01, optimizer="adamw", scheduler="constant", num_workers=0,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
 from sweeps.pareto import pareto_front
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 
 
 @dataclass

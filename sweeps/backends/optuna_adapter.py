@@ -189,7 +189,14 @@ class OutageTolerantStorage(BaseStorage, BaseHeartbeat):
     get_trial_system_attrs = _forwarded("get_trial_system_attrs")
     check_trial_is_updatable = _forwarded("check_trial_is_updatable")
     record_heartbeat = _forwarded("record_heartbeat")
-    _get_stale_trial_ids = _forwarded("_get_stale_trial_ids")
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        # No heartbeat could be recorded during an outage or just after it: silence then is no
+        # sign of a dead worker, so no trial counts as stale until a grace period has passed.
+        grace = self.rdb.grace_period or 2 * (self.rdb.heartbeat_interval or 1)
+        if self.outage.quiet_for(grace):
+            return []
+        return self._call("_get_stale_trial_ids", study_id)
 
     def remove_session(self) -> None:
         self.cached.remove_session()

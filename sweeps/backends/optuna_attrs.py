@@ -16,5 +16,5 @@ ATTR_WORKER = "worker"
 ATTR_REASON = "fail_reason"
 ATTR_BATCH_OVERRIDES = "train_overrides"
 ATTR_N_TRIALS = "n_trials"  # the budget as raised by sweeps run --add-trials, above the spec's
-ATTR_JUDGED_BY = "judged_by"  # training, objectives, constraints, deploy (sweeps.spec_objectives.judged_by)
+ATTR_JUDGED_BY = "judged_by"  # training, objectives, constraints, deploy (sweeps.spec.objectives.judged_by)
 ATTR_STUDY_UID = "study_uid"  # a UUID made when the study is created: its identity beyond its name

@@ -16,22 +16,20 @@ import optuna
 from optuna.trial import TrialState
 
 from core import faults
+from sweeps.backends import optuna_attrs, optuna_storage, optuna_study
 from sweeps.backends import optuna_recovery as recovery
-from sweeps.backends import optuna_study
 from sweeps.backends.base import StudyResult
-from sweeps.backends.driver_signals import DriverSignals, stopped_by
-from sweeps.backends.journal_file import LINK_SUFFIX
-from sweeps.backends.journal_repair import check_journal
+from sweeps.backends.driver import DriverSignals, run_lock, stopped_by
+from sweeps.backends.journal_file import LINK_SUFFIX, check_journal
 from sweeps.backends.optuna_outage import StorageUnavailable
-from sweeps.backends.optuna_warm_start import enqueue_warm_start
-from sweeps.backends.run_lock import run_lock
+from sweeps.backends.optuna_study import enqueue_warm_start
 from sweeps.backends.supervisor import EarlyWorkers, Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
-from sweeps.pool import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
-from sweeps.spec import StudySpec
-from sweeps.study_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
+from sweeps.parent_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
+from sweeps.slot_plan import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
+from sweeps.spec.model import StudySpec
 
 log = logging.getLogger("sweeps")
 
@@ -104,10 +102,10 @@ class OptunaBackend:
             study = optuna_study.open_study(spec, fresh=fresh)
             warm = (enqueue_warm_start(spec, study) if spec.warm_start is not None
                     and not study.get_trials(deepcopy=False) else "")
-            uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
+            uid = study.user_attrs[optuna_attrs.ATTR_STUDY_UID]
             parent = find_or_create_parent(tracker, spec, study.study_name, self.name, study_uid=uid)
-            if study.user_attrs.get(optuna_study.ATTR_PARENT_RUN) != parent.run_id:
-                study.set_user_attr(optuna_study.ATTR_PARENT_RUN, parent.run_id)
+            if study.user_attrs.get(optuna_attrs.ATTR_PARENT_RUN) != parent.run_id:
+                study.set_user_attr(optuna_attrs.ATTR_PARENT_RUN, parent.run_id)
             with _killed_if_storage_lost(tracker, parent):
                 faults.signal_here(faults.Fault.DRIVER_SIGTERM_AT_START)
                 recovered = self._recover_orphans(spec, study, tracker)
@@ -130,7 +128,7 @@ class OptunaBackend:
                     stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker,
                                                     early, signals)
                 result = optuna_study.study_result(spec, optuna.load_study(
-                    study_name=study.study_name, storage=optuna_study.open_storage(spec)))
+                    study_name=study.study_name, storage=optuna_storage.open_storage(spec)))
                 result.stopped_reason = stopped
                 faults.signal_here(faults.Fault.DRIVER_SIGTERM_AT_END)
                 write_summary(tracker, parent, result)
@@ -148,7 +146,7 @@ class OptunaBackend:
                    signals: DriverSignals) -> tuple[str, int]:
         """Run the workers under a :class:`Supervisor`; the live view and the parent run's
         best-so-far are kept current from the study (every worker's trials, in order)."""
-        uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
+        uid = study.user_attrs[optuna_attrs.ATTR_STUDY_UID]
         finished: list[int] = [-1]
 
         def go_for(slot: WorkerSlot, beat: Path) -> WorkerGo:
@@ -183,8 +181,8 @@ class OptunaBackend:
         for orphaned trials. RDB studies may have many (plus ``sweeps worker``s)."""
         if spec.is_rdb_storage():
             return contextlib.nullcontext()
-        path = Path(f"{optuna_study.journal_file(spec)}.runlock")  # absolute, like every journal path (journal_file.py)
-        optuna_study.make_folder(path.parent, f"storage: {spec.storage_url()}")  # a clear error if runs/ is a file
+        path = Path(f"{optuna_storage.journal_file(spec)}.runlock")  # absolute, like every journal path
+        optuna_storage.make_folder(path.parent, f"storage: {spec.storage_url()}")  # a clear error if runs/ is a file
         return run_lock(path, spec.name)
 
     def _recover_orphans(self, spec: StudySpec, study: optuna.Study, tracker) -> list[int]:
@@ -192,14 +190,14 @@ class OptunaBackend:
         that died (SIGKILL, OOM killer, power). Each is failed with the reason, its MLflow
         run closed as FAILED, and its parameters requeued to resume from its checkpoint."""
         if spec.is_rdb_storage():
-            return []  # RDB: Optuna's heartbeat fails stale trials (see optuna_study.open_storage)
+            return []  # RDB: Optuna's heartbeat fails stale trials (see optuna_storage.open_storage)
         check_journal(spec.storage_url())
         stale_lock = Path(spec.storage_url() + LINK_SUFFIX)
         if stale_lock.is_symlink():
             stale_lock.unlink()  # Optuna's journal lock, left by a process killed mid-append
         recovered = []
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            reason = (f"orphaned: worker {t.user_attrs.get(optuna_study.ATTR_WORKER, '?')} died while running it "
+            reason = (f"orphaned: worker {t.user_attrs.get(optuna_attrs.ATTR_WORKER, '?')} died while running it "
                       f"(killed or crashed); requeued to resume from its last checkpoint")
             recovery.fail_trial(study, t, reason, requeue=True, tracker=tracker, tracking_uri=spec.tracking_store_uri())
             recovered.append(t.number)

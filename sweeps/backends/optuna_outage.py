@@ -28,7 +28,7 @@ from optuna.exceptions import StorageInternalError
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from sweeps.durations import ENV_STORAGE_WAIT, store_wait_seconds
-from sweeps.errors import BackendError, StoreGone
+from sweeps.errors import BackendError, StoreGone, cause_chain
 
 log = logging.getLogger("sweeps")
 MAX_PAUSE_S = 5.0  # the longest pause between two tries: a storage that is back is used within seconds
@@ -37,7 +37,8 @@ MAX_PAUSE_S = 5.0  # the longest pause between two tries: a storage that is back
 # up (57P01-57P03), a serialization failure or deadlock (40001, 40P01), too many connections (53300).
 _TRANSIENT_STATES = frozenset({"57P01", "57P02", "57P03", "40001", "40P01", "53300"})
 _TRANSIENT_WORDS = (
-    "connection refused", "server closed the connection", "could not connect", "connection reset",
+    "connection refused", "no route to host", "name or service not known", "server closed the connection",
+    "could not connect", "connection reset",
     "connection timed out", "timeout expired", "the database system is starting up",
     "the database system is shutting down", "the database system is in recovery mode",
     "terminating connection", "ssl syscall error", "no connection to the server", "connection already closed",
@@ -52,19 +53,12 @@ class StorageUnavailable(BackendError, StoreGone):
     """The storage has not answered for longer than the wait allows: the process stops as on SIGTERM."""
 
 
-def _chain(exc: BaseException | None):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
 
 def classify(exc: BaseException) -> str | None:
     """TRANSIENT, PERMANENT, or None for an error that is not the database's (a study that does
     not exist, a finished trial updated: Optuna's own answers, passed on as they are)."""
     database = False
-    for link in _chain(exc):
+    for link in cause_chain(exc):
         if isinstance(link, DBAPIError) and link.connection_invalidated:
             return TRANSIENT
         state = getattr(link, "pgcode", None) or getattr(link, "sqlstate", None)
@@ -79,7 +73,7 @@ def classify(exc: BaseException) -> str | None:
 def root_cause(exc: BaseException) -> str:
     """``Type: first line`` of the innermost error that says something (Optuna wraps the database's
     own message; SQLAlchemy's pool adds wordless ones of its own under it)."""
-    said = [link for link in _chain(exc) if str(link).strip() not in ("", "()")] or [exc]
+    said = [link for link in cause_chain(exc) if str(link).strip() not in ("", "()")] or [exc]
     root = said[-1]
     return f"{type(root).__name__}: {(str(root).strip() or '?').splitlines()[0]}"
 

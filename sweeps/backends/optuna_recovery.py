@@ -1,21 +1,36 @@
-"""Recovery of trials whose process died: close their MLflow runs, fail and requeue them.
+"""Recovery of trials whose process died: close their MLflow runs, fail and requeue them; and of
+trials that ran out of memory: retried at half the batch.
 
 Used by the orchestrator for orphans on journal storage (``sweeps run`` holds the run lock,
-so every RUNNING trial is an orphan) and by Optuna's heartbeat on RDB storage.
+so every RUNNING trial is an orphan) and by Optuna's heartbeat on RDB storage
+(:func:`fail_stale_trials`, which every worker and the stale-trial monitor call).
 """
 from __future__ import annotations
 
+import copy
+import logging
+
 import optuna
-from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from sweeps.backends import optuna_adapter
-from sweeps.backends.optuna_attrs import ATTR_PARENT_RUN, ATTR_REASON, ATTR_RUN_ID, MAX_RETRIES
-from sweeps.study_run import running_children
+from sweeps.backends.optuna_attrs import (
+    ATTR_BATCH_OVERRIDES,
+    ATTR_PARENT_RUN,
+    ATTR_REASON,
+    ATTR_RUN_ID,
+    ATTR_WORKER,
+    MAX_RETRIES,
+)
+from sweeps.parent_run import running_children
+from sweeps.spec.model import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.mlflow_tracker import MlflowTracker
 from sweeps.tracking.reader import TrackingReader
+
+log = logging.getLogger("sweeps")
 
 
 class StaleTrialCallback:
@@ -59,6 +74,18 @@ def close_orphan_runs(tracker, study: optuna.Study) -> None:
             _close_run(tracker, run_id, "orphaned: the process running this trial died")
 
 
+def _set_failed(storage: BaseStorage, trial_id: int, reason: str, interrupted: bool) -> bool:
+    """Record why, and whether it was not the trial's fault (``interrupted``: it then does not
+    count toward budget.max_failures), then FAIL the trial; False when it had already finished."""
+    try:
+        storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
+        if interrupted:
+            storage.set_trial_user_attr(trial_id, "interrupted", True)
+        return storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+
+
 def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, tracker=None,
                tracking_uri: str | None = None, interrupted: bool = False) -> bool:
     """Fail another process's RUNNING trial with a reason, close its MLflow run, and
@@ -68,12 +95,7 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     (this process's monitor, or another machine's) may have failed and requeued it first."""
     # Through the storage: the trial is another process's, so there is no Trial object to set it on.
     storage, trial_id = optuna_adapter.storage_of(study), optuna_adapter.trial_id_of(t)
-    try:
-        storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
-        if interrupted:
-            storage.set_trial_user_attr(trial_id, "interrupted", True)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
-    except optuna.exceptions.UpdateFinishedTrialError:
+    if not _set_failed(storage, trial_id, reason, interrupted):
         return False
     frozen = storage.get_trial(trial_id)
     if requeue:
@@ -82,3 +104,42 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
         _close_run(tracker or StaleTrialCallback(tracking_uri or "")._get_tracker(), frozen.user_attrs[ATTR_RUN_ID],
                    reason)
     return True
+
+
+def fail_stale_trials(study: optuna.Study) -> list[int]:
+    """``optuna.storages.fail_stale_trials``, with the reason recorded on each trial first:
+    RUNNING trials whose worker has been silent for longer than the grace period are failed
+    (once, whichever worker gets there first), then StaleTrialCallback closes their MLflow
+    runs and requeues them. Returns the numbers of the trials this call failed."""
+    if not optuna_adapter.heartbeat_enabled(study):
+        return []
+    storage = optuna_adapter.storage_of(study)
+    grace = optuna_adapter.heartbeat_grace_seconds(study)
+    failed = []
+    for trial_id in optuna_adapter.stale_trial_ids(study):
+        worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
+        reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or cut "
+                  f"off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its last "
+                  "checkpoint")
+        if _set_failed(storage, trial_id, reason, interrupted=True):  # False: another worker failed it first
+            failed.append(trial_id)
+    callback = optuna_adapter.stale_trial_callback(study)
+    for trial_id in failed:
+        if callback is not None:
+            callback(study, copy.deepcopy(storage.get_trial(trial_id)))
+    return [storage.get_trial(t).number for t in failed]
+
+
+def enqueue_smaller_batch(spec: StudySpec, study: optuna.Study, failed: FrozenTrial) -> None:
+    """Out of memory: retry once at half the batch size with twice the accumulation,
+    so the effective batch (and so the learning-rate meaning) stays the same."""
+    cfg = spec.resolved_train_config(failed.params)
+    if cfg.batch_size < 2:
+        return
+    overrides = {"batch_size": cfg.batch_size // 2, "grad_accum_steps": cfg.grad_accum_steps * 2}
+    if "batch_size" in failed.params:
+        log.warning("trial %d ran out of memory with a searched batch_size; retry keeps the sampled value "
+                    "in params but trains at %d x %d", failed.number, overrides["batch_size"],
+                    overrides["grad_accum_steps"])
+    study.enqueue_trial(failed.params, user_attrs={ATTR_BATCH_OVERRIDES: overrides, "oom_retry_of": failed.number},
+                        skip_if_exists=False)

@@ -1,35 +1,34 @@
-"""The Optuna study of a spec: storage, sampler, pruner, versions, orphans, records.
+"""The Optuna study of a spec: its versions, the checks before a resume, its records and budget,
+a study that starts from an earlier one or goes on past its budget, and a ``sweeps worker``
+joining the study ``sweeps run`` created (it waits for the study and its MLflow parent run, and
+checks its MLflow store before its first trial).
 
-Storage: a journal file under ``runs/`` by default (safe for parallel local workers,
-unlike a shared SQLite file), or any RDB URL. On RDB storage, Optuna's heartbeat and
-stale-trial retry are on, so a worker machine that dies has its trial failed and requeued.
+``warm_start: {from: STUDY, top: K}`` (sweeps/spec/model.py): a new study's first trials are the K
+best completed configurations of the earlier study, enqueued with Optuna's ``enqueue_trial``;
+parameters the new search space lacks are dropped and those it adds are left to the sampler (a
+partial enqueued trial has its other parameters drawn).
+
+``sweeps run SPEC --add-trials N`` raises the budget of a study that ran by N without editing the
+spec: the raised budget is a user attribute of the study, which every process opening the study
+(the driver, its workers, status and report) takes over ``budget.n_trials``.
 """
 from __future__ import annotations
 
-import copy
-import errno
-import importlib.util
 import logging
-import os
 import re
+import threading
+import time
 import uuid
-import warnings
 from collections.abc import Sequence
 from datetime import datetime
-from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import optuna
-from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy.pool import NullPool
 
-from sweeps import search_space as ss
-from sweeps.backends import optuna_adapter, optuna_outage
+from sweeps.backends import optuna_adapter
 from sweeps.backends.base import StudyResult, TrialRecord
-from sweeps.backends.journal_file import open_journal
 from sweeps.backends.optuna_attrs import (
-    ATTR_BATCH_OVERRIDES,
     ATTR_JUDGED_BY,
     ATTR_N_TRIALS,
     ATTR_PARENT_RUN,
@@ -38,170 +37,20 @@ from sweeps.backends.optuna_attrs import (
     ATTR_SEARCH,
     ATTR_SPEC_HASH,
     ATTR_STUDY_UID,
-    ATTR_WORKER,
-    MAX_RETRIES,
 )
-from sweeps.backends.optuna_recovery import StaleTrialCallback
-from sweeps.backends.storage_errors import storage_error
-from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
+from sweeps.backends.optuna_sampler import make_pruner, make_sampler
+from sweeps.backends.optuna_storage import StorageUnreachableError, open_storage
 from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED
-from sweeps.errors import BackendError, PathError, StudyStateError
-from sweeps.spec import StudySpec
-from sweeps.spec_objectives import judged_by, judged_by_changes
+from sweeps.errors import BackendError, StudyStateError, cause_chain
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
+from sweeps.spec.objectives import judged_by, judged_by_changes
+from sweeps.spec.search_space import CategoricalParam
 from sweeps.store_urls import redact_url
+from sweeps.tracking.store_checks import check_experiment_writable, is_http_uri
 
-HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
-GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
-ENV_HEARTBEAT, ENV_GRACE = "SWEEPS_HEARTBEAT_S", "SWEEPS_GRACE_S"  # override both (whole seconds)
-
-optuna.logging.set_verbosity(optuna.logging.WARNING)
-# The retry callback and its helpers are marked experimental since Optuna 2.8 but are stable
-# in practice; the warning would otherwise print once per worker and per trial.
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-# Workers ask/tell instead of Study.optimize and record the heartbeat themselves (optuna_worker).
-warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 log = logging.getLogger("sweeps")
-
-
-# ---- storage -------------------------------------------------------------------------
-def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> optuna.storages.BaseStorage:
-    """Open the spec's storage. ``create=False`` (read-only commands) refuses to create a
-    journal file or database tables that are not there yet. ``pooled=False``: a database
-    connection only while a call runs (a caller that calls every few seconds should not hold
-    one of the server's connections between calls)."""
-    url = spec.storage_url()
-    if spec.is_rdb_storage():
-        heartbeat_s, grace_s = heartbeat_settings()
-        outage = optuna_outage.outage_wait(redact_url(url))  # waited out once this process has used it
-        try:
-            rdb = outage.call(lambda: RDBStorage(
-                sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True} if pooled else {"poolclass": NullPool},
-                skip_table_creation=not create,
-                heartbeat_interval=heartbeat_s, grace_period=grace_s,
-                heartbeat_stale_trial_callback=StaleTrialCallback(spec.tracking_store_uri()),
-            ))
-            return optuna_adapter.outage_tolerant(rdb, outage)
-        except optuna_outage.StorageUnavailable:
-            raise
-        except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this storage"
-            raise storage_error(url, exc) from exc
-    path = journal_file(spec)
-    if not create and not path.exists():
-        ran_in = _folder_it_ran_in(spec)
-        if ran_in is not None:  # run from another folder: starting it here would start a second study
-            raise StudyStateError(f"storage: {url} is not in this folder ({Path.cwd()}) but in {ran_in}: the "
-                                  f"spec's paths are relative to the folder a command runs in; cd {ran_in} and "
-                                  "run the command again")
-        raise StudyStateError(f"storage: {url} does not exist, so study {spec.name!r} has not run yet; "
-                              f"start it with: sweeps run {spec.path or '<spec>'}")
-    if create:
-        make_folder(path.parent, f"storage: {url}")
-    return open_journal(path, create=create)
-
-
-def _folder_it_ran_in(spec: StudySpec) -> Path | None:
-    """The folder holding the spec's relative journal: the spec file's own folder or one above it
-    (``studies/x.yaml`` run from the repository root), when it is not the working folder."""
-    relative = Path(spec.storage_url())
-    if spec.path is None or relative.is_absolute():
-        return None
-    for folder in Path(os.path.abspath(spec.path)).parents:
-        if (folder / relative).is_file() and folder != Path.cwd():
-            return folder
-    return None
-
-
-def journal_file(spec: StudySpec) -> Path:
-    """The spec's journal file, absolute: Optuna's lock links to the path it is given, and a
-    relative one dangles from the link's own folder (see journal_file.py)."""
-    return Path(os.path.abspath(spec.storage_url()))
-
-
-def make_folder(folder: Path, what: str) -> None:
-    """mkdir -p, or a clear error naming the folder (a file in the way, no permission, a full disk)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
-    except OSError as exc:
-        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-        why = (f"{blocker} is a file, not a folder" if blocker is not None
-               else f"{exc.strerror or type(exc).__name__}")
-        raise PathError(f"{what}: cannot create or write the folder {folder} ({why}); make it a "
-                              "writable folder, or point the spec at another path") from exc
-
-
-def heartbeat_settings() -> tuple[int, int]:
-    """(heartbeat interval, grace period) in seconds for RDB storage: HEARTBEAT_S / GRACE_S,
-    or the SWEEPS_HEARTBEAT_S / SWEEPS_GRACE_S environment variables (whole seconds >= 1).
-    Every process of one study should use the same values."""
-    values = []
-    for name, default in ((ENV_HEARTBEAT, HEARTBEAT_S), (ENV_GRACE, GRACE_S)):
-        text = os.environ.get(name, "").strip() or str(default)
-        if not text.isdigit() or int(text) < 1:
-            raise BackendError(f"{name}={text!r} is not a whole number of seconds >= 1; unset it to use "
-                               f"the default {default}, or set e.g. {name}={default}")
-        values.append(int(text))
-    return values[0], values[1]
-
-
-def sqlalchemy_url(url: str) -> str:
-    """``postgresql://`` with an installed driver: SQLAlchemy 2.1 maps the bare scheme to
-    psycopg 3, while the project installs psycopg2; an explicit ``+driver`` is kept as given."""
-    if (url.startswith("postgresql://") and importlib.util.find_spec("psycopg") is None
-            and importlib.util.find_spec("psycopg2") is not None):
-        return "postgresql+psycopg2://" + url[len("postgresql://"):]
-    return url
-
-
-# ---- sampler and pruner ------------------------------------------------------------------
-def make_sampler(spec: StudySpec, worker_index: int = 0) -> optuna.samplers.BaseSampler:
-    """The spec's sampler, the same in every process of the study: ``worker_index`` no longer
-    changes it (the argument is kept for callers). A seeded sampler draws trial n's values from
-    ``(sampler.seed, n)`` (:mod:`~sweeps.backends.trial_seeded_sampler`), so resuming, more
-    budget and replacement or parallel workers never redraw a point already drawn, and the
-    same spec run again from scratch draws the same points. ``seed: null`` stays unseeded."""
-    seed, name = spec.sampler.seed, spec.sampler.name
-    samplers = optuna.samplers
-    if name == "grid":
-        # Not wrapped: trial n takes grid point n (later ones a point no trial has visited, read
-        # from the study), and the seed only shuffles the grid: the same shuffle in every
-        # process, or one grid index would mean different points to different workers.
-        return samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
-    factories = {
-        # constant_liar: running trials count as bad guesses, so parallel workers spread out.
-        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options()),
-        "random": lambda s: samplers.RandomSampler(seed=s),
-        "cmaes": lambda s: samplers.CmaEsSampler(seed=s),
-        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options()),
-        # One sequence for the whole study (its position is counted in the study); only the
-        # random first point, drawn before the search space is known, comes from the trial.
-        "qmc": lambda s: samplers.QMCSampler(seed=seed, scramble=True,
-                                             independent_sampler=samplers.RandomSampler(seed=s)),
-    }
-    if name not in factories:
-        raise BackendError(f"sampler.name: {name!r} cannot run on the optuna backend")
-    if seed is None:
-        return factories[name](None)
-    return TrialSeededSampler(factories[name], seed)
-
-
-def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
-    p = spec.pruner
-    epochs = int(spec.resolved_train_config().epochs)
-    if p.name == "none":
-        return optuna.pruners.NopPruner()
-    if p.name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=p.warmup_epochs)
-    if p.name == "percentile":
-        return optuna.pruners.PercentilePruner(p.percentile, n_startup_trials=2, n_warmup_steps=p.warmup_epochs)
-    if p.name == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=p.min_resource,
-                                                      reduction_factor=p.reduction_factor)
-    if p.name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=p.min_resource, max_resource=epochs,
-                                              reduction_factor=p.reduction_factor)
-    raise BackendError(f"pruner.name: {p.name!r} cannot run on the optuna backend; use ray for pbt")
+ATTR_WARM_START = "warm_start_of"  # on an enqueued trial: "<earlier study>#<its trial number>"
 
 
 # ---- study versions (--fresh) -------------------------------------------------------------
@@ -222,8 +71,7 @@ def current_study_name(storage, name: str) -> str | None:
     return versions[-1][1] if versions else None
 
 
-def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
-               create: bool = True) -> optuna.Study:
+def open_study(spec: StudySpec, fresh: bool = False, create: bool = True) -> optuna.Study:
     """Create or load the spec's study (``fresh`` starts a new version and keeps the old).
 
     A study resumed under the same name with a different search space is refused, naming
@@ -238,14 +86,14 @@ def open_study(spec: StudySpec, fresh: bool = False, worker_index: int = 0,
         name = f"{spec.name}-v{version}"
     name = name or spec.name
     directions = spec.directions()
-    sampler, pruner = make_sampler(spec, worker_index), make_pruner(spec)
+    sampler, pruner = make_sampler(spec), make_pruner(spec)
     if create and not exists:
         study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, directions=directions,
                                     sampler=sampler, pruner=pruner)
     else:  # it exists: create_study(load_if_exists) would append a create record to a journal, refused or not
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
     _check_resumable(spec, study, directions)  # a refused resume writes nothing
-    extended = study.user_attrs.get(ATTR_N_TRIALS)  # sweeps run --add-trials (optuna_warm_start.py)
+    extended = study.user_attrs.get(ATTR_N_TRIALS)  # sweeps run --add-trials (extend_budget)
     if isinstance(extended, int) and extended > spec.budget.n_trials:
         spec.budget.n_trials = extended
     if create:
@@ -325,37 +173,6 @@ def trial_value(t: FrozenTrial, intermediate: dict[int, float], direction: str) 
     return t.values[0] if t.values else None  # t.value raises on a trial of several objectives
 
 
-def fail_stale_trials(study: optuna.Study) -> list[int]:
-    """``optuna.storages.fail_stale_trials``, with the reason recorded on each trial first:
-    RUNNING trials whose worker has been silent for longer than the grace period are failed
-    (once, whichever worker gets there first), then StaleTrialCallback closes their MLflow
-    runs and requeues them. Returns the numbers of the trials this call failed."""
-    if not optuna_adapter.heartbeat_enabled(study):
-        return []
-    storage = optuna_adapter.storage_of(study)
-    grace = optuna_adapter.heartbeat_grace_seconds(study)
-    if isinstance(storage, optuna_adapter.OutageTolerantStorage) and storage.outage.quiet_for(grace):
-        return []  # no heartbeat could be recorded during the outage: silence is no sign of a dead worker
-    failed = []
-    for trial_id in optuna_adapter.stale_trial_ids(study):
-        worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
-        reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or cut "
-                  f"off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its last "
-                  "checkpoint")
-        try:
-            storage.set_trial_user_attr(trial_id, ATTR_REASON, reason)
-            storage.set_trial_user_attr(trial_id, "interrupted", True)  # not the trial's fault: not a failure in a row
-            if storage.set_trial_state_values(trial_id, TrialState.FAIL):
-                failed.append(trial_id)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue  # another worker failed it first
-    callback = optuna_adapter.stale_trial_callback(study)
-    for trial_id in failed:
-        if callback is not None:
-            callback(study, copy.deepcopy(storage.get_trial(trial_id)))
-    return [storage.get_trial(t).number for t in failed]
-
-
 ATTR_LR_RANGE = "lr_finder_range"
 
 
@@ -366,21 +183,6 @@ def effective_search(spec: StudySpec, study: optuna.Study) -> dict:
         return spec.search
     lr = spec.search["lr"].model_copy(update={"low": narrowed[0], "high": narrowed[1]})
     return {**spec.search, "lr": lr}
-
-
-def enqueue_smaller_batch(spec: StudySpec, study: optuna.Study, failed: FrozenTrial) -> None:
-    """Out of memory: retry once at half the batch size with twice the accumulation,
-    so the effective batch (and so the learning-rate meaning) stays the same."""
-    cfg = spec.resolved_train_config(failed.params)
-    if cfg.batch_size < 2:
-        return
-    overrides = {"batch_size": cfg.batch_size // 2, "grad_accum_steps": cfg.grad_accum_steps * 2}
-    if "batch_size" in failed.params:
-        log.warning("trial %d ran out of memory with a searched batch_size; retry keeps the sampled value "
-                    "in params but trains at %d x %d", failed.number, overrides["batch_size"],
-                    overrides["grad_accum_steps"])
-    study.enqueue_trial(failed.params, user_attrs={ATTR_BATCH_OVERRIDES: overrides, "oom_retry_of": failed.number},
-                        skip_if_exists=False)
 
 
 def study_result(spec: StudySpec, study: optuna.Study) -> StudyResult:
@@ -412,3 +214,127 @@ def budget_left(study: optuna.Study, n_trials: int) -> int:
     FAIL does not count (its parameters are retried or replaced)."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     return n_trials - len(study.get_trials(deepcopy=False, states=states))
+
+
+# ---- warm start and more budget ---------------------------------------------------------
+def _fits(p: Any, value: Any) -> bool:
+    """Whether ``value`` can be drawn from search parameter ``p`` (a choice, or within the range)."""
+    if isinstance(p, CategoricalParam):
+        return value in p.choices
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and p.low <= value <= p.high
+
+
+def enqueue_warm_start(spec: StudySpec, study: optuna.Study) -> str:
+    """Enqueue the best ``warm_start.top`` configurations of the earlier study into ``study`` (a new
+    one, with no trials yet); returns the sentence saying what was carried over."""
+    ws = spec.warm_start
+    assert ws is not None  # the caller checks it
+    source = spec.model_copy(update={"name": ws.study, "warm_start": None})
+    where = f"{source.storage_url()}"
+    missing = StudyStateError(f"warm_start.from: study {ws.study!r} is not in {where}; run it first, or fix the "
+                              f"name in {spec.path or 'the spec'}")
+    try:
+        storage = open_storage(source, create=False)
+    except StudyStateError:
+        raise missing from None
+    name = current_study_name(storage, ws.study)
+    if name is None:
+        raise missing
+    earlier = optuna.load_study(study_name=name, storage=storage)
+    if len(earlier.directions) > 1:
+        raise StudyStateError(f"warm_start.from: study {name!r} has several objectives, so no single best "
+                              "configurations to start from; name a study of one objective")
+    done = [(t.value, t) for t in earlier.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.value is not None]
+    if not done:
+        raise StudyStateError(f"warm_start.from: study {name!r} has no completed trial to start from")
+    maximize = earlier.direction == optuna.study.StudyDirection.MAXIMIZE
+    best = [t for _, t in sorted(done, key=lambda vt: vt[0], reverse=maximize)]
+    carried: set[str] = set()
+    for t in best[:ws.top]:
+        params = {k: v for k, v in t.params.items() if k in spec.search and _fits(spec.search[k], v)}
+        carried |= set(params)
+        study.enqueue_trial(params, user_attrs={ATTR_WARM_START: f"{name}#{t.number}"}, skip_if_exists=True)
+    drawn = sorted(set(spec.search) - carried)
+    return (f"warm start: the first {min(ws.top, len(best))} trials are the best of study {name!r} (trials "
+            f"{', '.join(str(t.number) for t in best[:ws.top])}); carried over: {', '.join(sorted(carried)) or 'none'}"
+            + (f"; drawn: {', '.join(drawn)}" if drawn else ""))
+
+
+def extend_budget(spec: StudySpec, add: int) -> int:
+    """Raise the budget of the spec's study (which must have run) by ``add``; the new budget."""
+    study = open_study(spec, create=False)
+    budget = spec.budget.n_trials  # open_study applied an earlier extension
+    study.set_user_attr(ATTR_N_TRIALS, budget + add)
+    return budget + add
+
+
+# ---- a worker joining the study ----------------------------------------------------------
+def check_tracking_before_trials(tracker, experiment: str) -> None:
+    """A joining worker's check of its MLflow store, as ``sweeps run`` checks before training: a store
+    that does not answer from here (wrong URI, server down, refused credentials, no permission to
+    create runs in ``experiment``) is an error, not trials that train through an outage that was
+    there from the start, nor a claimed trial whose run is refused. After the study is found:
+    a worker refused for want of a study writes nothing (a new SQLite store's file included)."""
+    tracker.check_connection()
+    if is_http_uri(tracker.tracking_uri):
+        check_experiment_writable(tracker.tracking_uri, experiment)
+
+
+def join_study(spec: StudySpec, wait_s: float, stop: threading.Event | None = None) -> optuna.Study | None:
+    """The study of ``spec`` once ``sweeps run`` has created it with its MLflow parent run.
+
+    A worker started first waits (saying so once) up to ``wait_s`` seconds, then fails with
+    the command to run. A worker never creates the study: ``sweeps run`` owns its parent run,
+    the LR finder and the end-of-study summary. None if ``stop`` is set while waiting."""
+    stop = stop or threading.Event()
+    give_up = time.monotonic() + max(0.0, wait_s)
+    where = redact_url(spec.storage_url())
+    said = False
+    while True:
+        study, missing = _find_study(spec)
+        if study is not None and study.user_attrs.get(ATTR_PARENT_RUN):
+            if said:
+                log.warning("study %r found; joining it", study.study_name)
+            return study
+        what = missing or f"study {spec.name!r} has no MLflow parent run yet"
+        if time.monotonic() >= give_up:
+            waited = f" after waiting {wait_s:.0f} s" if wait_s > 0 else ""
+            raise StudyStateError(f"{what} in {where}{waited}. Workers join a study that `sweeps run` "
+                                  f"created: run `sweeps run {spec.path}` (on any machine that reaches the "
+                                  f"storage), or start the worker with a longer --wait")
+        if not said:
+            log.warning("%s in %s; waiting up to %.0f s for `sweeps run %s` to create it", what, where,
+                        wait_s, spec.path)
+            said = True
+        if stop.wait(min(2.0, max(0.1, give_up - time.monotonic()))):
+            return None
+
+
+def _find_study(spec: StudySpec) -> tuple[optuna.Study | None, str]:
+    """(study, "") when it exists; (None, what is missing) while the database does not answer,
+    has no tables or no study of that name yet. Any other problem (credentials, a changed search
+    space) raises."""
+    try:
+        storage = open_storage(spec, create=False)
+    except StorageUnreachableError as exc:
+        return None, str(exc).removeprefix("storage: ")
+    except BackendError as exc:
+        if not _tables_missing(exc):
+            raise
+        return None, "the storage has no Optuna tables yet (no study was ever run on it)"
+    try:
+        if current_study_name(storage, spec.name) is None:
+            return None, f"study {spec.name!r} does not exist yet"
+    finally:
+        rdb = optuna_adapter.rdb_of(storage)
+        if rdb is not None:  # polled every 2 s: do not pile up connection pools
+            rdb.engine.dispose()
+    return open_study(spec, create=False), ""
+
+
+def _tables_missing(exc: BaseException) -> bool:
+    """Whether the database says it has no Optuna tables (PostgreSQL, SQLite, MySQL), a few causes down."""
+    texts = (f"{type(link).__name__} {link}".lower() for link in cause_chain(exc))
+    return any("undefinedtable" in text or "no such table" in text or ("relation" in text and "does not exist" in text)
+               or ("table" in text and "doesn't exist" in text) for text in texts)

@@ -21,21 +21,20 @@ from optuna.trial import TrialState
 
 from core import faults
 from sweeps import deploy_check
-from sweeps import search_space as ss
-from sweeps.backends import optuna_adapter, optuna_study
-from sweeps.backends.optuna_ask_lock import ask_lock
+from sweeps.backends import optuna_adapter, optuna_attrs, optuna_recovery, optuna_storage, optuna_study
 from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
-from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
 from sweeps.backends.optuna_outage import StorageUnavailable
-from sweeps.backends.stale_monitor import StaleTrialMonitor
-from sweeps.backends.trial_liveness import TrialAlive, progress_beat
+from sweeps.backends.optuna_storage import ask_lock
+from sweeps.backends.optuna_study import check_tracking_before_trials, join_study
+from sweeps.backends.trial_liveness import StaleTrialMonitor, TrialAlive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StoreGone, StudyStateError, SweepsError, TrackingError
-from sweeps.spec import StudySpec
-from sweeps.spec_checks import spec_from_text
+from sweeps.parent_run import reader_for, tracker_for
+from sweeps.spec import search_space as ss
+from sweeps.spec.load import spec_from_text
+from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.store_urls import redact_url
-from sweeps.study_run import reader_for, tracker_for
 from sweeps.tracking import layout
 from sweeps.trial import TrialSpec, run_trial, worker_name
 from sweeps.trial_control import StopRequest, TrialControl, TrialInterrupted
@@ -101,7 +100,7 @@ def run_worker(spec: StudySpec, worker_index: int = 0, go: WorkerGo | None = Non
 def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s: float, tracker) -> int:
     signals = _Signals()
     if go is None:
-        study = join_study(spec, worker_index, wait_s, signals.event)
+        study = join_study(spec, wait_s, signals.event)
         if study is None:
             return signals.exit_code()
         check_tracking_before_trials(tracker, spec.experiment_name())
@@ -113,14 +112,14 @@ def _worker_loop(spec: StudySpec, worker_index: int, go: WorkerGo | None, wait_s
         finally:
             if monitor is not None:
                 monitor.stop()
-    study = optuna_study.open_study(spec, worker_index=worker_index)
+    study = optuna_study.open_study(spec)
     return _take_trials(spec, worker_index, go, study, tracker, signals)
 
 
 def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study: optuna.Study, tracker,
                  signals: _Signals) -> int:
     if go is not None:
-        if study.user_attrs.get(optuna_study.ATTR_STUDY_UID) != go.study_uid:  # never work for another study
+        if study.user_attrs.get(optuna_attrs.ATTR_STUDY_UID) != go.study_uid:  # never work for another study
             raise StudyStateError(f"study {study.study_name!r} in {redact_url(spec.storage_url())} is not the one "
                                   f"`sweeps run` started (its identity changed); run `sweeps run {spec.path}` again")
     since = go.since if go is not None else time.time()
@@ -128,7 +127,7 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
     beat_file = Path(go.beat_file) if go is not None else None
     # A worker of `sweeps run` is told the parent run whole: it starts without reading the store,
     # so one started during an MLflow outage spools its trials' runs like the others.
-    parent = go.parent() if go is not None else reader_for(spec).handle(study.user_attrs[optuna_study.ATTR_PARENT_RUN])
+    parent = go.parent() if go is not None else reader_for(spec).handle(study.user_attrs[optuna_attrs.ATTR_PARENT_RUN])
     n_trials = spec.budget.n_trials
 
     while not signals.event.is_set():
@@ -140,11 +139,11 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
             return EXIT_MAX_FAILURES
         rdb = optuna_adapter.heartbeat_enabled(study)
         if rdb:
-            optuna_study.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
+            optuna_recovery.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
         with ask_lock(spec):
             trial = study.ask() if optuna_study.budget_left(study, n_trials) > 0 else None
             if trial is not None:  # named at once: if this process dies, its supervisor finds the trial
-                trial.set_user_attr(optuna_study.ATTR_WORKER, worker_name())
+                trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker_name())
         if trial is None:
             # The budget is taken. On RDB storage another machine's trial may still die and be
             # requeued: stay until no trial runs, so someone is there to retry it (and so
@@ -170,12 +169,12 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     if retry_of is not None:
         # A retry inherits the failed attempt's user attributes (its folder, to resume from);
         # the attempt's own outcome is not this trial's.
-        trial.set_user_attr(optuna_study.ATTR_REASON, "")
+        trial.set_user_attr(optuna_attrs.ATTR_REASON, "")
         trial.set_user_attr("interrupted", False)
     out_dir = Path(trial.user_attrs.get(ATTR_OUT_DIR) or trial_dir(spec, study.study_name, trial.number))
-    overrides = dict(trial.user_attrs.get(optuna_study.ATTR_BATCH_OVERRIDES) or {})
+    overrides = dict(trial.user_attrs.get(optuna_attrs.ATTR_BATCH_OVERRIDES) or {})
     trial.set_user_attr(ATTR_OUT_DIR, str(out_dir))
-    uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
+    uid = study.user_attrs[optuna_attrs.ATTR_STUDY_UID]
     tags = {"sweeps.worker_slot": worker_index, "sweeps.optuna_trial_id": optuna_adapter.trial_id_of(trial),
             layout.TAG_STUDY_UID: uid}
     if retry_of is not None:
@@ -193,7 +192,7 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     try:
         if outcome.run is not None and tracker.store_run_id(outcome.run.run_id) != outcome.run.run_id:
             # Made during an MLflow outage and on the store since: the study names the store's run.
-            trial.set_user_attr(optuna_study.ATTR_RUN_ID, tracker.store_run_id(outcome.run.run_id))
+            trial.set_user_attr(optuna_attrs.ATTR_RUN_ID, tracker.store_run_id(outcome.run.run_id))
         exhausted = _record(spec, study, trial, outcome, overrides)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
         if not optuna_adapter.stored_trial(study, trial).state.is_finished():
@@ -202,7 +201,7 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
         # stale and requeued it: this attempt's result is dropped, the retry counts instead.
         log.warning("trial %d was failed as stale by another worker (no heartbeat for longer than %s=%d s); "
                     "this attempt's result is dropped and its retry counts instead", trial.number,
-                    optuna_study.ENV_GRACE, optuna_study.heartbeat_settings()[1])
+                    optuna_storage.ENV_GRACE, optuna_storage.heartbeat_settings()[1])
         exhausted = False
     if signals.storage_lost is not None:  # the trial is checkpointed (and requeued if the storage is back)
         raise signals.storage_lost
@@ -253,7 +252,7 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
 
     def on_start(run) -> None:
         try:
-            trial.set_user_attr(optuna_study.ATTR_RUN_ID, run.run_id)
+            trial.set_user_attr(optuna_attrs.ATTR_RUN_ID, run.run_id)
         except StorageUnavailable as exc:  # the trial stops before its first step; its run is closed
             signals.storage_gone(exc)
         beat()
@@ -278,7 +277,7 @@ def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, 
     if outcome.state == "COMPLETE" and several and outcome.values is None:
         outcome.state, outcome.reason = "FAIL", "an objective has no value (NaN or not reported at the best epoch)"
     if outcome.reason:
-        trial.set_user_attr(optuna_study.ATTR_REASON, outcome.reason)
+        trial.set_user_attr(optuna_attrs.ATTR_REASON, outcome.reason)
     if outcome.state == "COMPLETE":  # one path for one objective or several
         return _tell(study, trial, values=outcome.values if several else outcome.value)
     if outcome.state == "PRUNED":
@@ -289,9 +288,9 @@ def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, 
     frozen = optuna_adapter.stored_trial(study, trial)
     if outcome.state == "INTERRUPTED":
         # Requeue the same parameters; the retry resumes from the checkpoint just saved.
-        RetryHeartbeatStaleTrialCallback(max_retry=optuna_study.MAX_RETRIES)(study, frozen)
+        RetryHeartbeatStaleTrialCallback(max_retry=optuna_attrs.MAX_RETRIES)(study, frozen)
     elif outcome.oom and spec.budget.oom_retry_smaller_batch and not overrides:
-        optuna_study.enqueue_smaller_batch(spec, study, frozen)
+        optuna_recovery.enqueue_smaller_batch(spec, study, frozen)
     return exhausted
 
 

@@ -13,7 +13,7 @@ shared ``sweeps.trial.run_trial``: the MLflow layout is the Optuna backend's.
 Budget: ``n_trials`` is Ray's ``num_samples``; ``max_failures`` is Ray's per-trial
 ``FailureConfig`` (a failing trial is retried that many times from its latest
 checkpoint, then marked FAIL) and, as under Optuna, that many failed trials in a row stop
-the study (exit 1, :mod:`sweeps.backends.budget_outcome`); ``timeout`` stops this
+the study (exit 1, :mod:`sweeps.backends.driver`); ``timeout`` stops this
 invocation the resumable way: Ray saves the experiment with the running trials'
 checkpoints, and the next ``sweeps run`` resumes them (Ray's ``time_budget_s`` would
 instead terminate them for good and end the search). SIGTERM and SIGINT do the same,
@@ -30,11 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core import faults
-from sweeps import search_space as ss
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
-from sweeps.backends.budget_outcome import max_failures_stop, unfinished_stop
-from sweeps.backends.driver_signals import DriverSignals, stopped_by
+from sweeps.backends.driver import DriverSignals, max_failures_stop, run_lock, stopped_by, unfinished_stop
 from sweeps.backends.ray_cluster import Interrupts, init_ray, quiet_ray_noise, shutdown_ray
 from sweeps.backends.ray_live import LIVE, DriverCallback
 from sweeps.backends.ray_search import make_scheduler, make_search, plan_resources
@@ -46,18 +44,18 @@ from sweeps.backends.ray_trainable import (
     make_trainable,
     trial_dirname,
 )
-from sweeps.backends.run_lock import run_lock
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
-from sweeps.spec import StudySpec
-from sweeps.spec_objectives import judged_by, judged_by_changes
-from sweeps.study_run import (
+from sweeps.parent_run import (
     find_or_create_parent,
     parent_status,
     reader_for,
     tracker_for,
     write_summary,
 )
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
+from sweeps.spec.objectives import judged_by, judged_by_changes
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker
 from sweeps.tracking.reader import TrackingReader

@@ -12,11 +12,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sweeps.backends.driver_signals import DriverSignals
+from sweeps.backends.driver import DriverSignals
 from sweeps.backends.ray_guardian import Guardian
 from sweeps.errors import BackendError, StoreGone
-from sweeps.pool import cpu_threads_available
-from sweeps.spec import StudySpec
+from sweeps.slot_plan import cpu_threads_available
+from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 
 _GUARDIANS: list[Guardian] = []  # of the local Ray this process started (at most one)

@@ -12,11 +12,11 @@ import time
 from core import faults
 from sweeps.backends import ray_records as rr
 from sweeps.backends.base import StudyResult
-from sweeps.backends.budget_outcome import failures_in_a_row
+from sweeps.backends.driver import failures_in_a_row
 from sweeps.backends.ray_hang import recorded_hang
 from sweeps.backends.ray_trainable import find_trial_run
 from sweeps.errors import StoreGone
-from sweeps.study_run import reader_for, update_parent_best
+from sweeps.parent_run import reader_for, update_parent_best
 
 log = logging.getLogger("sweeps")
 # The running driver's view: spec, study, tracker, parent, view, history (trial id -> results),

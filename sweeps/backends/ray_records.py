@@ -25,6 +25,7 @@ from typing import Any, TypeGuard
 
 from core.io_utils import save_json_atomic
 from sweeps.backends.base import StudyResult, TrialRecord
+from sweeps.backends.driver import run_lock_held
 from sweeps.backends.ray_trainable import (
     R_DONE,
     R_FIGURE_PREFIX,
@@ -38,8 +39,7 @@ from sweeps.backends.ray_trainable import (
     number_of,
     r_objective,
 )
-from sweeps.backends.run_lock import run_lock_held
-from sweeps.spec import StudySpec
+from sweeps.spec.model import StudySpec
 from sweeps.tracking import layout
 from sweeps.tracking.reader import TrackingReader
 

@@ -18,11 +18,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sweeps import search_space as ss
 from sweeps.backends.ray_trainable import R_OBJECTIVE, r_objective
 from sweeps.errors import BackendError
-from sweeps.pool import auto_cpu_workers
-from sweeps.spec import StudySpec
+from sweeps.slot_plan import auto_cpu_workers
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
 
 PBT_KEYS = ("lr", "momentum")
 

@@ -47,9 +47,9 @@ from sweeps.backends.ray_checkpoints import (
 from sweeps.backends.ray_continuing_run import TAG_RAY_TRIAL_ID, adopt_lost_run, logged_up_to
 from sweeps.backends.ray_hang import TAG_HUNG, HangWatchdog, recorded_hang
 from sweeps.durations import stop_grace_seconds
-from sweeps.spec import StudySpec
-from sweeps.spec_objectives import DEPLOY_METRICS, is_deploy_metric
-from sweeps.study_run import reader_for, tracker_for
+from sweeps.parent_run import reader_for, tracker_for
+from sweeps.spec.model import StudySpec
+from sweeps.spec.objectives import DEPLOY_METRICS, is_deploy_metric
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.trial_control import StopRequest, TrialControl

@@ -24,16 +24,15 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from sweeps.backends import optuna_attrs, optuna_study
 from sweeps.backends import optuna_recovery as recovery
-from sweeps.backends import optuna_study
-from sweeps.backends.budget_outcome import max_failures_stop
-from sweeps.backends.driver_signals import DriverSignals
-from sweeps.backends.stale_monitor import StaleTrialMonitor
+from sweeps.backends.driver import DriverSignals, max_failures_stop
+from sweeps.backends.trial_liveness import StaleTrialMonitor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import ENV_STOP_GRACE, stop_grace_seconds
 from sweeps.errors import StoreGone
-from sweeps.pool import WorkerSlot
-from sweeps.spec import StudySpec
+from sweeps.slot_plan import WorkerSlot
+from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.worker_identity import boot_id, worker_identity
 
@@ -251,7 +250,7 @@ class Supervisor:
         w.handled = True
         code = w.proc.returncode
         orphans = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                   if t.user_attrs.get(optuna_study.ATTR_WORKER) == w.name]
+                   if t.user_attrs.get(optuna_attrs.ATTR_WORKER) == w.name]
         cause = w.kill_reason or describe_exit(code)
         for t in orphans:
             interrupted = bool(self.stopping)  # stopped by the user or the timeout: not the trial's fault

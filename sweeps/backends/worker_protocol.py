@@ -7,7 +7,7 @@ while the study runs cannot split it), the study it works for, the study's MLflo
 experiment and name: a worker nests its trials' runs under it without reading the store, so one
 started during an MLflow outage trains and spools like the others) and the slot it owns.
 Only what a library reads before the worker can parse a message travels in the environment:
-``CUDA_VISIBLE_DEVICES`` and the OpenMP/MKL thread counts (``pool.WorkerSlot.env``).
+``CUDA_VISIBLE_DEVICES`` and the OpenMP/MKL thread counts (``slot_plan.WorkerSlot.env``).
 """
 from __future__ import annotations
 

@@ -1,8 +1,15 @@
 """What to do once a study has run: ``promote`` its best model, ``rerun`` a trial and
-compare the curves, ``compare`` two runs; listed in ``COMMANDS`` for ``sweeps.cli``.
+compare the curves, ``compare`` two runs, ``report`` the study as one page; listed in
+``COMMANDS`` for ``sweeps.cli``.
 
 Each command only parses its arguments here; the work lives in ``sweeps.registry``,
-``sweeps.rerun`` and ``sweeps.compare``.
+``sweeps.rerun``, ``sweeps.compare`` and ``dashboards.report``.
+
+``report`` writes one self-contained HTML page of the study (plotly.js inline: it opens from
+disk, offline), by default at ``runs/<study>/report.html``, and logs it as an artifact of the
+study's parent MLflow run, always as ``report/report.html`` whatever ``-o`` names: a second
+call replaces the page there instead of adding a copy beside it. The tables behind the page
+come from :mod:`dashboards.tables`, as do those of ``status --format csv|json``.
 """
 from __future__ import annotations
 
@@ -10,10 +17,13 @@ from __future__ import annotations
 # and every other command load none of it (torch, MLflow, Optuna, pandas).
 import argparse
 import os
+from pathlib import Path
 
-from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
-from sweeps.errors import UsageError
+from sweeps.commands import Command, console, err_console, load_spec_file, spec_argument
+from sweeps.errors import PathError, UsageError
 from sweeps.moved_store import follow_moved_store
+from sweeps.tracking import layout
+from sweeps.tracking.base import RunHandle
 
 # The per-file progress bars of MLflow downloads drown the tables these commands print.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -53,7 +63,7 @@ def _promote_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_promote(a: argparse.Namespace) -> int:
     from sweeps.registry import promote
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(a.spec)
     if not a.dry_run:  # a dry run writes nothing, and reads no artifact
@@ -102,7 +112,7 @@ def _positive_int(text: str) -> int:
 def cmd_rerun(a: argparse.Namespace) -> int:
     from sweeps.compare import find_trial_run, open_client, resolve_tracking_uri
     from sweeps.rerun import print_outcome, print_seed_summary, rerun_once, rerun_seeds
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     spec = load_spec(a.spec) if a.spec else None
@@ -147,6 +157,56 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return compare_runs(open_client(uri), a.refs[-2], a.refs[-1], console, spec=spec, only_differences=a.diff)
 
 
+# ---- report ----------------------------------------------------------------------------------
+def _report_args(p: argparse.ArgumentParser) -> None:
+    spec_argument(p)
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="where to write the page (default: runs/<study>/report.html)")
+    p.add_argument("--no-log", action="store_true", help="do not log the page to the study's parent MLflow run")
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from dashboards.report import load_study, write_report
+    spec = load_spec_file(a.spec)
+    if a.output:
+        _check_output(Path(a.output))  # before the study is read: a wrong -o fails at once
+    # runs/ moved or copied: the page is logged beside the store, never into the folder it came from
+    follow_moved_store(spec.tracking_store_uri(), err_console)
+    loaded = load_study(spec)
+    path = write_report(spec, loaded, a.output)
+    console.print(f"report: {path}", markup=False, highlight=False, soft_wrap=True)
+    if a.no_log:
+        return 0
+    parent_id = loaded.result.parent_run_id
+    if not parent_id or loaded.experiment_id is None:
+        err_console.print(f"warning: study {loaded.result.name!r} has no parent MLflow run in "
+                          f"{spec.tracking_uri()}; the report was not logged", markup=False, highlight=False,
+                          soft_wrap=True)
+        return 0
+    import shutil
+    import tempfile
+
+    from dashboards.report import REPORT_FILE
+    with tempfile.TemporaryDirectory(prefix="sweeps-report-") as tmp:
+        logged = path
+        if path.name != REPORT_FILE:  # one name in the run, so that every call replaces the last page
+            logged = Path(shutil.copyfile(path, Path(tmp) / REPORT_FILE))
+        loaded.tracker.log_artifact(RunHandle(parent_id, loaded.experiment_id, loaded.result.name), logged,
+                                    layout.ART_REPORT_DIR)
+        loaded.tracker.flush()  # sent before the copy goes
+    console.print(f"logged to MLflow run {parent_id} as {layout.ART_REPORT_DIR}/{REPORT_FILE} (replacing any "
+                  "earlier page)", markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def _check_output(out: Path) -> None:
+    if out.is_dir():
+        raise PathError(f"report -o {out}: {out} is a folder; name the page file, e.g. -o {out / 'report.html'}")
+    blocker = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise PathError(f"report -o {out}: {blocker} is a file, not a folder; choose another path for the page")
+
+
 COMMANDS = (
     Command("promote", "register the study's best trial in the MLflow model registry and move an alias to it",
             _promote_args, cmd_promote),
@@ -155,4 +215,6 @@ COMMANDS = (
     Command("compare", "two runs' params and final metrics side by side, the differences marked (runs by trial "
                        "number with the spec, by run id or a unique prefix of one)",
             _compare_args, cmd_compare),
+    Command("report", "write one self-contained HTML page of a study's results and log it to its MLflow run",
+            _report_args, cmd_report),
 )

@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from sweeps.commands.base import Command, console, err_console, load_spec_file
+from sweeps.commands import Command, console, err_console, load_spec_file
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:

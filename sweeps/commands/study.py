@@ -1,5 +1,9 @@
 """The commands that run a study and look after it: ``validate``, ``run``, ``worker``,
-``status``, ``sync-tracking`` and ``repair-journal``.
+``status``, ``sync-tracking``, ``repair-journal``, and ``check``: sanity checks of a spec's task
+before a sweep, on CPU, in seconds (core/sanity.py). ``check`` builds the task and the model for
+the first point of the search space (each float or int at its low end, each categorical at its
+first choice), runs one forward and backward, overfits one small batch and checks the data
+pipeline. Every finding is printed; any problem exits 2.
 
 Every command that takes a spec validates it first; a bad spec exits with code 2 and creates
 nothing. The heavy imports (backends, MLflow, the dashboards) happen inside the handlers, so
@@ -12,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import Any
 
 from core.faults import Pause, pause_here
-from sweeps.backends.budget_outcome import EXIT_BUDGET_UNMET, no_trial_completed
-from sweeps.commands.base import Command, console, err_console, load_spec_file, spec_argument
+from sweeps.backends.driver import EXIT_BUDGET_UNMET, no_trial_completed
+from sweeps.commands import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import SpecError, StudyStateError, UsageError
 from sweeps.moved_store import follow_moved_store
 
@@ -59,7 +65,7 @@ def _extend(spec, path: str, add: int) -> tuple[int, int]:
     if spec.backend != "optuna":
         raise UsageError(f"--add-trials extends Optuna studies; {path} has backend {spec.backend}: raise "
                          "budget.n_trials in the spec instead")
-    from sweeps.backends.optuna_warm_start import extend_budget  # here: Optuna loads only when a study is extended
+    from sweeps.backends.optuna_study import extend_budget  # here: Optuna loads only when a study is extended
 
     try:
         after = extend_budget(spec, add)
@@ -139,7 +145,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     if a.slot is not None:
         raise UsageError(f"--slot {a.slot} cannot be combined with --devices / --gpus-per-trial: the fan-out "
                          "numbers its workers' slots itself (0, 1, ...); leave --slot out")
-    from sweeps.backends.worker_pool import parse_devices_flag, run_worker_pool
+    from sweeps.backends.device_fanout import parse_devices_flag, run_worker_pool
 
     overrides: dict = {}
     if a.devices is not None:
@@ -219,9 +225,57 @@ def _repair_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_repair_journal(a: argparse.Namespace) -> int:
-    from sweeps.backends.journal_repair import repair_journal
+    from sweeps.backends.journal_file import repair_journal
 
     console.print(repair_journal(a.journal), markup=False, highlight=False)
+    return 0
+
+
+# ---- check ---------------------------------------------------------------------------------------
+def _check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="study spec YAML file")
+    p.add_argument("--steps", type=int, default=None, metavar="N",  # None: core.sanity.OVERFIT_STEPS
+                   help="optimizer steps the overfit check may take (default: 500)")
+    p.add_argument("--factor", type=float, default=10.0, metavar="F",
+                   help="the overfit check passes once the loss on one batch falls F times (default: 10)")
+
+
+def first_point(search: dict[str, Any]) -> dict[str, Any]:
+    """The search space's first point: a range's low end, a categorical's first choice."""
+    from sweeps.spec.search_space import CategoricalParam
+
+    return {key: p.choices[0] if isinstance(p, CategoricalParam) else p.low for key, p in search.items()}
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    from core.config import ConfigError, apply_overrides
+    from core.sanity import OVERFIT_STEPS, sanity_check
+    from core.tasks.base import TaskError
+    steps = OVERFIT_STEPS if a.steps is None else a.steps
+    if steps < 1 or not a.factor > 1:
+        raise UsageError(f"--steps {steps} --factor {a.factor}: use --steps 1 or more and --factor above 1")
+    started = time.monotonic()
+    spec = load_spec_file(a.spec)
+    params = first_point(spec.search)
+    try:
+        task = spec.make_task(params)
+        # On CPU: the check is about the code and the data, and must not wait for a GPU.
+        cfg = apply_overrides(spec.resolved_train_config(params), {"device": "cpu"})
+    except (TaskError, ConfigError) as exc:
+        raise SpecError(a.spec, [f"{exc} (at the search space's first point {params})"]) from None
+    findings = sanity_check(task, cfg, steps=steps, factor=a.factor)
+    for f in findings:
+        (console if f.ok else err_console).print(f"{'ok     ' if f.ok else 'PROBLEM'} {f.check:<10} {f.message}",
+                                                 markup=False, highlight=False)
+    problems = sum(not f.ok for f in findings)
+    seconds = time.monotonic() - started
+    if problems:
+        err_console.print(f"{a.spec}: {problems} problem{'s' if problems != 1 else ''} found in {seconds:.1f} s "
+                          f"(task {spec.task.name or spec.task.target!r}, point {params}); fix them before the "
+                          f"sweep", markup=False, highlight=False)
+        return 2
+    console.print(f"{a.spec}: ok in {seconds:.1f} s (task {spec.task.name or spec.task.target!r}, point {params})",
+                  markup=False, highlight=False)
     return 0
 
 
@@ -235,4 +289,6 @@ COMMANDS = (
             cmd_sync_tracking),
     Command("repair-journal", "keep the intact records of a damaged Optuna journal file (a backup is kept)",
             _repair_args, cmd_repair_journal),
+    Command("check", "sanity-check a spec's task before a sweep: one forward/backward, overfit one batch, "
+            "the data pipeline (exit 2 on a problem)", _check_args, cmd_check),
 )

@@ -8,7 +8,8 @@ artifact folders) lives in ``layout``.
 from sweeps.tracking.base import RUN_STATUSES, RunHandle, RunStatus, Tracker
 from sweeps.tracking.mlflow_tracker import MlflowTracker
 from sweeps.tracking.reader import TrackingReader
-from sweeps.tracking.sync import check_store, sync_command, sync_spool
+from sweeps.tracking.store_checks import check_store
+from sweeps.tracking.sync import sync_command, sync_spool
 
 __all__ = [
     "RUN_STATUSES", "MlflowTracker", "RunHandle", "RunStatus", "Tracker", "TrackingReader",

@@ -9,7 +9,8 @@ per-step metrics : ``step/<name>`` for ``core.results.STEP_METRICS``, step = opt
 """
 from __future__ import annotations
 
-TAG_PREFIX = "sweeps."
+from pathlib import Path
+
 TAG_ROLE = "sweeps.role"  # "study" | "trial" | "rerun" | "seeds"
 ROLE_STUDY, ROLE_TRIAL, ROLE_RERUN, ROLE_SEEDS = "study", "trial", "rerun", "seeds"
 TAG_STUDY = "sweeps.study"  # study name, on parent and children
@@ -43,3 +44,13 @@ ART_LR_FINDER_DIR = "lr_finder"  # lr_finder.json (curve + suggestion)
 ART_SPEC_DIR = "spec"  # the spec file as given + resolved spec json
 ART_SUMMARY = "summary/summary.json"
 ART_REPORT_DIR = "report"
+
+
+def artifact_root_uri(root: str | Path | None) -> str | None:
+    """Where experiments a tracker creates keep artifacts: a URI as given, a local folder absolute."""
+    if root is None:
+        return None
+    text = str(root)
+    if "://" in text or text.startswith(("mlflow-artifacts:", "file:")):
+        return text.rstrip("/")
+    return str(Path(text).resolve())  # a relative root would depend on the worker's cwd

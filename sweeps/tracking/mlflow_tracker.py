@@ -19,11 +19,12 @@ from sweeps.errors import SweepsError, TrackingError
 from sweeps.safe_names import safe_subpath
 from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.experiments import experiment_id_of
-from sweeps.tracking.layout import PARENT_TAG
+from sweeps.tracking.layout import PARENT_TAG, artifact_root_uri
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, known_store_id, new_client_id, new_run_record
 from sweeps.tracking.outage import TrackingOutage
 from sweeps.tracking.send import StoreRefusesEveryWrite, drain, send_records
 from sweeps.tracking.spool import Spool
+from sweeps.tracking.store_checks import apply_fast_fail_http_defaults, check_store, is_http_uri
 from sweeps.tracking.store_errors import (
     call_error,
     disk_full_error,
@@ -32,14 +33,7 @@ from sweeps.tracking.store_errors import (
     short_reason,
     store_folder,
 )
-from sweeps.tracking.sync import (
-    apply_fast_fail_http_defaults,
-    artifact_root_uri,
-    check_store,
-    is_http_uri,
-    kept_until_fixed,
-    retry_seconds,
-)
+from sweeps.tracking.sync import kept_until_fixed, retry_seconds
 from sweeps.tracking.values import clean_key, param_values, tag_values
 
 log = logging.getLogger(__name__)

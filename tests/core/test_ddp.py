@@ -226,7 +226,7 @@ class _MemoryTracker:
 
 @pytest.mark.parametrize("fail_rank", [None, 1])
 def test_a_sweep_trial_with_nproc_2_runs_ddp_and_a_failing_rank_is_a_fail(tmp_path, fail_rank):
-    from sweeps.spec_checks import spec_from_dict
+    from sweeps.spec.load import spec_from_dict
     from sweeps.tracking.base import RunHandle
     from sweeps.trial import TrialSpec, run_trial
     from sweeps.trial_control import TrialControl

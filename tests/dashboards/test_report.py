@@ -57,7 +57,7 @@ def study(tmp_path_factory):
     """A finished study (run in-process by the CLI, in a tmp working directory) and its tables."""
     from dashboards.report import load_study
     from sweeps.cli import main
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     root = tmp_path_factory.mktemp("report_study")
     spec_path = root / "report_study.yaml"

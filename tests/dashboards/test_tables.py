@@ -20,7 +20,7 @@ from dashboards.tables import (
     trials_table,
 )
 from sweeps.backends.base import StudyResult, TrialRecord
-from sweeps.search_space import CategoricalParam, FloatParam
+from sweeps.spec.search_space import CategoricalParam, FloatParam
 
 SEARCH = {"lr": FloatParam(type="float", low=1e-4, high=1.0, log=True),
           "batch_size": CategoricalParam(type="categorical", choices=[16, 32, 64])}

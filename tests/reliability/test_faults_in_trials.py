@@ -59,8 +59,8 @@ def test_a_hanging_trial_is_stopped_failed_and_the_study_goes_on(tmp_path):
 
 def _run_one_trial(tmp_path, monkeypatch, resume=False):
     """One trial in-process through the shared trial runner, with a real MLflow store."""
-    from sweeps.spec_checks import load_spec
-    from sweeps.study_run import find_or_create_parent, tracker_for
+    from sweeps.parent_run import find_or_create_parent, tracker_for
+    from sweeps.spec.load import load_spec
     from sweeps.trial import TrialSpec, run_trial
     from sweeps.trial_control import TrialControl
 
@@ -126,7 +126,7 @@ def test_torn_last_journal_record_is_repaired_and_the_study_resumes(tmp_path):
 
 
 def test_corrupt_journal_record_in_the_middle_gives_a_repair_command(tmp_path):
-    from sweeps.backends.journal_repair import check_journal, repair_journal
+    from sweeps.backends.journal_file import check_journal, repair_journal
     from sweeps.errors import StudyStateError
 
     journal = tmp_path / "x.journal"

@@ -9,8 +9,7 @@ import json
 import optuna
 import pytest
 
-from sweeps.backends.journal_file import open_journal
-from sweeps.backends.journal_repair import repair_journal
+from sweeps.backends.journal_file import open_journal, repair_journal
 from sweeps.errors import StudyStateError
 from tests.sweeps.study_helpers import run_cli, write_spec
 

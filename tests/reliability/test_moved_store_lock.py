@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 
 from sweeps import cli
-from sweeps.backends.run_lock import run_lock
+from sweeps.backends.driver import run_lock
 from tests.sweeps.study_helpers import write_spec
 
 

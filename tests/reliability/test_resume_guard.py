@@ -6,7 +6,7 @@ import pytest
 
 from sweeps.backends.optuna_study import open_study
 from sweeps.errors import StudyStateError
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from tests.sweeps.study_helpers import write_spec
 
 TASK = {"name": "digits", "model": None, "args": {"width": 32}}

@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sweeps.errors import SpecError
-from sweeps.spec_checks import spec_from_dict
-from sweeps.yaml_loader import parse_yaml_text
+from sweeps.spec.load import parse_yaml_text, spec_from_dict
 
 KEYS = ["name", "description", "task", "train", "search", "objective", "backend", "sampler", "pruner", "budget",
         "resources", "lr_finder", "tracking", "storage", "model", "args", "epochs", "lr", "type", "low", "high",

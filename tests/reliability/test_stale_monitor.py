@@ -11,9 +11,9 @@ import time
 import optuna
 import pytest
 
-from sweeps.backends import optuna_adapter, optuna_study
-from sweeps.backends.stale_monitor import StaleTrialMonitor, check_interval_seconds
-from sweeps.spec_checks import spec_from_dict
+from sweeps.backends import optuna_adapter, optuna_attrs, optuna_study
+from sweeps.backends.trial_liveness import StaleTrialMonitor, check_interval_seconds
+from sweeps.spec.load import spec_from_dict
 from sweeps.worker_identity import worker_identity
 from tests.scaleout import conftest as scaleout_fixtures
 from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for
@@ -46,7 +46,7 @@ def test_the_monitor_fails_and_requeues_a_silent_trial_without_anyone_asking(tmp
     spec = sqlite_rdb_spec(tmp_path, "mon")
     study = optuna_study.open_study(spec)
     trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 0.1)})
-    trial.set_user_attr(optuna_study.ATTR_WORKER, "gone:00000000:1")
+    trial.set_user_attr(optuna_attrs.ATTR_WORKER, "gone:00000000:1")
     optuna_adapter.storage_of(study).record_heartbeat(optuna_adapter.trial_id_of(trial))  # then silence
     monitor = StaleTrialMonitor.start_for(spec, study)
     assert monitor is not None

@@ -121,7 +121,7 @@ def test_past_the_wait_both_stop_as_on_sigterm_and_the_same_command_finishes(tmp
 def test_a_permanent_storage_error_is_one_clear_line(tmp_path, own_postgres, monkeypatch, caplog):
     from sweeps.backends.optuna_study import open_study
     from sweeps.errors import BackendError
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     monkeypatch.chdir(tmp_path)
     open_study(load_spec(_spec(tmp_path, "denied", own_postgres.url, n_trials=1)))  # the tables, as their owner

@@ -1,13 +1,13 @@
 """The outage wait of the Optuna storage in-process, on a real SQLite RDB storage that another
 connection holds locked: the call waits (one line saying so), answers once the lock goes (one line
-saying so), and stale-trial checks pause for a grace period after the outage."""
+saying so), and stale-trial checks find no trial stale for a grace period after the outage."""
 from __future__ import annotations
 
 import logging
 import sqlite3
 import threading
 
-from sweeps.backends import optuna_adapter, optuna_study
+from sweeps.backends import optuna_adapter, optuna_recovery, optuna_study
 from sweeps.backends.optuna_outage import ENV_STORAGE_WAIT
 from tests.sweeps.study_helpers import sqlite_rdb_spec
 
@@ -50,4 +50,10 @@ def test_a_locked_storage_is_waited_for_and_used_once_it_answers(tmp_path, monke
     storage = optuna_adapter.storage_of(study)
     assert isinstance(storage, optuna_adapter.OutageTolerantStorage)
     assert storage.outage.quiet_for(optuna_adapter.heartbeat_grace_seconds(study))
-    assert optuna_study.fail_stale_trials(study) == []  # heartbeats could not be recorded meanwhile
+    # The database names trial 1 stale (its worker beat no heartbeat through the outage): within a
+    # grace period of the outage's end that silence is no sign of a dead worker, past it it is.
+    trial_id = optuna_adapter.trial_id_of(study.trials[1])
+    monkeypatch.setattr(storage.cached, "_get_stale_trial_ids", lambda study_id: [trial_id])
+    assert optuna_recovery.fail_stale_trials(study) == []
+    monkeypatch.setattr(storage.outage, "quiet_for", lambda seconds: False)
+    assert optuna_recovery.fail_stale_trials(study) == [1]

@@ -52,10 +52,10 @@ def test_the_flags_reach_the_workers_so_a_two_gpu_trial_runs_two_ddp_ranks(tmp_p
     # The spec file says 1 GPU per trial on cpu; `--devices 0,1,2,3 --gpus-per-trial 2` plans two
     # slots of two GPUs, and each worker's trial must run DDP over both as under `sweeps run`.
     from sweeps import trial
+    from sweeps.backends.device_fanout import plan_for_flags, with_resources
     from sweeps.backends.optuna_worker import spec_of
-    from sweeps.backends.worker_pool import plan_for_flags, with_resources
     from sweeps.backends.worker_protocol import WorkerGo
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(_spec(tmp_path, "postgresql://nobody@127.0.0.1:1/none", "ddp", 4))
     flags = {"devices": [0, 1, 2, 3], "gpus_per_trial": 2.0}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sweeps import worker_identity as identity
 from sweeps.backends.supervisor import LocalWorker
-from sweeps.pool import WorkerSlot
+from sweeps.slot_plan import WorkerSlot
 from sweeps.trial import worker_name
 
 ROOT = Path(__file__).resolve().parents[2]

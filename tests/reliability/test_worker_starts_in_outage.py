@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from optuna.trial import TrialState
 
-from sweeps.backends import optuna_study
+from sweeps.backends import optuna_attrs, optuna_study
 from sweeps.backends.optuna_worker import run_worker
 from sweeps.backends.worker_protocol import WorkerGo
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from sweeps.tracking.layout import PARENT_TAG
 from sweeps.tracking.mlflow_tracker import DEFAULT_SPOOL_DIR
 from sweeps.tracking.spool import Spool
@@ -28,7 +28,7 @@ def test_a_worker_started_during_an_mlflow_outage_trains_and_spools_its_trial_un
                                 resources={"devices": "cpu", "workers": 1}))
     study = optuna_study.open_study(spec)
     go = WorkerGo(spec_text=spec.text or "", spec_path=str(spec.path), study_name=study.study_name,
-                  study_uid=study.user_attrs[optuna_study.ATTR_STUDY_UID], parent_run_id=PARENT_ID,
+                  study_uid=study.user_attrs[optuna_attrs.ATTR_STUDY_UID], parent_run_id=PARENT_ID,
                   parent_experiment_id=EXPERIMENT_ID, parent_run_name="outage", since=0.0, deadline=None,
                   slot=0, threads=1, beat_file=str(tmp_path / "beat"))
 
@@ -36,7 +36,7 @@ def test_a_worker_started_during_an_mlflow_outage_trains_and_spools_its_trial_un
 
     [trial] = study.get_trials(deepcopy=False)
     assert trial.state == TrialState.COMPLETE
-    run_id = trial.user_attrs[optuna_study.ATTR_RUN_ID]
+    run_id = trial.user_attrs[optuna_attrs.ATTR_RUN_ID]
     records = [record for _, record in Spool(tmp_path / DEFAULT_SPOOL_DIR).read_pending(run_id)[0]]
     kind, experiment_id, _name, tags = records[0]
     assert (kind, experiment_id, tags[PARENT_TAG]) == ("new", EXPERIMENT_ID, PARENT_ID)

@@ -130,7 +130,7 @@ def pg_study(url: str, name: str):
     from optuna.storages import RDBStorage
     from sqlalchemy.pool import NullPool
 
-    from sweeps.backends.optuna_study import sqlalchemy_url
+    from sweeps.backends.optuna_storage import sqlalchemy_url
 
     storage = RDBStorage(sqlalchemy_url(url), skip_table_creation=True, engine_kwargs={"poolclass": NullPool})
     return optuna.load_study(study_name=name, storage=storage)

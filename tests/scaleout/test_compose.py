@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from tests.scaleout.compose_helpers import (
     COMPOSE,
     HELP,

@@ -13,8 +13,8 @@ import pytest
 
 from sweeps.cli import main
 from sweeps.doctor import OK, PROBLEM, SKIP, run_checks
-from sweeps.spec_checks import load_spec
-from sweeps.tracking.store_access import lock_holders
+from sweeps.spec.load import load_spec
+from sweeps.tracking.store_checks import lock_holders
 from tests.sweeps.study_helpers import run_cli, write_spec
 
 
@@ -54,7 +54,7 @@ def test_an_unwritable_artifact_location_is_an_artifacts_problem(in_tmp):
 def test_versions_other_than_the_studys_are_a_problem(in_tmp):
     from mlflow.tracking import MlflowClient
 
-    from sweeps.study_run import package_versions
+    from sweeps.parent_run import package_versions
     from sweeps.tracking import layout
 
     spec = write_spec(in_tmp, name="vers")

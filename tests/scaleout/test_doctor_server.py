@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from sweeps.doctor import OK, PROBLEM, SKIP, run_checks
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from tests.scaleout.scaleout_helpers import start_mlflow_server, stop_group
 from tests.scaleout.test_mlflow_auth import AUTH_INI, PASSWORD, USER, call
 from tests.sweeps.study_helpers import run_cli, write_spec

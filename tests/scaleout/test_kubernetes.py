@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from tests.scaleout.compose_helpers import flags_of
 
 ROOT = Path(__file__).resolve().parents[2]

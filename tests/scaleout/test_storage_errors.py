@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from sweeps.backends.optuna_study import open_storage
+from sweeps.backends.optuna_storage import StorageAccessError, open_storage
 from sweeps.backends.optuna_worker import join_study
-from sweeps.backends.storage_errors import StorageAccessError
 from sweeps.errors import StudyStateError
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from tests.sweeps.study_helpers import run_cli, write_spec
 
 
 def test_a_worker_waits_for_a_database_that_does_not_answer(tmp_path, free_port, caplog):
     spec = load_spec(str(write_spec(tmp_path, name="nodb", storage=f"postgresql://sweeps@127.0.0.1:{free_port}/x")))
     with pytest.raises(StudyStateError) as err:
-        join_study(spec, 0, wait_s=1.0)
+        join_study(spec, wait_s=1.0)
     message = str(err.value)
     assert "no database answers at 'postgresql://sweeps@127.0.0.1" in message and "after waiting 1 s" in message
     assert any("waiting up to 1 s" in r.getMessage() and "no database answers" in r.getMessage()

@@ -98,7 +98,7 @@ def weak_study(tmp_path_factory, finished_study) -> Study:
 @pytest.fixture
 def in_study(finished_study, monkeypatch) -> Study:
     """The test runs in the study's folder (commands find runs/mlflow.db there)."""
-    from sweeps.commands.base import console
+    from sweeps.commands import console
 
     monkeypatch.chdir(finished_study.root)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -121,7 +121,7 @@ def load_study(cwd: Path, name: str):
 def sqlite_rdb_spec(folder: Path, name: str):
     """A digits study on SQLite RDB storage (heartbeats, as on PostgreSQL) with its MLflow store
     in ``folder``: for tests of the heartbeat machinery without a server."""
-    from sweeps.spec_checks import spec_from_dict
+    from sweeps.spec.load import spec_from_dict
 
     return spec_from_dict({"name": name, "task": {"name": "digits", "model": "mlp"},
                            "search": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},

@@ -9,8 +9,8 @@ import pytest
 
 from core.sanity import OVERFIT_STEPS
 from sweeps import cli
-from sweeps.commands.check import first_point
-from sweeps.spec_checks import spec_from_dict
+from sweeps.commands.study import first_point
+from sweeps.spec.load import spec_from_dict
 
 SEARCH = {"lr": {"type": "float", "low": 1.0e-3, "high": 0.1, "log": True},
           "batch_size": {"type": "categorical", "choices": [16, 32]}}

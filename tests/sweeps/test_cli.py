@@ -10,7 +10,7 @@ from importlib.metadata import version
 import pytest
 
 from sweeps import cli
-from sweeps.commands.base import Command
+from sweeps.commands import Command
 from tests.sweeps.study_helpers import write_spec
 
 EVERY_COMMAND = ["validate", "run", "worker", "status", "sync-tracking", "repair-journal", "check", "doctor", "slurm",
@@ -61,12 +61,12 @@ def test_version_without_package_metadata_says_how_to_install(capsys, monkeypatc
 
 
 def test_a_command_module_that_cannot_be_imported_stops_the_cli():
-    # None in sys.modules makes `import sweeps.commands.report` raise ModuleNotFoundError naming
+    # None in sys.modules makes `import sweeps.commands.after_sweep` raise ModuleNotFoundError naming
     # that module: the CLI must not start without the command.
-    code = "import sys; sys.modules['sweeps.commands.report'] = None; import sweeps.cli; sweeps.cli.build_parser()"
+    code = "import sys; sys.modules['sweeps.commands.after_sweep'] = None; import sweeps.cli; sweeps.cli.build_parser()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "ModuleNotFoundError" in proc.stderr and "sweeps.commands.report" in proc.stderr
+    assert "ModuleNotFoundError" in proc.stderr and "sweeps.commands.after_sweep" in proc.stderr
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_the_cli_names_an_unknown_backend_in_one_line_and_exits_2(command, tmp_p
     # A spec file cannot hold an unknown backend (validation refuses it first); a spec built in
     # code can, so the command is handed one.
     from sweeps.commands import study
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
     from tests.sweeps.study_helpers import write_spec
 
     path = write_spec(tmp_path, name="nobackend", seed_store=False)

@@ -5,7 +5,7 @@ import re
 
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.live import LiveView
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from tests.sweeps.study_helpers import tiny_spec
 
 

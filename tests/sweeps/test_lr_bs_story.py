@@ -19,7 +19,7 @@ SPEC = ROOT / "studies" / "lr_bs.yaml"
 def test_shipped_lr_bs_study_completes_several_trials_and_draws_its_importances(tmp_path):
     from dashboards.tables import build_tables
     from sweeps.backends.by_name import get_backend
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec_dict = yaml.safe_load(SPEC.read_text())
     path = save_spec(tmp_path, spec_dict)  # the same study; runs/ lands in tmp_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sweeps import cli
 from sweeps.backends import optuna_study
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 from tests.sweeps.study_helpers import save_spec, tiny_spec
 
 

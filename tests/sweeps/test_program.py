@@ -12,7 +12,7 @@ from dashboards.tables import build_tables
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.live import print_summary
 from sweeps.program import sweeps_command
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from tests.sweeps.study_helpers import tiny_spec
 
 

@@ -200,7 +200,7 @@ def test_dry_run_writes_nothing(in_study, capsys):
 def test_metric_option_and_refused_names(in_study, capsys):
     from sweeps.errors import UsageError
     from sweeps.registry import metric_direction
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(in_study.spec)
     assert metric_direction("val_acc", spec) == "maximize"

@@ -6,8 +6,8 @@ import optuna
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from sweeps import search_space as ss
-from sweeps.search_space import CategoricalParam, FloatParam, IntParam, SearchParam
+from sweeps.spec import search_space as ss
+from sweeps.spec.search_space import CategoricalParam, FloatParam, IntParam, SearchParam
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -10,10 +10,10 @@ import pytest
 
 from core.config import TrainConfig
 from sweeps.errors import SpecError
-from sweeps.spec import StudySpec, dump_spec_dict
-from sweeps.spec_checks import load_spec, spec_from_dict
+from sweeps.spec.load import load_spec, parse_yaml_text, spec_from_dict
+from sweeps.spec.model import StudySpec, dump_spec_dict
+from sweeps.spec.search_space import signature
 from sweeps.store_urls import redact_url
-from sweeps.yaml_loader import load_yaml
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 
@@ -230,7 +230,7 @@ def test_missing_file(tmp_path):
 
 
 def test_yaml_1_2_scalars(tmp_path):
-    data = load_yaml(write(tmp_path, "a: 1e-3\nb: 1.0e3\nc: no\nd: on\ne: true\nf: 1:30\ng: 010\nh: 2024-01-01\n"))
+    data, _ = parse_yaml_text("a: 1e-3\nb: 1.0e3\nc: no\nd: on\ne: true\nf: 1:30\ng: 010\nh: 2024-01-01\n")
     assert data == {"a": 0.001, "b": 1000.0, "c": "no", "d": "on", "e": True, "f": "1:30", "g": "010",
                     "h": "2024-01-01"}
     assert isinstance(data["a"], float)
@@ -291,8 +291,8 @@ def test_spec_hash_and_search_signature(tmp_path):
     c = load_spec(write(tmp_path, GOOD.replace("high: 1.0", "high: 0.5"), "c.yaml"))
     assert a.spec_hash() == load_spec(tmp_path / "a.yaml").spec_hash() == b.spec_hash()
     assert len(a.spec_hash()) == 64 and c.spec_hash() != a.spec_hash()
-    assert a.search_space_signature() == b.search_space_signature() != c.search_space_signature()
-    assert list(a.search_space_signature()) == ["batch_size", "lr"]  # canonical: sorted keys
+    assert signature(a.search) == signature(b.search) != signature(c.search)
+    assert list(signature(a.search)) == ["batch_size", "lr"]  # canonical: sorted keys
 
 
 def test_dump_is_json_and_round_trips(tmp_path):
@@ -361,8 +361,8 @@ def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import
     code = textwrap.dedent(f"""
         import sys
         from sweeps.errors import SpecError
-        from sweeps.spec_checks import load_spec
-        import sweeps.backends.optuna_backend, sweeps.live, sweeps.study_run
+        from sweeps.spec.load import load_spec
+        import sweeps.backends.optuna_backend, sweeps.live, sweeps.parent_run
         load_spec({str(spec)!r})
         try:
             load_spec({str(bad)!r})
@@ -378,7 +378,7 @@ def test_validating_a_built_in_task_and_opening_the_optuna_backend_do_not_import
 
 
 def test_n_startup_trials_reaches_the_tpe_and_gp_samplers(tmp_path):
-    from sweeps.backends.optuna_study import make_sampler
+    from sweeps.backends.optuna_sampler import make_sampler
 
     for name in ("tpe", "gp"):
         spec = load_spec(write(tmp_path, GOOD + f"sampler: {{name: {name}, seed: 0, n_startup_trials: 4}}\n"))

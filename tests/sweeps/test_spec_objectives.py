@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from sweeps.errors import SpecError
-from sweeps.spec import dump_spec_dict
-from sweeps.spec_checks import load_spec, spec_from_dict
-from sweeps.spec_objectives import Bound
+from sweeps.spec.load import load_spec, spec_from_dict
+from sweeps.spec.model import dump_spec_dict
+from sweeps.spec.objectives import Bound
 from tests.sweeps.test_spec import write
 
 BASE = "name: t\ntask: {name: digits, model: cnn}\ntrain: {epochs: 2}\n"
@@ -203,7 +203,7 @@ def test_a_trial_without_an_objectives_value_is_told_which_and_why(tmp_path):
 def test_a_constrained_studys_sampler_is_made_without_optunas_deprecated_constraints_func(sampler):
     import warnings
 
-    from sweeps.backends.optuna_study import make_sampler
+    from sweeps.backends.optuna_sampler import make_sampler
     from sweeps.deploy_check import constraint_values
 
     spec = spec_from_dict({"name": "c", "task": {"name": "digits"}, "constraints": {"params": {"max": 5000}},

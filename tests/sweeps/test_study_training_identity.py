@@ -10,9 +10,10 @@ import sqlite3
 import optuna
 import pytest
 
+from sweeps.backends import optuna_attrs, optuna_storage
 from sweeps.errors import StudyStateError
-from sweeps.spec_checks import spec_from_dict
-from sweeps.spec_objectives import judged_by
+from sweeps.spec.load import spec_from_dict
+from sweeps.spec.objectives import judged_by
 from tests.sweeps.study_helpers import run_cli, tiny_spec, write_spec
 
 
@@ -63,10 +64,10 @@ def test_a_study_that_stored_no_training_resumes_and_stores_it_from_then_on(tmp_
 
     study = optuna_study.open_study(_spec(tmp_path))
     older = {k: v for k, v in judged_by(_spec(tmp_path)).items() if k != "training"}
-    study.set_user_attr(optuna_study.ATTR_JUDGED_BY, older)  # as a study started before this stored it
+    study.set_user_attr(optuna_attrs.ATTR_JUDGED_BY, older)  # as a study started before this stored it
     assert optuna_study.open_study(_spec(tmp_path, train={"epochs": 5})).study_name == "trained"
-    stored = optuna.load_study(study_name="trained", storage=optuna_study.open_storage(_spec(tmp_path)))
-    assert stored.user_attrs[optuna_study.ATTR_JUDGED_BY]["training"]["train"]["epochs"] == 5
+    stored = optuna.load_study(study_name="trained", storage=optuna_storage.open_storage(_spec(tmp_path)))
+    assert stored.user_attrs[optuna_attrs.ATTR_JUDGED_BY]["training"]["train"]["epochs"] == 5
     with pytest.raises(StudyStateError, match=r"train.epochs: 5 -> 2"):
         optuna_study.open_study(_spec(tmp_path))
 
@@ -77,9 +78,9 @@ def test_a_study_that_stored_its_defaults_spelt_out_resumes_with_the_same_spec(t
     from sweeps.backends import optuna_study
 
     study = optuna_study.open_study(_spec(tmp_path))
-    stored = study.user_attrs[optuna_study.ATTR_JUDGED_BY]
+    stored = study.user_attrs[optuna_attrs.ATTR_JUDGED_BY]
     raw = _spec(tmp_path).train  # optimizer sgd, scheduler constant, seed 0: defaults, kept raw
-    study.set_user_attr(optuna_study.ATTR_JUDGED_BY, {**stored, "training": {**stored["training"], "train": raw}})
+    study.set_user_attr(optuna_attrs.ATTR_JUDGED_BY, {**stored, "training": {**stored["training"], "train": raw}})
     assert optuna_study.open_study(_spec(tmp_path)).study_name == "trained"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sweeps.backends.base import StudyResult, TrialRecord
-from sweeps.backends.budget_outcome import no_trial_completed
+from sweeps.backends.driver import no_trial_completed
 from tests.sweeps.study_helpers import load_study, run_cli, write_spec
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sweeps import trial
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from sweeps.trial_control import TrialControl
 
 BASE = {

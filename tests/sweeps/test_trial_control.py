@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from sweeps.tracking.base import RunHandle, Tracker
 from sweeps.trial import TrialSpec, run_trial
 from sweeps.trial_control import ENV_HOLD_TRIAL, StopRequest, TrialControl, TrialInterrupted

@@ -60,7 +60,7 @@ def test_the_study_has_a_pruned_trial_whose_last_epoch_is_not_its_best(study):
 def test_status_report_and_mlflow_agree_on_every_trial_value(study):
     from dashboards.tables import build_tables
     from sweeps.backends.by_name import get_backend
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     root, spec_path, run_output = study
     expected = _best_epoch_values(root)

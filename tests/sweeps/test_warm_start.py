@@ -10,10 +10,10 @@ from optuna.trial import TrialState, create_trial
 
 from sweeps import cli
 from sweeps.backends import optuna_study
-from sweeps.backends.optuna_warm_start import ATTR_WARM_START, enqueue_warm_start, extend_budget
+from sweeps.backends.optuna_study import ATTR_WARM_START, enqueue_warm_start, extend_budget
 from sweeps.errors import StudyStateError
-from sweeps.search_space import suggest
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
+from sweeps.spec.search_space import suggest
 from tests.sweeps.study_helpers import save_spec, tiny_spec
 
 LR = {"type": "float", "low": 1.0e-3, "high": 0.5, "log": True}

@@ -55,7 +55,7 @@ def finished_study(request, tmp_path, monkeypatch):
 
 def test_same_mlflow_layout_status_mapping_and_load(finished_study, tmp_path):
     from sweeps.backends.by_name import get_backend
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     backend, spec_path, proc = finished_study
     name = f"contract_{backend}"

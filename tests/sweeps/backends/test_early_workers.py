@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from sweeps.backends.supervisor import EarlyWorkers, worker_command
-from sweeps.pool import WorkerSlot
+from sweeps.slot_plan import WorkerSlot
 
 WORKER = [sys.executable, "-m", "sweeps.backends.optuna_worker"]
 pytestmark = pytest.mark.slow  # real worker processes, each importing torch and MLflow

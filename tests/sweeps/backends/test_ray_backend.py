@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ray
 
 
 def _spec(tmp_path, **overrides):
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     return load_spec(write_spec(tmp_path, backend="ray", **overrides))
 
@@ -58,7 +58,7 @@ def test_resources_per_trial(tmp_path):
 
 def test_spec_refuses_what_ray_cannot_honour(tmp_path):
     from sweeps.errors import SpecError
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     cases = {
         "storage": ({"storage": "runs/x.journal"}, "storage: 'runs/x.journal' is the Optuna storage"),
@@ -166,7 +166,7 @@ def _children_by_number(tmp_path, name):
 @pytest.mark.slow
 def test_asha_stops_weak_trials_early(tmp_path, ray_tmp, monkeypatch):
     from sweeps.backends.by_name import get_backend
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     # Two good learning rates first, then weak and diverging ones: ASHA (rungs after epochs
     # 1 and 3 of 6) stops the weak ones at a rung once better trials have reached it.

@@ -73,8 +73,8 @@ def test_a_lost_run_is_continued_by_its_trial_closed_for_another_and_never_left_
     from sweeps.backends.base import StudyResult, TrialRecord
     from sweeps.backends.ray_backend import settle_runs
     from sweeps.backends.ray_continuing_run import TAG_RAY_TRIAL_ID, adopt_lost_run
-    from sweeps.spec_checks import load_spec
-    from sweeps.study_run import find_or_create_parent, reader_for, tracker_for
+    from sweeps.parent_run import find_or_create_parent, reader_for, tracker_for
+    from sweeps.spec.load import load_spec
 
     monkeypatch.chdir(tmp_path)
     spec = load_spec(write_spec(tmp_path, name="lost", backend="ray"))

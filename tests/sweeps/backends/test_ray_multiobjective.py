@@ -29,7 +29,7 @@ def test_the_optuna_searcher_gets_a_list_of_metrics(tmp_path):
     from ray.tune.search import ConcurrencyLimiter
 
     from sweeps.backends.ray_search import make_search
-    from sweeps.spec_checks import load_spec
+    from sweeps.spec.load import load_spec
 
     spec = load_spec(_spec(tmp_path))
     assert spec.objective_list()[1].metric == "onnx_latency_ms" and "objective" not in spec.model_fields_set

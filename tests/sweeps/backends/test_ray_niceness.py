@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 PROBE = """
 import os, ray
 from sweeps.backends.ray_cluster import init_ray
-from sweeps.spec_checks import load_spec
+from sweeps.spec.load import load_spec
 assert init_ray(load_spec(os.environ["SPEC"]))
 
 @ray.remote

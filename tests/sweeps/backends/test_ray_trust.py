@@ -27,8 +27,8 @@ def test_a_continued_run_logs_no_step_it_already_holds(tmp_path, monkeypatch):
     """A trial resumed from a checkpoint older than what its run holds trains those steps
     again: the continued run keeps one point per step and takes the new ones after it."""
     from sweeps.backends.ray_continuing_run import logged_up_to
-    from sweeps.spec_checks import load_spec
-    from sweeps.study_run import find_or_create_parent, reader_for, tracker_for
+    from sweeps.parent_run import find_or_create_parent, reader_for, tracker_for
+    from sweeps.spec.load import load_spec
     from sweeps.trial import TrialReporter, TrialSpec, start_trial_run
     from sweeps.trial_control import TrialControl
 

@@ -1,4 +1,4 @@
-"""The study's run lock (sweeps/backends/run_lock.py), shared by both backends: a second
+"""The study's run lock (sweeps/backends/driver.py), shared by both backends: a second
 `sweeps run` of a study is refused at once, naming the first one's pid."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 import pytest
 
 from sweeps.backends import ray_records
+from sweeps.backends.driver import run_lock, run_lock_held
 from sweeps.backends.optuna_backend import OptunaBackend
-from sweeps.backends.run_lock import run_lock, run_lock_held
 from sweeps.errors import StudyStateError
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 
 
 def _spec(storage: str | None = None):

@@ -7,7 +7,7 @@ import time
 
 import optuna
 
-from sweeps.backends import optuna_adapter, optuna_study
+from sweeps.backends import optuna_adapter, optuna_recovery, optuna_study
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
 from tests.sweeps.study_helpers import sqlite_rdb_spec
 
@@ -30,13 +30,13 @@ def test_a_trial_silent_in_its_own_code_stays_alive_while_its_worker_is(tmp_path
     assert alive is not None
     try:
         _wait_past_the_grace(study)  # the trial itself beats no more (a long set-up, a long export)
-        assert optuna_study.fail_stale_trials(study) == []
+        assert optuna_recovery.fail_stale_trials(study) == []
         assert study.trials[trial.number].state.name == "RUNNING"
     finally:
         alive.stop()
     assert not alive.thread.is_alive()
     _wait_past_the_grace(study)  # the worker is gone (no more beats): now it is stale
-    assert optuna_study.fail_stale_trials(study) == [trial.number]
+    assert optuna_recovery.fail_stale_trials(study) == [trial.number]
 
 
 def test_no_thread_where_the_storage_keeps_no_heartbeats(tmp_path):

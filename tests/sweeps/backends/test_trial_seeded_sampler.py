@@ -8,10 +8,9 @@ import math
 import optuna
 import pytest
 
-from sweeps.backends.optuna_study import make_sampler
-from sweeps.backends.trial_seeded_sampler import TrialSeededSampler
-from sweeps.search_space import optuna_distributions
-from sweeps.spec_checks import spec_from_dict
+from sweeps.backends.optuna_sampler import TrialSeededSampler, make_sampler
+from sweeps.spec.load import spec_from_dict
+from sweeps.spec.search_space import optuna_distributions
 from tests.sweeps.study_helpers import tiny_spec
 
 FLOATS = {"lr": {"type": "float", "low": 1e-3, "high": 1.0, "log": True},
@@ -30,10 +29,10 @@ def _value(params: dict) -> float:
     return (math.log10(lr) + 1.5) ** 2 + (params["momentum"] - 0.5) ** 2 + params.get("weight_decay", 0.0)
 
 
-def _worker(storage, spec, index: int = 0) -> optuna.Study:
+def _worker(storage, spec) -> optuna.Study:
     """One process of the study: its own sampler object, as ``open_study`` builds it."""
     return optuna.create_study(study_name="s", storage=storage, load_if_exists=True,
-                               sampler=make_sampler(spec, worker_index=index))
+                               sampler=make_sampler(spec))
 
 
 def _run(study: optuna.Study, spec, n: int) -> None:
@@ -53,7 +52,7 @@ def test_resumes_and_parallel_workers_never_redraw_and_match_one_uninterrupted_r
     storage = optuna.storages.InMemoryStorage()
     _run(_worker(storage, spec), spec, 2)  # sweeps run with n_trials: 2
     _run(_worker(storage, spec), spec, 2)  # the same spec again with n_trials: 4 (a new sampler object)
-    a, b = _worker(storage, spec, 0), _worker(storage, spec, 1)  # two parallel workers, asking in turn
+    a, b = _worker(storage, spec), _worker(storage, spec)  # two parallel workers, asking in turn
     dists = optuna_distributions(spec.search)
     for _ in range(2):
         ta, tb = a.ask(dists), b.ask(dists)
@@ -129,7 +128,7 @@ def test_grid_is_covered_once_by_parallel_workers_and_stops_when_exhausted():
     spec = _spec("grid", GRID)
     assert not isinstance(make_sampler(spec), TrialSeededSampler)  # trial n takes grid point n
     storage = optuna.storages.InMemoryStorage()
-    a, b = _worker(storage, spec, 0), _worker(storage, spec, 1)
+    a, b = _worker(storage, spec), _worker(storage, spec)
     dists = optuna_distributions(spec.search)
     for _ in range(2):
         ta, tb = a.ask(dists), b.ask(dists)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from sweeps.backends.ray_continuing_run import logged_up_to
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from sweeps.tracking import TrackingReader, layout
 from sweeps.trial import TrialOutcome, TrialReporter, TrialSpec, finish_trial_run, start_trial_run
 from sweeps.trial_control import TrialControl

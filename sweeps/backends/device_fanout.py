@@ -17,17 +17,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from sweeps.backends import optuna_study
+from sweeps.backends import optuna_attrs
 from sweeps.backends.optuna_backend import plan_local_workers, workers_beat_dir
-from sweeps.backends.optuna_join import check_tracking_before_trials, join_study
+from sweeps.backends.optuna_study import check_tracking_before_trials, join_study
 from sweeps.backends.optuna_worker import EXIT_MAX_FAILURES
 from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import ResourcesError, UsageError
-from sweeps.pool import WorkerSlot
-from sweeps.spec import ResourcesSection, StudySpec
+from sweeps.parent_run import reader_for, tracker_for
+from sweeps.slot_plan import WorkerSlot
+from sweeps.spec.model import ResourcesSection, StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
-from sweeps.study_run import reader_for, tracker_for
 
 log = logging.getLogger("sweeps")
 # The flags and the spec fields they override: messages about the field name the flag given.
@@ -94,7 +94,7 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
-        study = join_study(spec, 0, wait_s, stop)
+        study = join_study(spec, wait_s, stop)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -102,9 +102,9 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
         return 128 + received[0]
     tracker = tracker_for(spec)  # its check_outage stops the workers as on SIGTERM once the store is away too long
     check_tracking_before_trials(tracker, spec.experiment_name())
-    uid = study.user_attrs[optuna_study.ATTR_STUDY_UID]
+    uid = study.user_attrs[optuna_attrs.ATTR_STUDY_UID]
     # Read once here, while the store answers (just checked): a worker restarted in an outage needs no read.
-    parent = reader_for(spec).handle(study.user_attrs[optuna_study.ATTR_PARENT_RUN])
+    parent = reader_for(spec).handle(study.user_attrs[optuna_attrs.ATTR_PARENT_RUN])
     since = time.time()
 
     def go_for(slot: WorkerSlot, beat: Path) -> WorkerGo:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeps.backends.base import StudyResult
-from sweeps.spec import StudySpec, dump_spec_dict
+from sweeps.spec.model import StudySpec, dump_spec_dict
 from sweeps.stop_signals import STOP_SIGNALS
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle, RunStatus, Tracker

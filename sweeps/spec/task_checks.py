@@ -1,4 +1,4 @@
-"""The rules of a spec's ``task:`` section (part of :mod:`sweeps.spec_checks`).
+"""The rules of a spec's ``task:`` section (part of :mod:`sweeps.spec.checks`).
 
 The task is resolved through :func:`core.tasks.base.resolve_factory`, which refuses a
 ``task.target`` that was not declared with ``@task`` before anything of it is called or
@@ -22,9 +22,9 @@ from core.tasks.base import (
     resolve_factory,
     task_names,
 )
-from sweeps import search_space as ss
-from sweeps.search_space import CategoricalParam, Problem
-from sweeps.spec_messages import did_you_mean, foreign, show
+from sweeps.spec import search_space as ss
+from sweeps.spec.messages import did_you_mean, foreign, show
+from sweeps.spec.search_space import CategoricalParam, Problem
 
 
 class TaskInfo:

@@ -1,4 +1,4 @@
-"""Unit tests for sweeps.pool: fake device id lists, no GPU needed."""
+"""Unit tests for sweeps.slot_plan: fake device id lists, no GPU needed."""
 from __future__ import annotations
 
 import os
@@ -7,24 +7,24 @@ import sys
 
 import pytest
 
-from sweeps import pool as pool_mod
+from sweeps import slot_plan
 from sweeps.backends.optuna_backend import plan_local_workers
 from sweeps.errors import SweepsError
-from sweeps.pool import (
+from sweeps.slot_plan import (
     ResourcesError,
     WorkerSlot,
     cpu_threads_available,
     discover_devices,
     plan_workers,
 )
-from sweeps.spec_checks import spec_from_dict
+from sweeps.spec.load import spec_from_dict
 from tests.sweeps.study_helpers import tiny_spec
 
 # --------------------------------------------------------------------------- device groups
 
 
 def test_pick_devices_policy():
-    pick = pool_mod._pick_devices
+    pick = slot_plan._pick_devices
     assert pick([3, 0, 2], 2) == (2, 3)
     assert pick([0, 1, 2, 3], 2) == (0, 1)
     assert pick([0, 2, 4], 2) == (0, 2)
@@ -68,7 +68,7 @@ def test_resources_error_is_in_both_hierarchies():
 
 
 def test_discover_cpu_and_lists_without_cuda(monkeypatch):
-    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(slot_plan, "visible_gpu_count", lambda: 0)
     assert discover_devices("cpu") == []
     assert discover_devices("auto", environ={"CUDA_VISIBLE_DEVICES": "0,1"}) == []
     assert discover_devices([3, 1]) == [3, 1]  # kept as given without CUDA
@@ -80,14 +80,14 @@ def test_discover_cpu_and_lists_without_cuda(monkeypatch):
      ([True], "non-negative"), ([], "non-empty"), ("gpu", "not a valid"), (2, "non-empty")],
 )
 def test_discover_rejects_bad_lists(monkeypatch, bad, match):
-    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(slot_plan, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match=match) as info:
         discover_devices(bad)
     assert "resources.devices" in str(info.value) and "Fix:" in str(info.value)
 
 
 def test_discover_with_fake_cuda(monkeypatch):
-    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 4)
+    monkeypatch.setattr(slot_plan, "visible_gpu_count", lambda: 4)
     assert discover_devices("auto", environ={}) == [0, 1, 2, 3]
     assert discover_devices([1, 3], environ={}) == [1, 3]
     with pytest.raises(ResourcesError, match=r"\[4\].*visible CUDA devices: \[0, 1, 2, 3\]"):
@@ -95,14 +95,14 @@ def test_discover_with_fake_cuda(monkeypatch):
 
 
 def test_discover_respects_cuda_visible_devices(monkeypatch):
-    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 2)
+    monkeypatch.setattr(slot_plan, "visible_gpu_count", lambda: 2)
     env = {"CUDA_VISIBLE_DEVICES": "2, 3"}
     assert discover_devices("auto", environ=env) == [2, 3]
     assert discover_devices([3], environ=env) == [3]
     with pytest.raises(ResourcesError, match="cannot see"):
         discover_devices([0], environ=env)
     # Entries after a negative id are ignored by the runtime, and so here.
-    monkeypatch.setattr(pool_mod, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(slot_plan, "visible_gpu_count", lambda: 1)
     assert discover_devices("auto", environ={"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == [1]
     with pytest.raises(ResourcesError, match="UUID"):
         discover_devices("auto", environ={"CUDA_VISIBLE_DEVICES": "GPU-1234"})
@@ -111,7 +111,7 @@ def test_discover_respects_cuda_visible_devices(monkeypatch):
 def test_importing_the_pool_does_not_import_torch():
     # Planning runs in the CLI process before any worker starts: importing torch there costs
     # seconds, so only discover_devices may import it, and only when called.
-    code = "import sys, sweeps.pool; print('torch' in sys.modules)"
+    code = "import sys, sweeps.slot_plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
 
@@ -128,7 +128,7 @@ def test_cpu_threads_available_matches_affinity():
 
 @pytest.mark.parametrize("cores, workers, threads", [(2, 2, 1), (8, 8, 1), (1, 1, 1), (3, 3, 1)])
 def test_plan_workers_cpu_auto(cores, workers, threads, monkeypatch):
-    monkeypatch.setattr(pool_mod, "_workers_memory_holds", lambda: 64)  # memory is not the limit here
+    monkeypatch.setattr(slot_plan, "_workers_memory_holds", lambda: 64)  # memory is not the limit here
     slots = plan_workers([], 1, "auto", cores)
     assert len(slots) == workers
     assert all(s.devices == () and s.threads == threads for s in slots)
@@ -136,7 +136,7 @@ def test_plan_workers_cpu_auto(cores, workers, threads, monkeypatch):
 
 
 def test_plan_workers_cpu_auto_runs_no_more_workers_than_memory_holds(monkeypatch):
-    monkeypatch.setattr(pool_mod, "_workers_memory_holds", lambda: 3)
+    monkeypatch.setattr(slot_plan, "_workers_memory_holds", lambda: 3)
     slots = plan_workers([], 1, "auto", 8)
     assert [s.threads for s in slots] == [2, 2, 2]  # the threads are shared among the 3 that fit
 
@@ -145,12 +145,12 @@ def test_memory_holds_at_least_one_worker_and_counts_what_is_available(monkeypat
     import psutil
 
     class Memory:
-        available = 5 * pool_mod.WORKER_MEMORY_BYTES + 1
+        available = 5 * slot_plan.WORKER_MEMORY_BYTES + 1
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory())
-    assert pool_mod._workers_memory_holds() == 5
+    assert slot_plan._workers_memory_holds() == 5
     Memory.available = 10
-    assert pool_mod._workers_memory_holds() == 1
+    assert slot_plan._workers_memory_holds() == 1
 
 
 def test_plan_workers_cpu_explicit():
@@ -230,7 +230,7 @@ def test_plan_workers_default_threads_from_machine():
     ],
 )
 def test_ddp_processes_one_rank_per_leased_gpu(gpus_per_trial, devices, device, explicit, visible, expected):
-    assert pool_mod.ddp_processes(gpus_per_trial, devices, device, explicit, visible) == expected
+    assert slot_plan.ddp_processes(gpus_per_trial, devices, device, explicit, visible) == expected
 
 
 @pytest.mark.parametrize("n_trials, workers, started", [(2, 8, 2), (8, 3, 3)])

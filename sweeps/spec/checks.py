@@ -1,85 +1,26 @@
-"""Every rule of a study spec, checked in one pass so that all problems are reported at once.
+"""The rules of a study spec that span several fields (STUDY_SPEC.md "Rules the loader enforces").
 
-Run by :func:`spec_from_dict` (and :func:`load_spec`, which reads a file). Two kinds of problems are collected:
-
-1. pydantic's type errors, rewritten by :mod:`sweeps.spec_messages`;
-2. the rules spanning several fields (STUDY_SPEC.md "Rules the loader enforces"): the task
-   resolves and takes the given arguments, train values type-check against TrainConfig,
-   search keys are train fields or ``task.<arg>`` and not also fixed, the objective is a
-   reported metric, the sampler/pruner run on the chosen backend, options a component
-   would ignore are refused (never a silent fallback).
-
-The cross-field rules still run when some sections failed to validate, on the sections
-that did, so one run of the loader shows the whole list.
+Run by :func:`sweeps.spec.load.load_spec` on whichever sections validated: the task resolves and
+takes the given arguments (:mod:`sweeps.spec.task_checks`), train values type-check against
+TrainConfig, search keys are train fields or ``task.<arg>`` and not also fixed, the objective is a
+reported metric, the sampler/pruner run on the chosen backend, options a component would ignore
+are refused (never a silent fallback).
 """
 from __future__ import annotations
 
-import contextlib
 import re
-from functools import cache
-from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
-
-from pydantic import TypeAdapter, ValidationError
 
 from core.config import ConfigError, TrainConfig, apply_overrides, config_fields
 from core.metrics import LOOP_METRICS, declared_metrics
-from sweeps import search_space as ss
-from sweeps.errors import SpecError
-from sweeps.search_space import CategoricalParam, FloatParam, Problem, SearchParam
-from sweeps.spec import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection, StudySpec
-from sweeps.spec_messages import BOOL_WORDS, did_you_mean, foreign, pydantic_problems, render, show, unwrap
-from sweeps.spec_objectives import is_deploy_metric, objective_problems
-from sweeps.spec_task_checks import TaskInfo, instantiate_checks, representatives, task_problems
-from sweeps.spec_warm_start import warm_start_problems
-from sweeps.yaml_loader import check_size, mapping_from_text, read_spec_text
+from sweeps.spec import search_space as ss
+from sweeps.spec.messages import BOOL_WORDS, did_you_mean, foreign, show, unwrap
+from sweeps.spec.model import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection
+from sweeps.spec.objectives import is_deploy_metric, objective_problems
+from sweeps.spec.search_space import CategoricalParam, FloatParam, Problem
+from sweeps.spec.task_checks import TaskInfo, instantiate_checks, representatives, task_problems
 
 
-def collect_problems(data: dict[str, Any], lines: dict[tuple[str, ...], int]) -> tuple[StudySpec | None, list[str]]:
-    """Validate ``data``; returns (spec or None, every problem rendered with its line)."""
-    problems: list[Problem] = []
-    try:
-        spec = StudySpec.model_validate(data)
-        sections = {key: getattr(spec, key) for key in StudySpec.model_fields}
-    except ValidationError as exc:
-        spec = None
-        problems += pydantic_problems(exc)
-        sections = _valid_sections(data)
-    problems += cross_problems(sections, set(data))
-    rendered = [render(loc, text, lines) for loc, text in problems]
-    return spec, list(dict.fromkeys(rendered))  # drop exact repeats, keep order
-
-
-@cache
-def _adapter(annotation: Any) -> TypeAdapter:
-    return TypeAdapter(annotation)
-
-
-def _valid_sections(data: dict[str, Any]) -> dict[str, Any]:
-    """Each section validated alone (None where invalid), so cross-field rules can still run."""
-    out: dict[str, Any] = {}
-    for key, field in StudySpec.model_fields.items():
-        if key not in data:
-            out[key] = None if field.is_required() else field.get_default(call_default_factory=True)
-            continue
-        if key == "search" and isinstance(data[key], dict):
-            params = {}
-            for name, raw in data[key].items():  # one bad parameter must not hide the others
-                if not isinstance(name, str):
-                    continue  # already reported by pydantic
-                with contextlib.suppress(ValidationError):
-                    params[name] = _adapter(SearchParam).validate_python(raw)
-            out[key] = params
-            continue
-        try:
-            # A field's annotation (a type or typing form) is hashable; typeshed's lru_cache wants Hashable.
-            out[key] = _adapter(field.annotation).validate_python(data[key])  # type: ignore[arg-type]
-        except ValidationError:
-            out[key] = None
-    return out
-
-
-# ------------------------------------------------------------------------ cross-field rules
 def _kind(hint: Any) -> str:
     hint = unwrap(hint)
     if get_origin(hint) is Literal:
@@ -206,7 +147,7 @@ def _objective_problems(s: dict[str, Any], info: TaskInfo | None, out: list[Prob
         if problem:
             out.append((("train", "monitor"), problem))
     listed = s.get("objectives")
-    # Each trained objective (a deployment metric is checked in sweeps.spec_objectives), at its place.
+    # Each trained objective (a deployment metric is checked in sweeps.spec.objectives), at its place.
     checked = ([(("objectives", i), o) for i, o in enumerate(listed) if not is_deploy_metric(o.metric)]
                if listed else [(("objective",), obj)] if obj is not None else [])
     for at, one in checked:
@@ -375,33 +316,16 @@ def _ray_problems(s: dict[str, Any], out: list[Problem]) -> None:
                                             f"{ss.grid_size(search)}, shrink the grid, or use backend: optuna"))
 
 
-# An empty section (`train:` with every line commented out) is YAML null: read it as "all defaults".
-_SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", "budget", "resources",
-                           "lr_finder", "tracking", "constraints", "deploy")
-
-
-def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None = None) -> StudySpec:
-    """Validate a parsed spec (every rule, all problems at once). Raises SpecError."""
-    shown = str(path) if path is not None else "<spec>"
-    if not isinstance(data, dict):
-        raise SpecError(shown, [f"the spec is a {type(data).__name__}, not a mapping"])
-    check_size(data, shown)  # data not read by load_spec (a dumped spec) may nest deeper than validation recurses
-    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS_WITH_DEFAULTS)}
-    spec, problems = collect_problems(data, lines or {})
-    if problems or spec is None:
-        raise SpecError(shown, problems)
-    spec._path = Path(path) if path is not None else None
-    return spec
-
-
-def load_spec(path: str | Path) -> StudySpec:
-    """Read, parse and validate a study spec file. Raises SpecError listing every problem."""
-    return spec_from_text(read_spec_text(path), path)
-
-
-def spec_from_text(text: str, path: str | Path) -> StudySpec:
-    """Validate a spec file's text, read earlier from ``path`` (``sweeps run``'s snapshot)."""
-    data, lines = mapping_from_text(text, str(path))
-    spec = spec_from_dict(data, path, lines)
-    spec._text = text
-    return spec
+def warm_start_problems(s: dict[str, Any], out: list[Problem]) -> None:
+    """The rules spanning the section and the rest of the spec."""
+    ws = s.get("warm_start")
+    if ws is None:
+        return
+    if s.get("backend") == "ray":
+        out.append((("warm_start",), "is supported on backend optuna only (it enqueues Optuna trials); remove it "
+                                     "or use backend: optuna"))
+    if ws.study == s.get("name"):
+        out.append((("warm_start", "from"), f"{ws.study!r} is this study; name an earlier study, or extend this "
+                                            "one with: sweeps run SPEC --add-trials N"))
+    if not s.get("search"):
+        out.append((("warm_start",), "needs a search section: it carries over searched parameters"))

@@ -15,9 +15,9 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from sweeps import search_space as ss
-from sweeps.search_space import CategoricalParam, FloatParam, IntParam, Problem
-from sweeps.spec import StudySpec
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
+from sweeps.spec.search_space import CategoricalParam, FloatParam, IntParam, Problem
 
 BOOL_WORDS = ("yes", "no", "on", "off", "y", "n")  # booleans in YAML 1.1, strings in a study spec
 _PARAM_MODELS = {"float": FloatParam, "int": IntParam, "categorical": CategoricalParam}

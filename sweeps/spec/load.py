@@ -1,7 +1,12 @@
-"""Read a study spec's YAML safely, with YAML 1.2 scalars and errors that point at a line.
+"""Read a study spec: its YAML, safely, then every rule, so that all problems are reported at once.
 
-Used by :func:`sweeps.spec_checks.load_spec`; anything else that reads a YAML file the user
-wrote should use :func:`load_yaml` too, so every file is read by the same rules:
+:func:`load_spec` reads a file and returns a :class:`~sweeps.spec.model.StudySpec`, or raises
+:class:`sweeps.errors.SpecError` listing every problem: pydantic's type errors rewritten by
+:mod:`sweeps.spec.messages`, and the rules spanning several fields (:mod:`sweeps.spec.checks`), which
+still run on the sections that validated when others did not. Loading creates no files and touches
+no storage: the CLI calls it before anything else.
+
+The YAML is read by these rules:
 
 - Only :class:`yaml.SafeLoader` machinery is used, never ``yaml.load`` with an unsafe
   loader: ``!!python/object...`` and every other tag that would build something other
@@ -34,15 +39,22 @@ wrote should use :func:`load_yaml` too, so every file is read by the same rules:
 """
 from __future__ import annotations
 
+import contextlib
 import re
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from sweeps.errors import SpecError
+from sweeps.spec.checks import cross_problems
+from sweeps.spec.messages import pydantic_problems, render
+from sweeps.spec.model import StudySpec
+from sweeps.spec.search_space import Problem, SearchParam
 
 MAX_BYTES = 1 << 20  # a spec is a few hundred bytes; anything this big is a mistake
 MAX_VALUES = 100_000  # after alias expansion: stops "billion laughs" documents and recursion
@@ -260,11 +272,78 @@ def mapping_from_text(text: str, shown: str) -> tuple[dict[str, Any], Lines]:
     return data, lines
 
 
-def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], Lines]:
-    """Read a spec file: a top-level mapping and the line of each key. Raises SpecError."""
-    return mapping_from_text(read_spec_text(path), str(path))
+def collect_problems(data: dict[str, Any], lines: dict[tuple[str, ...], int]) -> tuple[StudySpec | None, list[str]]:
+    """Validate ``data``; returns (spec or None, every problem rendered with its line)."""
+    problems: list[Problem] = []
+    try:
+        spec = StudySpec.model_validate(data)
+        sections = {key: getattr(spec, key) for key in StudySpec.model_fields}
+    except ValidationError as exc:
+        spec = None
+        problems += pydantic_problems(exc)
+        sections = _valid_sections(data)
+    problems += cross_problems(sections, set(data))
+    rendered = [render(loc, text, lines) for loc, text in problems]
+    return spec, list(dict.fromkeys(rendered))  # drop exact repeats, keep order
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a spec file as a plain dict (top level must be a mapping). Raises SpecError."""
-    return load_yaml_with_lines(path)[0]
+@cache
+def _adapter(annotation: Any) -> TypeAdapter:
+    return TypeAdapter(annotation)
+
+
+def _valid_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """Each section validated alone (None where invalid), so cross-field rules can still run."""
+    out: dict[str, Any] = {}
+    for key, field in StudySpec.model_fields.items():
+        if key not in data:
+            out[key] = None if field.is_required() else field.get_default(call_default_factory=True)
+            continue
+        if key == "search" and isinstance(data[key], dict):
+            params = {}
+            for name, raw in data[key].items():  # one bad parameter must not hide the others
+                if not isinstance(name, str):
+                    continue  # already reported by pydantic
+                with contextlib.suppress(ValidationError):
+                    params[name] = _adapter(SearchParam).validate_python(raw)
+            out[key] = params
+            continue
+        try:
+            # A field's annotation (a type or typing form) is hashable; typeshed's lru_cache wants Hashable.
+            out[key] = _adapter(field.annotation).validate_python(data[key])  # type: ignore[arg-type]
+        except ValidationError:
+            out[key] = None
+    return out
+
+
+
+# An empty section (`train:` with every line commented out) is YAML null: read it as "all defaults".
+_SECTIONS_WITH_DEFAULTS = ("train", "search", "objective", "sampler", "pruner", "budget", "resources",
+                           "lr_finder", "tracking", "constraints", "deploy")
+
+
+def spec_from_dict(data: Any, path: str | Path | None = None, lines: dict | None = None) -> StudySpec:
+    """Validate a parsed spec (every rule, all problems at once). Raises SpecError."""
+    shown = str(path) if path is not None else "<spec>"
+    if not isinstance(data, dict):
+        raise SpecError(shown, [f"the spec is a {type(data).__name__}, not a mapping"])
+    check_size(data, shown)  # data not read by load_spec (a dumped spec) may nest deeper than validation recurses
+    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS_WITH_DEFAULTS)}
+    spec, problems = collect_problems(data, lines or {})
+    if problems or spec is None:
+        raise SpecError(shown, problems)
+    spec._path = Path(path) if path is not None else None
+    return spec
+
+
+def load_spec(path: str | Path) -> StudySpec:
+    """Read, parse and validate a study spec file. Raises SpecError listing every problem."""
+    return spec_from_text(read_spec_text(path), path)
+
+
+def spec_from_text(text: str, path: str | Path) -> StudySpec:
+    """Validate a spec file's text, read earlier from ``path`` (``sweeps run``'s snapshot)."""
+    data, lines = mapping_from_text(text, str(path))
+    spec = spec_from_dict(data, path, lines)
+    spec._text = text
+    return spec

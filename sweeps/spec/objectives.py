@@ -4,8 +4,8 @@
 replaces the single ``objective`` (which keeps working and reads as a one-element list);
 ``constraints: {onnx_latency_ms: {max: 2.0}, params: {max: 1e6}}`` bounds deployment figures;
 ``deploy:`` says how they are measured (``core.deploy_metrics``). The section models live here
-(sweeps/spec.py holds the study model); :func:`objective_problems` holds the rules that span
-objectives, constraints, backend, sampler and pruner, called by sweeps/spec_checks.py.
+(sweeps/spec/model.py holds the study model); :func:`objective_problems` holds the rules that span
+objectives, constraints, backend, sampler and pruner, called by sweeps/spec/checks.py.
 
 A deployment metric is measured from the exported ONNX model, the same way for every trial; it
 depends on the architecture only (never on training), which is why a constraint on one can

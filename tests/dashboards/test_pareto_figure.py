@@ -2,8 +2,7 @@
 front is the one sweeps.pareto computes from the stored values, dominated trials are greyed."""
 from __future__ import annotations
 
-from dashboards.figures import all_figures
-from dashboards.front import DOMINATED_COLOR, FRONT_COLOR, pareto_figure
+from dashboards.figures import DOMINATED_COLOR, FRONT_COLOR, all_figures, pareto_figure
 from dashboards.page import PageHeader, render_page
 from dashboards.tables import build_tables, trials_table
 from sweeps.backends.base import StudyResult, TrialRecord

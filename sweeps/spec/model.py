@@ -1,6 +1,6 @@
 """The study spec: one YAML file = one study (the format: STUDY_SPEC.md in the design docs).
 
-:func:`sweeps.spec_checks.load_spec` reads a file, checks every rule and returns a :class:`StudySpec`, or
+:func:`sweeps.spec.load.load_spec` reads a file, checks every rule and returns a :class:`StudySpec`, or
 raises :class:`sweeps.errors.SpecError` listing *every* problem at once, each naming the
 field path, the value, what is allowed and (for a misspelt key) what was probably meant.
 Loading creates no files and touches no storage: the CLI calls it before anything else.
@@ -8,7 +8,8 @@ Loading creates no files and touches no storage: the CLI calls it before anythin
 Types, defaults and single-field rules live in the section models below; the rules
 that span several fields (task arguments, train vs search, backend vs sampler/pruner)
 and the translation of pydantic's errors into those messages live in
-:mod:`sweeps.spec_checks`; the search-parameter rules in :mod:`sweeps.search_space`.
+:mod:`sweeps.spec.checks` and :mod:`sweeps.spec.messages`; the search-parameter rules in
+:mod:`sweeps.spec.search_space`.
 """
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from core.config import SuggestRule, TrainConfig, apply_overrides
 from core.tasks.base import make_task
-from sweeps import search_space as ss
 from sweeps.durations import parse_duration
 from sweeps.errors import UnsafeNameError
 from sweeps.safe_names import safe_component
-from sweeps.search_space import SearchParam
-from sweeps.spec_objectives import Bound, DeploySection, ObjectiveSection, is_deploy_metric, settle_objectives
-from sweeps.spec_warm_start import WarmStartSection
+from sweeps.spec import search_space as ss
+from sweeps.spec.objectives import Bound, DeploySection, ObjectiveSection, is_deploy_metric, settle_objectives
+from sweeps.spec.search_space import SearchParam
 from sweeps.store_urls import RDB_DIALECTS, redact_url
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")  # always fullmatch: "$" would let "tin
 NAME_MAX = 100
 DEFAULT_TRACKING_URI = "sqlite:///runs/mlflow.db"  # relative to the working directory, like storage
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
-PRUNERS = ("none", "median", "percentile", "asha", "hyperband", "pbt")
 BACKEND_SAMPLERS = {"optuna": SAMPLERS, "ray": ("random", "grid", "tpe")}
 BACKEND_PRUNERS = {"optuna": ("none", "median", "percentile", "asha", "hyperband"),
                    "ray": ("none", "median", "asha", "hyperband", "pbt")}
@@ -201,6 +200,18 @@ class TrackingSection(_Section):
         return None if v is None else _safe_name(v, "experiment name")
 
 
+class WarmStartSection(BaseModel):
+    """``warm_start: {from: lr_bs, top: 3}`` enqueues the 3 best completed trials of study ``lr_bs``
+    (found in this spec's storage: the default ``runs/lr_bs.journal``, or the same database) as the
+    new study's first trials. The search spaces may differ: the parameters both search, with a value
+    inside the new range or choices, are carried over; the others are drawn by the sampler."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    study: str = Field(alias="from")  # the earlier study's name (its latest version)
+    top: int = Field(5, ge=1)  # how many of its best completed trials to start from
+
+
 class StudySpec(_Section):
     """A validated study. Build it with :func:`load_spec` or :func:`spec_from_dict`, which also
     enforce the rules spanning several fields; constructing it directly skips those."""
@@ -211,7 +222,7 @@ class StudySpec(_Section):
     train: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, SearchParam] = Field(default_factory=dict)
     objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
-    objectives: list[ObjectiveSection] | None = None  # several: sweeps/spec_objectives.py
+    objectives: list[ObjectiveSection] | None = None  # several: sweeps/spec/objectives.py
     constraints: dict[str, Bound] = Field(default_factory=dict)
     deploy: DeploySection = Field(default_factory=DeploySection)
     backend: Literal["optuna", "ray"] = "optuna"
@@ -222,7 +233,7 @@ class StudySpec(_Section):
     lr_finder: LrFinderSection = Field(default_factory=LrFinderSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     storage: str | None = None  # default runs/<name>.journal
-    warm_start: WarmStartSection | None = None  # start from an earlier study's best (sweeps/spec_warm_start.py)
+    warm_start: WarmStartSection | None = None  # start from an earlier study's best (backends/optuna_study.py)
     _path: Path | None = PrivateAttr(default=None)
     _text: str | None = PrivateAttr(default=None)
 
@@ -236,7 +247,7 @@ class StudySpec(_Section):
 
     @model_validator(mode="after")
     def _several_objectives(self) -> StudySpec:
-        return settle_objectives(self)  # `objective` becomes the primary one (sweeps.spec_objectives)
+        return settle_objectives(self)  # `objective` becomes the primary one (sweeps.spec.objectives)
 
     @field_validator("storage", mode="before")
     @classmethod
@@ -326,10 +337,6 @@ class StudySpec(_Section):
             call_default_factory=True)}
         data = self.model_dump(mode="json", exclude={"description", *unset})
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-    def search_space_signature(self) -> dict[str, dict[str, Any]]:
-        """Canonical form of ``search``: a study resumed with a different one must be refused."""
-        return ss.signature(self.search)
 
 
 def check_storage(value: Any) -> None:

@@ -1,9 +1,11 @@
-"""A sampler whose random draws depend on (seed, trial number), not on the process asking.
+"""The spec's sampler and pruner as Optuna objects, the sampler drawing by (seed, trial number).
 
-An Optuna sampler draws from one random state made when the sampler object is built. Every
-``sweeps run``, replacement worker or ``sweeps worker`` builds its sampler afresh from the
-spec's seed, so each of them started that state over: a resumed study, or one given more
-budget, proposed its first trials again (trial 2 repeating trial 0, and so on).
+:func:`make_sampler` and :func:`make_pruner` build what the spec names. A seeded sampler's
+random draws depend on (seed, trial number), not on the process asking. An Optuna sampler draws
+from one random state made when the sampler object is built. Every ``sweeps run``, replacement
+worker or ``sweeps worker`` builds its sampler afresh from the spec's seed, so each of them would
+start that state over: a resumed study, or one given more budget, would propose its first trials
+again (trial 2 repeating trial 0, and so on).
 
 :class:`TrialSeededSampler` builds, for each trial, an inner sampler seeded with
 :func:`seed_for` ``(seed, trial.number)``. Trial numbers are unique within a study, so no two
@@ -23,7 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import optuna
 from optuna.samplers import BaseSampler
+
+from sweeps.errors import BackendError
+from sweeps.spec import search_space as ss
+from sweeps.spec.model import StudySpec
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -92,3 +99,51 @@ class TrialSeededSampler(BaseSampler):
         # same values. Draws here already differ by trial number; reseeding from the OS would
         # only make a seeded study irreproducible.
         pass
+
+
+def make_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, the same in every process of the study. A seeded sampler draws trial n's
+    values from ``(sampler.seed, n)`` (:class:`TrialSeededSampler`), so resuming, more budget and
+    replacement or parallel workers never redraw a point already drawn, and the same spec run again
+    from scratch draws the same points. ``seed: null`` stays unseeded."""
+    seed, name = spec.sampler.seed, spec.sampler.name
+    samplers = optuna.samplers
+    if name == "grid":
+        # Not wrapped: trial n takes grid point n (later ones a point no trial has visited, read
+        # from the study), and the seed only shuffles the grid: the same shuffle in every
+        # process, or one grid index would mean different points to different workers.
+        return samplers.GridSampler(ss.grid_search_space(spec.search), seed=seed)
+    factories = {
+        # constant_liar: running trials count as bad guesses, so parallel workers spread out.
+        "tpe": lambda s: samplers.TPESampler(seed=s, constant_liar=True, **spec.sampler.model_options()),
+        "random": lambda s: samplers.RandomSampler(seed=s),
+        "cmaes": lambda s: samplers.CmaEsSampler(seed=s),
+        "gp": lambda s: samplers.GPSampler(seed=s, **spec.sampler.model_options()),
+        # One sequence for the whole study (its position is counted in the study); only the
+        # random first point, drawn before the search space is known, comes from the trial.
+        "qmc": lambda s: samplers.QMCSampler(seed=seed, scramble=True,
+                                             independent_sampler=samplers.RandomSampler(seed=s)),
+    }
+    if name not in factories:
+        raise BackendError(f"sampler.name: {name!r} cannot run on the optuna backend")
+    if seed is None:
+        return factories[name](None)
+    return TrialSeededSampler(factories[name], seed)
+
+
+def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
+    p = spec.pruner
+    epochs = int(spec.resolved_train_config().epochs)
+    if p.name == "none":
+        return optuna.pruners.NopPruner()
+    if p.name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=p.warmup_epochs)
+    if p.name == "percentile":
+        return optuna.pruners.PercentilePruner(p.percentile, n_startup_trials=2, n_warmup_steps=p.warmup_epochs)
+    if p.name == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=p.min_resource,
+                                                      reduction_factor=p.reduction_factor)
+    if p.name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=p.min_resource, max_resource=epochs,
+                                              reduction_factor=p.reduction_factor)
+    raise BackendError(f"pruner.name: {p.name!r} cannot run on the optuna backend; use ray for pbt")

@@ -1,4 +1,4 @@
-"""sweeps/interruptible.py: a signal inside the block raises at once, handlers are put back."""
+"""interrupted_by_signals (sweeps/stop_signals.py): a signal inside the block raises at once, handlers are put back."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from sweeps.errors import StoppedBySignal
-from sweeps.interruptible import interrupted_by_signals
+from sweeps.stop_signals import interrupted_by_signals
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
