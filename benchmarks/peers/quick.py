@@ -34,7 +34,8 @@ def main(argv: list[str]) -> int:
         error = f"; {res['error'][:300]}" if "error" in res else ""
         epochs = bench_peers.epochs_trained(res)
         first = "" if res.get("first_trial_s") is None else (
-            f", first trial at {res['first_trial_s']:.1f} s, its first epoch done at {res['first_epoch_s']:.1f} s")
+            f", first trial at {res['first_trial_s']:.1f} s, first step at {res['first_step_s']:.1f} s, "
+            f"first epoch done at {res['first_epoch_s']:.1f} s")
         print(f"{arm}: {res['wall_s']:.1f} s, {res['trials']} trials, {epochs} epochs{first}{error}", flush=True)
     return 0
 
