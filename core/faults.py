@@ -7,8 +7,9 @@ outside, which would race the code it means to interrupt. Production code marks 
 what the OOM killer or a power cut leaves) or asks :func:`armed` and raises its own error.
 
 Points in use (``SWEEPS_PAUSE``: ``spec_read``, in ``sweeps run`` after it read the spec;
-``worker_importing``, a local worker started by ``sweeps run`` with its quiet signal handlers set, before it
-imports anything; ``worker_before_go``, its imports done, before it reads its go):
+``worker_importing``, the fork server of ``sweeps run``'s workers, or a worker process of its own, with its
+quiet signal handlers set, before it imports anything; ``worker_before_go``, a worker, its imports done,
+before it reads its go):
 ``mid_checkpoint`` (core.checkpoint: part of a checkpoint is written, not yet
 renamed); ``after_training`` (the end of ``core.train``, before the caller records anything);
 ``journal_mid_append`` (sweeps.backends.journal_file: a partial journal

@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from sweeps.backends import driver_faults, optuna_study
+from sweeps.backends import driver_faults, optuna_study, worker_forkserver
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.base import StudyResult
 from sweeps.backends.driver_signals import DriverSignals, stopped_by
@@ -24,7 +24,7 @@ from sweeps.backends.journal_repair import check_journal
 from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.optuna_warm_start import enqueue_warm_start
 from sweeps.backends.run_lock import run_lock
-from sweeps.backends.supervisor import EarlyWorkers, Supervisor
+from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
@@ -94,10 +94,12 @@ class OptunaBackend:
     def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals,
              on_locked: Callable[[], None]) -> StudyResult:
         slots = self._plan(spec)
+        # The workers' fork server first (`sweeps run` starts it as soon as it has read the spec):
+        # its imports take seconds, on the cores this set-up leaves idle. Workers are forked from
+        # it once the study is ready, so a run refused the run lock starts none.
+        worker_forkserver.start()
         tracker = tracker_for(spec)
-        # The workers start first: their imports take seconds, on the cores this set-up leaves idle.
-        # After the run lock: a run refused because another holds the study starts none.
-        with self._run_lock(spec), EarlyWorkers(slots) as early:
+        with self._run_lock(spec):
             on_locked()
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
@@ -127,7 +129,7 @@ class OptunaBackend:
                 else:
                     driver_faults.handing_over()
                     stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker,
-                                                    early, signals)
+                                                    signals)
                 result = optuna_study.study_result(spec, optuna.load_study(
                     study_name=study.study_name, storage=optuna_study.open_storage(spec)))
                 result.stopped_reason = stopped
@@ -141,7 +143,7 @@ class OptunaBackend:
         result.exit_code = code
         return result
 
-    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker, early,
+    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker,
                    signals: DriverSignals) -> tuple[str, int]:
         """Run the workers under a :class:`Supervisor`; the live view and the parent run's
         best-so-far are kept current from the study (every worker's trials, in order)."""
@@ -166,7 +168,7 @@ class OptunaBackend:
 
         tracker.log(parent, tags={"sweeps.workers": len(slots)})  # this invocation's local workers
         supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), started, deadline, on_progress,
-                                early=early, driver_signals=signals)
+                                forked=True, driver_signals=signals)
         stopped, code = supervisor.run(slots)
         view.update_result(optuna_study.study_result(spec, study))
         return stopped, code

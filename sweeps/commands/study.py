@@ -79,6 +79,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(a: argparse.Namespace) -> int:
     from sweeps.backends.by_name import get_backend
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
+    if spec.backend == "optuna":
+        # Lazy, for start-up time (stdlib only): the workers' fork server starts now, so that its
+        # imports overlap everything the driver imports and sets up from here on.
+        from sweeps.backends import worker_forkserver
+
+        worker_forkserver.start()
     pause_here("spec_read")  # tests edit the file here: nothing may read it again
     _warn_nothing_searched(spec, a.spec)
     if a.add_trials:
