@@ -94,12 +94,11 @@ class OptunaBackend:
     def _run(self, spec: StudySpec, fresh: bool, quiet: bool, signals: DriverSignals,
              on_locked: Callable[[], None]) -> StudyResult:
         slots = self._plan(spec)
+        tracker = tracker_for(spec)
         # The workers' fork server first (`sweeps run` starts it as soon as it has read the spec):
         # its imports take seconds, on the cores this set-up leaves idle. Workers are forked from
-        # it once the study is ready, so a run refused the run lock starts none.
-        worker_forkserver.start()
-        tracker = tracker_for(spec)
-        with self._run_lock(spec):
+        # it once the study is ready, so a run refused the run lock starts none; it ends with the run.
+        with worker_forkserver.running(), self._run_lock(spec):
             on_locked()
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)

@@ -26,11 +26,12 @@ What a forked worker keeps of a worker process of its own:
   psutil's ``name()``) shows ``sweeps-worker-N``, the server ``sweeps-forksrv``; its standard
   output and error are the driver's.
 
-Everything that reaches into :mod:`multiprocessing` is here. Stdlib only at import: the driver
-imports this before anything heavy.
+Everything that reaches into :mod:`multiprocessing` is here, its private parts included
+(:func:`stop`). Stdlib only at import: the driver imports this before anything heavy.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import multiprocessing
@@ -39,13 +40,16 @@ import multiprocessing.forkserver
 import os
 import signal
 import subprocess
-from typing import IO, Protocol
+import sys
+from collections.abc import Iterator
+from typing import IO, Any, Protocol
 
 from core.faults import pause_here
 from sweeps.errors import BackendError
 from sweeps.stop_signals import STOP_SIGNALS
 
 WORKER_MODULE = "sweeps.backends.optuna_worker"
+AUDIT_START = "sweeps.worker_forkserver.start"
 ENV_SERVER_PARENT = "SWEEPS_FORKSERVER_PARENT"  # set only for the server: the driver's pid
 # multiprocessing runs the driver's main module again in each fork (as ``__mp_main__``, for what it
 # unpickles): ``sweeps`` and ``python -m sweeps.cli`` both import the CLI, imported here once instead.
@@ -116,13 +120,40 @@ def _boot_server() -> None:
 
 
 def start() -> None:
-    """Start the fork server unless it runs: at once, without waiting for its imports."""
+    """Start the fork server unless it runs: at once, without waiting for its imports. Raises the
+    audit event ``sweeps.worker_forkserver.start`` (multiprocessing starts it with no audit event
+    of its own, where ``subprocess.Popen`` has one), so that an audit hook sees the study start."""
+    sys.audit(AUDIT_START, os.getpid())
     _CONTEXT.set_forkserver_preload([__name__])
     os.environ[ENV_SERVER_PARENT] = str(os.getpid())  # read and dropped by the server only
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.pop(ENV_SERVER_PARENT, None)
+
+
+def stop() -> None:
+    """Kill the server (and with it any worker still there) and reap it: when the driver's study
+    ends, nothing it started outlives it, not even for the moment a server takes to notice."""
+    server: Any = multiprocessing.forkserver._forkserver
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()  # closes the driver's end of its pipe, reaps it, forgets it: start() makes a new one
+
+
+@contextlib.contextmanager
+def running() -> Iterator[None]:
+    """The server from :func:`start` (now, or already) to :func:`stop` on leaving."""
+    start()
+    try:
+        yield
+    finally:
+        stop()
 
 
 def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str], slot: int) -> None:
@@ -186,6 +217,7 @@ def fork_worker(env: dict[str, str], slot: int) -> ForkedWorker:
         process.start()
     except (EOFError, OSError) as exc:  # no pid came back, or nothing listens any more
         go_w.close()
+        stop()  # reaped now: it may close its socket a moment before it can be reaped
         raise ServerGone(f"the fork server of the workers exited before it forked worker {slot} "
                          f"({type(exc).__name__}: {exc}); see the messages above") from exc
     finally:

@@ -193,12 +193,12 @@ def test_a_signal_while_the_tracking_server_keeps_silent_stops_the_run_at_once(t
 
 
 def _workers_in(folder: Path) -> list[str]:
-    """Command lines of worker processes running in ``folder``."""
+    """Command lines of worker processes (or their fork server) running in ``folder``."""
     lines = []
     for proc in Path("/proc").iterdir():
         try:
             line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if "optuna_worker" in line and Path(os.readlink(proc / "cwd")) == folder:
+            if ("optuna_worker" in line or "worker_forkserver" in line) and Path(os.readlink(proc / "cwd")) == folder:
                 lines.append(line)
         except (OSError, ValueError):
             continue  # not a process folder, or it ended meanwhile

@@ -166,9 +166,11 @@ def test_a_worker_forked_after_the_drivers_directory_changed_works_there(tmp_pat
     (seen,), _ = _drive(f"""
         worker_forkserver.start()
         os.chdir({str(tmp_path)!r})
-        w = worker_forkserver.fork_worker(dict(os.environ), 0)
+        w = worker_forkserver.fork_worker({{**os.environ, "SWEEPS_PAUSE": "worker_before_go"}}, 0)
+        stopped(psutil.Process(w.pid))  # ready for its go: it has taken the driver's folder
         cwd = psutil.Process(w.pid).cwd()
         w.stdin.close()
+        os.kill(w.pid, signal.SIGCONT)
         say(cwd=cwd, code=w.wait(600))
     """)
     assert seen == {"cwd": str(tmp_path), "code": 0}
