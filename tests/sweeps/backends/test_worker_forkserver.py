@@ -140,7 +140,11 @@ def test_a_server_that_exits_while_a_worker_is_asked_for_is_reported_and_the_nex
 def test_the_server_and_its_workers_die_with_the_driver_even_by_sigkill():
     driver = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent("""
         worker_forkserver.start()
-        workers = [worker_forkserver.fork_worker(dict(os.environ), i) for i in range(2)]
+        # Busy (stopped at a pause point): they would not notice the driver's end by themselves.
+        workers = [worker_forkserver.fork_worker({**os.environ, "SWEEPS_PAUSE": "worker_before_go"}, i)
+                   for i in range(2)]
+        for w in workers:
+            stopped(psutil.Process(w.pid))
         say(workers=[w.pid for w in workers])
         sys.stdin.readline()  # until the test kills this driver
     """)], env=sweeps_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
