@@ -54,8 +54,8 @@ def describe_exit(returncode: int) -> str:
     return f"its worker process exited with code {returncode} in the middle of the trial"
 
 
-# A worker's first lines: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) before anything is imported,
-# so a Ctrl-C while `sweeps run` sets up (its workers still importing, the packages' __init__s
+# A worker process's first lines: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) before anything is
+# imported, so a Ctrl-C while its supervisor starts (its workers still importing, the packages' __init__s
 # included) prints no traceback; the worker sets its own handlers once it has its go. The module
 # is its own argument, so `ps` shows which process this is.
 _WORKER_BOOT = ("import os, runpy, signal, sys\n"
