@@ -41,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import IO, Any, Protocol
 
@@ -116,6 +117,8 @@ def _boot_server() -> None:
     worker = importlib.import_module(WORKER_MODULE)
     for module in (*worker.TRIAL_IMPORTS, *DRIVER_MAIN):
         importlib.import_module(module)
+    for module in DRIVER_MAIN:  # runpy warns when it runs an imported module again: here that is the point
+        warnings.filterwarnings("ignore", f"'{module}' found in sys.modules", RuntimeWarning)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
