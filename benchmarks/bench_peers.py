@@ -85,10 +85,13 @@ def peer_study(spec: dict, folder: Path) -> dict:
             "tracking_uri": f"sqlite:///{folder / 'mlflow.db'}", "out_dir": str(folder)}
 
 
-def run_arm(arm_name: str, spec: dict, folder: Path, timeout_s: float) -> dict:
-    """One study by one arm: wall time, and what its store holds afterwards."""
+def run_arm(arm_name: str, spec: dict, folder: Path, timeout_s: float, source: Path | None = None) -> dict:
+    """One study by one arm: wall time, and what its store holds afterwards. ``source``: the
+    ``sweeps run`` arm imports sweeps and core from that source tree instead (another commit's)."""
     folder.mkdir(parents=True)
     env = step_clock_env(folder / "first_step")
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(STEP_CLOCK), str(source), env["PYTHONPATH"].split(os.pathsep, 1)[1]])
     launched = time.time()  # the MLflow store's clock: its runs' start times are wall-clock milliseconds
     if arm_name == "sweeps run":
         spec_path = folder / f"{spec['name']}.yaml"
