@@ -12,8 +12,9 @@ What a forked worker keeps of a worker process of its own:
 
 * its go: one :class:`~sweeps.backends.worker_protocol.WorkerGo` line on a pipe
   (``ForkedWorker.stdin``, as a process's stdin), EOF meaning stop;
-* it dies with the driver: the server is started with PR_SET_PDEATHSIG (SIGKILL when the driver
-  dies, SIGKILL included), and each worker with the same towards the server;
+* it dies with the driver: the server sets PR_SET_PDEATHSIG first thing (SIGKILL when the driver
+  dies, SIGKILL included), and each worker the same towards the server; the driver kills and
+  reaps the server when its run ends (:func:`running`);
 * its environment: the driver's when it is forked plus its slot's (``CUDA_VISIBLE_DEVICES``,
   thread counts), set before anything touches CUDA; the server initialises neither CUDA nor an
   OpenMP pool (importing torch does neither), and the worker sets its torch threads from its go;
@@ -123,7 +124,9 @@ def _boot_server() -> None:
 
 
 def start() -> None:
-    """Start the fork server unless it runs: at once, without waiting for its imports. Raises the
+    """Start the fork server unless it runs: at once, without waiting for its imports. Call it
+    from the driver's main thread: the server's PR_SET_PDEATHSIG follows the thread that started
+    it, and would kill it when another thread ended. Raises the
     audit event ``sweeps.worker_forkserver.start`` (multiprocessing starts it with no audit event
     of its own, where ``subprocess.Popen`` has one), so that an audit hook sees the study start."""
     sys.audit(AUDIT_START, os.getpid())
