@@ -95,10 +95,11 @@ class OptunaBackend:
              on_locked: Callable[[], None]) -> StudyResult:
         slots = self._plan(spec)
         tracker = tracker_for(spec)
-        # The workers' fork server first (`sweeps run` starts it as soon as it has read the spec):
-        # its imports take seconds, on the cores this set-up leaves idle. Workers are forked from
-        # it once the study is ready, so a run refused the run lock starts none; it ends with the run.
-        with worker_forkserver.running(), self._run_lock(spec):
+        # The workers' fork server before the set-up (`sweeps run` has started it already, as soon
+        # as it read the spec): its imports take seconds, on the cores this set-up leaves idle.
+        # Workers are forked from it once the study is ready; it ends with the run. After the run
+        # lock: a run refused because another holds the study starts nothing here.
+        with self._run_lock(spec), worker_forkserver.running():
             on_locked()
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
