@@ -13,7 +13,9 @@ CNN without pruning (``width`` 96, 8 epochs, 4 trials: about 10 s a trial on one
 model of 8x8 images costs little more, its time goes to per-step work). Each round runs every arm once, the order
 reversed every other round (ABCDE, EDCBA) so drift hits all; the judged ratio is sweeps' trials
 per minute over the best peer's in the same round. After each run the arm's MLflow store is read
-back (``peers/records.py``): what it recorded is reported from the store, not assumed. The
+back (``peers/records.py``): what it recorded is reported from the store, not assumed. Time to
+the first trial step is the same clock for every arm (``peers/step_clock``): from the arm's launch
+to the end of the first optimizer step any of its processes takes. The
 breakdown of a ``sweeps run`` trial's time (``peers/breakdown.py``) comes from the no-pruning
 study's trial runs and from the pieces timed alone in a fresh process.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +34,7 @@ import yaml
 from benchmarks.common import ROOT, Context, arm, error_row, make_row, paired_ratio, stats
 from benchmarks.peers import breakdown
 from benchmarks.peers.records import recorded, table
+from benchmarks.peers.step_clock.sitecustomize import ENV_FIRST_STEP
 from benchmarks.sweeps_runs import run_sweeps, sweeps_env
 
 NAME = "peers"
@@ -43,6 +47,7 @@ PEERS = {  # arm -> (module under benchmarks.peers, extra arguments)
     "ray tune + setup_mlflow": ("ray_tune_mlflow", []),
 }
 ARMS = ("sweeps run", *PEERS)
+STEP_CLOCK = Path(__file__).parent / "peers" / "step_clock"  # its sitecustomize, first on every arm's path
 
 
 def studies(ctx: Context) -> dict[str, dict]:
@@ -80,14 +85,18 @@ def peer_study(spec: dict, folder: Path) -> dict:
             "tracking_uri": f"sqlite:///{folder / 'mlflow.db'}", "out_dir": str(folder)}
 
 
-def run_arm(arm_name: str, spec: dict, folder: Path, timeout_s: float) -> dict:
-    """One study by one arm: wall time, and what its store holds afterwards."""
+def run_arm(arm_name: str, spec: dict, folder: Path, timeout_s: float, source: Path | None = None) -> dict:
+    """One study by one arm: wall time, and what its store holds afterwards. ``source``: the
+    ``sweeps run`` arm imports sweeps and core from that source tree instead (another commit's)."""
     folder.mkdir(parents=True)
+    env = step_clock_env(folder / "first_step")
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(STEP_CLOCK), str(source), env["PYTHONPATH"].split(os.pathsep, 1)[1]])
     launched = time.time()  # the MLflow store's clock: its runs' start times are wall-clock milliseconds
     if arm_name == "sweeps run":
         spec_path = folder / f"{spec['name']}.yaml"
         spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
-        res = run_sweeps(folder, spec_path, timeout_s)
+        res = run_sweeps(folder, spec_path, timeout_s, env=env)
         rc, wall, tail, uri = res["rc"], res["wall_s"], res["log_tail"], f"sqlite:///{folder}/runs/mlflow.db"
     else:
         module, extra = PEERS[arm_name]
@@ -96,7 +105,7 @@ def run_arm(arm_name: str, spec: dict, folder: Path, timeout_s: float) -> dict:
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, "-m", f"benchmarks.peers.{module}", str(study_file), *extra],
-                                  cwd=folder, env=sweeps_env(), capture_output=True, text=True, timeout=timeout_s)
+                                  cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
         except subprocess.TimeoutExpired as exc:
             rc, tail = -9, f"timed out after {timeout_s:.0f} s: {str(exc.stderr or '')[-2000:]}"
@@ -105,11 +114,27 @@ def run_arm(arm_name: str, spec: dict, folder: Path, timeout_s: float) -> dict:
     n = spec["budget"]["n_trials"]
     finished = sum(v for k, v in rec.get("statuses", {}).items() if k in ("FINISHED", "KILLED"))
     out = {"rc": rc, "wall_s": wall, "trials": finished, "tpm": 60 * finished / wall, "records": rec,
-           "tracking_uri": uri, **first_trial_seconds(rec, launched)}
+           "tracking_uri": uri, **first_trial_seconds(rec, launched),
+           "first_step_s": first_step_seconds(folder / "first_step", launched)}
     if rc != 0 or finished < n or rec["trial_runs"] > n:
         out["error"] = (f"{arm_name} exited {rc} with {finished} finished of {rec['trial_runs']} trial runs for {n} "
                         f"trials; log tail:\n{tail[-1500:]}")
     return out
+
+
+def step_clock_env(stamp: Path) -> dict:
+    """An arm's environment with the step clock on: its first optimizer step writes ``stamp``."""
+    env = sweeps_env(**{ENV_FIRST_STEP: str(stamp)})
+    env["PYTHONPATH"] = str(STEP_CLOCK) + os.pathsep + env["PYTHONPATH"]
+    return env
+
+
+def first_step_seconds(stamp: Path, launched: float) -> float | None:
+    """Seconds from the arm's launch to the end of its first optimizer step (the step clock's file)."""
+    try:
+        return float(stamp.read_text()) - launched
+    except (OSError, ValueError):
+        return None
 
 
 def first_trial_seconds(rec: dict, launched: float) -> dict:
@@ -135,7 +160,7 @@ def study_row(name: str, rounds: list[dict[str, dict]]) -> dict:
                        "tpm": stats(r[a]["tpm"] for r in rounds if ok(r, a)),
                        "epochs": stats(epochs_trained(r[a]) for r in rounds if ok(r, a)),
                        **{k: stats(r[a][k] for r in rounds if ok(r, a) and r[a].get(k) is not None)
-                          for k in ("first_trial_s", "first_epoch_s")},
+                          for k in ("first_step_s", "first_trial_s", "first_epoch_s")},
                        "errors": [r[a]["error"] for r in rounds if a in r and "error" in r[a]]} for a in ARMS}
     records = {a: next((r[a]["records"] for r in reversed(rounds) if ok(r, a)), {}) for a in ARMS}
     details = {"arms": arms_detail, "records": records, "records_table": table(records)}
@@ -157,8 +182,8 @@ def study_row(name: str, rounds: list[dict[str, dict]]) -> dict:
         meets_target=ratio["median"] >= TARGETS[name],
         headline=f"{ratio['median']:.2f}x the best peer ({winners[-1]}); " + ", ".join(
             f"{a} {arms_detail[a]['wall_s']['median']:.1f} s ({arms_detail[a]['epochs']['median']:.0f} epochs"
-            + (f", first trial at {arms_detail[a]['first_trial_s']['median']:.1f} s)"
-               if arms_detail[a]["first_trial_s"]["n"] else ")")
+            + (f", first step at {arms_detail[a]['first_step_s']['median']:.1f} s)"
+               if arms_detail[a]["first_step_s"]["n"] else ")")
             for a in ARMS if arms_detail[a]["wall_s"]["n"])
         + (f"; failed: {', '.join(failed)}" if failed else ""),
         details=details)
@@ -222,6 +247,9 @@ def run(ctx: Context) -> dict:
         "rows": rows,
         "notes": ["Every arm is a fresh process in a fresh folder with its own SQLite MLflow store; its wall "
                   "time is the whole study, process start-up and imports included.",
+                  "Time to the first trial step (first_step_s, in the headline): from the arm's launch to the end "
+                  "of the first optimizer step any of its processes takes, one clock for every arm (a global "
+                  "torch.optim step hook that benchmarks/peers/step_clock registers in each of its processes).",
                   "What each arm recorded is read back from its store after the run (details.records, "
                   "details.records_table), counting trial runs holding each kind of record.",
                   "Epochs trained (in the headline) are counted from each arm's store: with a pruner they "

@@ -41,13 +41,15 @@ def write_spec(folder: Path, spec: dict) -> Path:
     return save_spec(folder, spec, seed_store=False)
 
 
-def run_sweeps(cwd: Path, spec_path: Path, timeout_s: float, cpus: Sequence[int] | None = None) -> dict:
+def run_sweeps(cwd: Path, spec_path: Path, timeout_s: float, cpus: Sequence[int] | None = None,
+               env: dict | None = None) -> dict:
     """``sweeps run SPEC --quiet`` in ``cwd`` (its runs/ lands there); wall time and exit code.
-    ``cpus`` pins the whole process tree to those CPUs (sched_setaffinity before exec)."""
-    return wait_sweeps(start_sweeps(cwd, spec_path, cpus), timeout_s)
+    ``cpus`` pins the whole process tree to those CPUs (sched_setaffinity before exec); ``env``
+    replaces :func:`sweeps_env`."""
+    return wait_sweeps(start_sweeps(cwd, spec_path, cpus, env), timeout_s)
 
 
-def start_sweeps(cwd: Path, spec_path: Path, cpus: Sequence[int] | None = None) -> dict:
+def start_sweeps(cwd: Path, spec_path: Path, cpus: Sequence[int] | None = None, env: dict | None = None) -> dict:
     cwd.mkdir(parents=True, exist_ok=True)
     log_path = cwd / f"{spec_path.stem}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed in wait_sweeps
@@ -55,7 +57,7 @@ def start_sweeps(cwd: Path, spec_path: Path, cpus: Sequence[int] | None = None) 
     t_wall = time.time()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "sweeps.cli", "run", str(spec_path), "--quiet"], cwd=cwd,
-                            env=sweeps_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env or sweeps_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=preexec)
     return {"proc": proc, "log": log, "log_path": log_path, "t_start": t_wall, "t0": t0}
 

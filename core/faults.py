@@ -66,7 +66,8 @@ class Pause(_Point):
 
     SPEC_READ = ("spec_read", "sweeps run, right after it read the spec file")
     WORKER_IMPORTING = ("worker_importing",
-                        "a local worker of sweeps run, its quiet signal handlers set, before it imports anything")
+                        "the fork server of sweeps run's workers (or a worker process of its own), its quiet "
+                        "signal handlers set, before it imports anything")
     WORKER_BEFORE_GO = ("worker_before_go", "a local worker of sweeps run, its imports done, before it reads its go")
 
 

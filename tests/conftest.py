@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from sweeps.backends.worker_forkserver import AUDIT_START
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -64,7 +66,12 @@ def _starts_a_study(argv: list[str]) -> bool:
 def _watch_study_processes(event: str, args: tuple) -> None:
     """An audit hook (it sees every subprocess this test process starts): records a study
     started by a test outside the slow tiers, for :func:`pytest_runtest_makereport`."""
-    if event != "subprocess.Popen" or _current["item"] is None:
+    if _current["item"] is None:
+        return
+    if event == AUDIT_START:  # the fork server of `sweeps run`'s workers, started in this process
+        _current["starts"].append("the fork server of sweeps run's workers")
+        return
+    if event != "subprocess.Popen":
         return
     try:
         argv = [os.fsdecode(a) for a in args[1]] if not isinstance(args[1], (str, bytes)) else [os.fsdecode(args[1])]

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sweeps.backends.worker_forkserver import AUDIT_START
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,7 +39,9 @@ def test_a_fast_test_that_starts_a_study_is_caught(request):
     }
     for argv in looks_like.values():
         subprocess.run(argv, check=True, timeout=120)
+    sys.audit(AUDIT_START, 0)  # as worker_forkserver.start raises it (sweeps run in this process)
     caught = list(conftest._current["starts"])
     conftest._current["starts"].clear()  # this test itself passes
-    assert len(caught) == 2, caught
+    assert len(caught) == 3, caught
     assert "sweeps.cli run x.yaml" in caught[0] and "sweeps.backends.optuna_worker" in caught[1]
+    assert "fork server" in caught[2]

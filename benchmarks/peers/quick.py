@@ -3,7 +3,9 @@ a quick look between full runs (``benchmarks.run_all --only peers`` is the measu
 
     .venv/bin/python -m benchmarks.peers.quick lr_bs_nopruning "sweeps run" "script n_jobs=2" "sweeps run"
 
-Studies: lr_bs, lr_bs_nopruning, big_cnn; arms: "sweeps run" and the keys of bench_peers.PEERS."""
+Studies: lr_bs, lr_bs_nopruning, big_cnn; arms: "sweeps run" and the keys of bench_peers.PEERS.
+"sweeps run@DIR" runs ``sweeps run`` from the source tree DIR (e.g. ``git archive main | tar -x -C
+DIR``), to compare two commits side by side, arms alternated by the order given."""
 from __future__ import annotations
 
 import sys
@@ -30,11 +32,13 @@ def main(argv: list[str]) -> int:
     spec = bench_peers.studies(_FullSize(argv[0]))[argv[0]]
     root = Path(tempfile.mkdtemp(prefix="peers-quick-"))
     for i, arm in enumerate(argv[1:]):
-        res = bench_peers.run_arm(arm, spec, root / str(i), 900)
+        name, _, source = arm.partition("@")
+        res = bench_peers.run_arm(name, spec, root / str(i), 900, Path(source) if source else None)
         error = f"; {res['error'][:300]}" if "error" in res else ""
         epochs = bench_peers.epochs_trained(res)
         first = "" if res.get("first_trial_s") is None else (
-            f", first trial at {res['first_trial_s']:.1f} s, its first epoch done at {res['first_epoch_s']:.1f} s")
+            f", first trial at {res['first_trial_s']:.1f} s, first step at {res['first_step_s']:.1f} s, "
+            f"first epoch done at {res['first_epoch_s']:.1f} s")
         print(f"{arm}: {res['wall_s']:.1f} s, {res['trials']} trials, {epochs} epochs{first}{error}", flush=True)
     return 0
 

@@ -16,14 +16,14 @@ import optuna
 from optuna.trial import TrialState
 
 from core import faults
-from sweeps.backends import optuna_attrs, optuna_storage, optuna_study
+from sweeps.backends import optuna_attrs, optuna_storage, optuna_study, worker_forkserver
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.base import StudyResult
 from sweeps.backends.driver import DriverSignals, run_lock, stopped_by
 from sweeps.backends.journal_file import LINK_SUFFIX, check_journal
 from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.optuna_study import enqueue_warm_start
-from sweeps.backends.supervisor import EarlyWorkers, Supervisor
+from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
@@ -94,9 +94,11 @@ class OptunaBackend:
              on_locked: Callable[[], None]) -> StudyResult:
         slots = self._plan(spec)
         tracker = tracker_for(spec)
-        # The workers start first: their imports take seconds, on the cores this set-up leaves idle.
-        # After the run lock: a run refused because another holds the study starts none.
-        with self._run_lock(spec), EarlyWorkers(slots) as early:
+        # The workers' fork server before the set-up (`sweeps run` has started it already, as soon
+        # as it read the spec): its imports take seconds, on the cores this set-up leaves idle.
+        # Workers are forked from it once the study is ready; it ends with the run. After the run
+        # lock: a run refused because another holds the study starts nothing here.
+        with self._run_lock(spec), worker_forkserver.running():
             on_locked()
             tracker.check_connection()  # before anything is created or trained
             study = optuna_study.open_study(spec, fresh=fresh)
@@ -126,7 +128,7 @@ class OptunaBackend:
                 else:
                     faults.signal_here(faults.Fault.DRIVER_SIGINT_AT_HANDOVER)
                     stopped, code = self._supervise(spec, study, slots, parent, started, deadline, view, tracker,
-                                                    early, signals)
+                                                    signals)
                 result = optuna_study.study_result(spec, optuna.load_study(
                     study_name=study.study_name, storage=optuna_storage.open_storage(spec)))
                 result.stopped_reason = stopped
@@ -142,7 +144,7 @@ class OptunaBackend:
         result.exit_code = code
         return result
 
-    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker, early,
+    def _supervise(self, spec, study, slots, parent, started, deadline, view, tracker,
                    signals: DriverSignals) -> tuple[str, int]:
         """Run the workers under a :class:`Supervisor`; the live view and the parent run's
         best-so-far are kept current from the study (every worker's trials, in order)."""
@@ -168,7 +170,7 @@ class OptunaBackend:
 
         tracker.log(parent, tags={"sweeps.workers": len(slots)})  # this invocation's local workers
         supervisor = Supervisor(spec, study, go_for, workers_beat_dir(spec), started, deadline, on_progress,
-                                early=early, driver_signals=signals)
+                                forked=True, driver_signals=signals)
         stopped, code = supervisor.run(slots)
         view.update_result(optuna_study.study_result(spec, study))
         return stopped, code

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
@@ -318,12 +319,13 @@ def spec_of(go: WorkerGo) -> StudySpec:
     return spec
 
 
-# What every trial imports (seconds of torch, MLflow and its SQL store), loaded before the go:
-# ``sweeps run`` starts its workers before it sets up the study (supervisor.EarlyWorkers), so this
-# overlaps that set-up instead of following it. torch._dynamo is one: building any torch.optim
-# optimizer imports it (Optimizer.add_param_group is wrapped by torch._disable_dynamo). Nothing a
-# trial may not use: torchmetrics (with the torchvision models and SciPy signal module it pulls in)
-# loads in the trials of a task whose metrics need it, ONNX at a trial's export, after its training.
+# What every trial imports (seconds of torch, MLflow and its SQL store), loaded before the go: by the
+# fork server that ``sweeps run`` starts before it sets up the study (worker_forkserver), once for
+# all its workers, or by a worker process of its own (``sweeps worker --devices``). torch._dynamo is
+# one: building any torch.optim optimizer imports it (Optimizer.add_param_group is wrapped by
+# torch._disable_dynamo). Nothing a trial may not use: torchmetrics (with the torchvision models and
+# SciPy signal module it pulls in) loads in the trials of a task whose metrics need it, ONNX at a
+# trial's export, after its training.
 TRIAL_IMPORTS = ("torch", "torch._dynamo", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "core.train")
 
 
@@ -331,21 +333,22 @@ def _quiet_exit(signum, _frame) -> None:
     os._exit(128 + signum)  # before the go there is no trial to save, nor anything to say
 
 
-def main() -> int:
-    """Entry point of a local worker started by ``sweeps run`` (``supervisor.Supervisor``): it
-    imports what trials use, reads its go (:class:`WorkerGo`: the spec snapshot, the study, its
-    slot) from stdin, then runs the worker loop. EOF instead means stop."""
+def main(go_stream: IO[str] | None = None) -> int:
+    """Entry point of a local worker (``supervisor.Supervisor``): it imports what trials use (a
+    forked worker has them from the fork server), reads its go (:class:`WorkerGo`: the spec
+    snapshot, the study, its slot) from ``go_stream`` (a forked worker's go pipe) or stdin, then
+    runs the worker loop. EOF instead means stop."""
     # A Ctrl-C while `sweeps run` sets up is the driver's to report; this worker has nothing to
-    # save yet and leaves without a traceback (as supervisor._WORKER_BOOT set it up before any
-    # import; again here for a worker started with -m). After the go, a signal means what it
-    # always does.
+    # save yet and leaves without a traceback (as supervisor._WORKER_BOOT and the fork server set
+    # it up before any import; again here for a worker started with -m). After the go, a signal
+    # means what it always does.
     for signum in STOP_SIGNALS:
         signal.signal(signum, _quiet_exit)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     for module in TRIAL_IMPORTS:
         importlib.import_module(module)
     faults.pause_here(faults.Pause.WORKER_BEFORE_GO)
-    line = sys.stdin.readline()
+    line = (go_stream or sys.stdin).readline()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)

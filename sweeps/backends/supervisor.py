@@ -10,7 +10,6 @@ requeued the same way. The exit code says whether the budget finished.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -24,10 +23,11 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from sweeps.backends import optuna_attrs, optuna_study
+from sweeps.backends import optuna_attrs, optuna_study, worker_forkserver
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.driver import DriverSignals, max_failures_stop
 from sweeps.backends.trial_liveness import StaleTrialMonitor
+from sweeps.backends.worker_forkserver import WORKER_MODULE, WorkerProcess, die_with_parent
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.durations import ENV_STOP_GRACE, stop_grace_seconds
 from sweeps.errors import StoreGone
@@ -37,17 +37,7 @@ from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.worker_identity import boot_id, worker_identity
 
 log = logging.getLogger("sweeps")
-_PR_SET_PDEATHSIG = 1
 CRASH_LOOP = 3  # workers in a row that die before their first trial stop the study
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if ``sweeps run`` dies (even by SIGKILL), so do its
-    workers, and the next ``sweeps run`` finds their trials orphaned and requeues them."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def describe_exit(returncode: int) -> str:
@@ -63,9 +53,8 @@ def describe_exit(returncode: int) -> str:
     return f"its worker process exited with code {returncode} in the middle of the trial"
 
 
-WORKER_MODULE = "sweeps.backends.optuna_worker"
-# A worker's first lines: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) before anything is imported,
-# so a Ctrl-C while `sweeps run` sets up (its workers still importing, the packages' __init__s
+# A worker process's first lines: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) before anything is
+# imported, so a Ctrl-C while its supervisor starts (its workers still importing, the packages' __init__s
 # included) prints no traceback; the worker sets its own handlers once it has its go. The module
 # is its own argument, so `ps` shows which process this is.
 _WORKER_BOOT = ("import os, runpy, signal, sys\n"
@@ -80,42 +69,26 @@ def worker_command() -> list[str]:
     return [sys.executable, "-c", _WORKER_BOOT, WORKER_MODULE]
 
 
-def spawn_worker(slot: WorkerSlot) -> subprocess.Popen:
-    """A worker process for ``slot``; it imports what trials use, then waits for its go on stdin."""
+def spawn_worker(slot: WorkerSlot) -> WorkerProcess:
+    """A worker process of its own for ``slot`` (``sweeps worker --devices``): it imports what
+    trials use, then waits for its go on stdin. If the supervisor dies, even by SIGKILL, so does
+    it, and the next ``sweeps run`` finds its trial orphaned and requeues it."""
     boot_id()  # settled first: the worker then names itself as LocalWorker.name does
     return subprocess.Popen(worker_command(), env={**os.environ, **slot.env()}, stdin=subprocess.PIPE, text=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
 
 
-class EarlyWorkers:
-    """The first worker of each slot, started while ``sweeps run`` still opens its tracking
-    store, study and parent run, so that the workers' imports (seconds, on another core) overlap
-    that set-up instead of following it. The :class:`Supervisor` takes them as it starts its
-    slots; those it never takes (the set-up failed or found nothing to run) are killed on leaving
-    the ``with`` block: they have done nothing but import."""
-
-    def __init__(self, slots: list[WorkerSlot]) -> None:
-        self.procs = {slot.index: spawn_worker(slot) for slot in slots}
-
-    def take(self, slot: WorkerSlot) -> subprocess.Popen | None:
-        return self.procs.pop(slot.index, None)
-
-    def __enter__(self) -> EarlyWorkers:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for proc in self.procs.values():
-            proc.kill()
-            proc.wait()
-            if proc.stdin is not None:
-                proc.stdin.close()
-        self.procs.clear()
+def fork_worker(slot: WorkerSlot) -> WorkerProcess:
+    """A worker for ``slot`` forked from the fork server (``sweeps run``: worker_forkserver), which
+    imported what trials use while the driver set up; it waits for its go on ``stdin``."""
+    boot_id()  # settled first: the worker then names itself as LocalWorker.name does
+    return worker_forkserver.fork_worker({**os.environ, **slot.env()}, slot.index)
 
 
 @dataclass
 class LocalWorker:
     slot: WorkerSlot
-    proc: subprocess.Popen
+    proc: WorkerProcess
     beat_file: Path
     kill_reason: str = ""  # set when the supervisor kills it (hung trial, stop grace over)
     requeue_on_kill: bool = True
@@ -146,7 +119,7 @@ class Supervisor:
     stop_at: float = 0.0
     early_deaths: int = 0
     max_failures_code: int = 1  # the exit code for budget.max_failures (`sweeps worker` says 3)
-    early: EarlyWorkers | None = None  # processes started before the study was ready, one per slot
+    forked: bool = False  # workers forked from the fork server (sweeps run), else processes of their own
     driver_signals: DriverSignals | None = None  # what took the signals before this (sweeps run's driver)
     storage_lost: StoreGone | None = None  # the Optuna storage or the MLflow store stayed away past its wait
 
@@ -248,7 +221,7 @@ class Supervisor:
         """Fail and requeue the trial it left RUNNING (with the true cause), then replace it
         while the budget has trials left."""
         w.handled = True
-        code = w.proc.returncode
+        code = w.proc.wait()  # it has exited: its code at once
         orphans = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                    if t.user_attrs.get(optuna_attrs.ATTR_WORKER) == w.name]
         cause = w.kill_reason or describe_exit(code)
@@ -310,23 +283,27 @@ class Supervisor:
                 "messages above and `sweeps status`", 1)
 
     # ---- starting ----------------------------------------------------------------------------
-    def _start(self, slot: WorkerSlot) -> LocalWorker:
+    def _start(self, slot: WorkerSlot) -> None:
         """A worker for ``slot``: it reads its go (the spec snapshot, the study, its slot) from
-        stdin. A trial's beat file is made at its first beat: the hang watchdog counts from there."""
+        its stdin or go pipe. A trial's beat file is made at its first beat: the hang watchdog counts from there."""
         # The supervisor's pid in the name: a `sweeps run` and a `sweeps worker` on one machine share the folder.
         beat = self.beat_dir / f"worker-{os.getpid()}-{slot.index}-{len(self.workers)}.beat"
         beat.parent.mkdir(parents=True, exist_ok=True)
         beat.unlink(missing_ok=True)
-        proc = (self.early.take(slot) if self.early else None) or spawn_worker(slot)
-        assert proc.stdin is not None  # stdin=PIPE
         try:
-            proc.stdin.write(self.go_for(slot, beat).to_line())
+            proc = fork_worker(slot) if self.forked else spawn_worker(slot)
+        except worker_forkserver.ServerGone:
+            if self.stopping:
+                return  # a signal ended the server as it imported (the driver has it): nothing to start
+            proc = fork_worker(slot)  # it was killed: a fresh one imports again; a second failure is the error
+        assert proc.stdin is not None  # its go pipe
+        try:
+            if not self.stopping:  # a signal while it was forked (the server still importing): EOF, a clean stop
+                proc.stdin.write(self.go_for(slot, beat).to_line())
             proc.stdin.close()
         except (BrokenPipeError, OSError):
             pass  # it died at once: the loop sees its exit code
-        worker = LocalWorker(slot, proc, beat)
-        self.workers.append(worker)
-        return worker
+        self.workers.append(LocalWorker(slot, proc, beat))
 
     def _wait_any(self, timeout: float) -> None:
         """Sleep up to ``timeout`` seconds, less if the first live worker exits meanwhile."""

@@ -14,16 +14,21 @@ from __future__ import annotations
 # Each command imports what it runs inside its own function, lazily for start-up: `sweeps --help`
 # and every other command load none of it (torch, MLflow, Optuna, pandas).
 import argparse
+import contextlib
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.faults import Pause, pause_here
 from sweeps.backends.driver import EXIT_BUDGET_UNMET, no_trial_completed
 from sweeps.commands import Command, console, err_console, load_spec_file, spec_argument
 from sweeps.errors import SpecError, StudyStateError, UsageError
 from sweeps.moved_store import follow_moved_store
+
+if TYPE_CHECKING:
+    from sweeps.backends.base import Backend, StudyResult
+    from sweeps.spec.model import StudySpec
 
 STATUS_FORMATS = ("table", "csv", "json")
 
@@ -85,19 +90,13 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(a: argparse.Namespace) -> int:
     from sweeps.backends.by_name import get_backend
     spec = load_spec_file(a.spec)  # the study's one snapshot of its spec: workers get this text, never the file
-    pause_here(Pause.SPEC_READ)  # tests edit the file here: nothing may read it again
-    _warn_nothing_searched(spec, a.spec)
-    if a.add_trials:
-        before, after = _extend(spec, a.spec, a.add_trials)
-        console.print(f"study {spec.name!r}: budget raised from {before} to {after} trials (the spec is unchanged)",
-                      markup=False, highlight=False)
+    # Lazy, for start-up time (stdlib only): an Optuna study's workers' fork server starts now, so
+    # that its imports overlap everything the driver imports and sets up from here on; it is
+    # stopped when the command is done with it, whatever ends it.
+    from sweeps.backends import worker_forkserver
 
-    # runs/ moved: a resumed study's new trial runs must write where the artifacts are now. Under
-    # the study's run lock: a store another run of the study is using is never rewritten under it.
-    def follow_moved() -> None:
-        follow_moved_store(spec.tracking_store_uri(), err_console)
-
-    result = get_backend(spec.backend, a.spec).run(spec, fresh=a.fresh, quiet=a.quiet, on_locked=follow_moved)
+    with worker_forkserver.running() if spec.backend == "optuna" else contextlib.nullcontext():
+        result = _run_study(a, spec, get_backend(spec.backend, a.spec))
     if result.exit_code == 0 and result.finished() and all(t.rejected for t in result.finished()) \
             and not any(t.state == "COMPLETE" for t in result.trials):
         # The budget was spent, yet no model trained: nothing to compare or promote.
@@ -111,6 +110,22 @@ def cmd_run(a: argparse.Namespace) -> int:
         err_console.print(f"error: {no_result}", markup=False, highlight=False)
         return EXIT_BUDGET_UNMET
     return result.exit_code
+
+
+def _run_study(a: argparse.Namespace, spec: StudySpec, backend: Backend) -> StudyResult:
+    pause_here(Pause.SPEC_READ)  # tests edit the file here: nothing may read it again
+    _warn_nothing_searched(spec, a.spec)
+    if a.add_trials:
+        before, after = _extend(spec, a.spec, a.add_trials)
+        console.print(f"study {spec.name!r}: budget raised from {before} to {after} trials (the spec is unchanged)",
+                      markup=False, highlight=False)
+
+    # runs/ moved: a resumed study's new trial runs must write where the artifacts are now. Under
+    # the study's run lock: a store another run of the study is using is never rewritten under it.
+    def follow_moved() -> None:
+        follow_moved_store(spec.tracking_store_uri(), err_console)
+
+    return backend.run(spec, fresh=a.fresh, quiet=a.quiet, on_locked=follow_moved)
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:

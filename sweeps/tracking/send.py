@@ -126,7 +126,7 @@ def send_records(
                     if staged and on_staged_sent is not None:
                         on_staged_sent(local)
             elif op.kind == "in":
-                client.log_inputs(run_id, datasets=dataset_inputs(chunk[0][1]))
+                _log_inputs(client, run_id, chunk[0][1])
                 counts["inputs"] += 1
             elif op.kind == "lm":
                 make_trial_model(client, run_id, chunk[0][1])
@@ -159,6 +159,27 @@ def send_records(
                 refusals.append(f"run {run_id}: the store refused the {what} {list(chunk[0][1:])}: {exc}")
         on_done(op.end)
     return counts, refusals
+
+
+def _log_inputs(client: Any, run_id: str, described: Sequence[Mapping[str, Any]]) -> None:
+    """``log_inputs``, tried twice when its insert broke the store's unique key: two workers logging
+    the same dataset at once (their first trials start together) may both find it missing and both
+    insert it. The other's row is committed by then, so the second try links the run to it."""
+    try:
+        client.log_inputs(run_id, datasets=dataset_inputs(described))
+    except Exception as exc:
+        if not _duplicate_insert(exc):
+            raise
+        client.log_inputs(run_id, datasets=dataset_inputs(described))
+
+
+def _duplicate_insert(exc: BaseException) -> bool:
+    """An SQL store's unique key broken by a concurrent insert (MLflow wraps SQLAlchemy's error)."""
+    with contextlib.suppress(ImportError):
+        from sqlalchemy.exc import IntegrityError  # lazy: only an SQL store raises it
+
+        return isinstance(exc.__cause__, IntegrityError)
+    return False
 
 
 def dataset_inputs(described: Sequence[Mapping[str, Any]]) -> list[Any]:

@@ -40,7 +40,8 @@ def test_peers_quick_every_arm_completes_and_records_what_the_table_says(tmp_pat
         # Without pruning every sweeps trial completes, so each has a verified ONNX model; no peer exports one.
         assert rec["onnx"] == (N_TRIALS if arm_name == "sweeps run" else 0), arm_name
         assert rec["system_metrics"] == (N_TRIALS if arm_name == "sweeps run" else 0), arm_name
-        assert 0 < res["first_trial_s"] <= res["first_epoch_s"], arm_name  # two events, in order, one clock
+        # Three events, in order, one wall clock: the trial's run made, its first optimizer step, its first epoch.
+        assert 0 < res["first_trial_s"] <= res["first_step_s"] <= res["first_epoch_s"], (arm_name, res)
     details = row["details"]
     assert details["records"] == {a: round_[a]["records"] for a in ARMS}  # the table shows the last round
     lines = details["records_table"]

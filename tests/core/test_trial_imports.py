@@ -1,6 +1,7 @@
 """A digits trial's process loads what the trial uses and nothing else: not torchmetrics (nor the
 torchvision models and SciPy signal module it pulls in), and not ONNX before an export. A fresh
-interpreter, as a worker is. (torch._dynamo is loaded: any torch.optim optimizer imports it.)"""
+interpreter that imports what `sweeps run`'s fork server imports before it forks a worker. (torch._dynamo
+is loaded: any torch.optim optimizer imports it.)"""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ UNUSED = ("torchmetrics", "torchvision", "scipy.signal", "onnx", "onnxruntime")
 _TRIAL = """
 import importlib, json, sys, tempfile
 from sweeps.backends.optuna_worker import TRIAL_IMPORTS
-for module in TRIAL_IMPORTS:
+from sweeps.backends.worker_forkserver import DRIVER_MAIN, WORKER_MODULE
+for module in (WORKER_MODULE, *TRIAL_IMPORTS, *DRIVER_MAIN):
     importlib.import_module(module)
 from core.config import TrainConfig
 from core.reporting import RecordingReporter

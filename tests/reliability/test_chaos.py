@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
 from optuna.trial import TrialState
 from sqlalchemy.pool import NullPool
@@ -113,18 +114,15 @@ class Chaos:
 
     # ---- faults --------------------------------------------------------------------------------
     def workers(self) -> list[int]:
+        """The driver's live workers: forked from its fork server, and named so (``ps -o comm``)."""
         assert self.driver is not None
         pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+        for p in psutil.Process(self.driver.pid).children(recursive=True):
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmdline = (entry / "cmdline").read_bytes()
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == self.driver.pid and b"sweeps.backends.optuna_worker" in cmdline:
-                pids.append(int(entry.name))
+                if p.name().startswith("sweeps-worker") and p.status() != psutil.STATUS_ZOMBIE:
+                    pids.append(p.pid)
+            except psutil.Error:
+                continue  # it ended meanwhile
         return sorted(pids)
 
     def do(self, kind: str, down_s: int) -> None:
@@ -168,7 +166,8 @@ class Chaos:
 
 def _left_behind(folder: Path) -> list[int]:
     """Live processes of the study working in its folder: a driver or one of its workers."""
-    return [pid for marker in ("sweeps.cli", "sweeps.backends.optuna_worker") for pid in _pids_using(marker)
+    return [pid for marker in ("sweeps.cli", "sweeps.backends.optuna_worker", "sweeps.backends.worker_forkserver")
+            for pid in _pids_using(marker)
             if os.path.realpath(f"/proc/{pid}/cwd") == os.path.realpath(folder)]
 
 

@@ -124,6 +124,7 @@ def test_two_cpu_workers_run_trials_at_the_same_time_without_lock_errors(tmp_pat
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "locked" not in out.lower() and "Traceback" not in out
+    assert "RuntimeWarning" not in out  # each worker forked from the fork server starts silently
     study = load_study(tmp_path, "par")
     trials = study.trials
     assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
@@ -193,12 +194,12 @@ def test_a_signal_while_the_tracking_server_keeps_silent_stops_the_run_at_once(t
 
 
 def _workers_in(folder: Path) -> list[str]:
-    """Command lines of worker processes running in ``folder``."""
+    """Command lines of worker processes (or their fork server) running in ``folder``."""
     lines = []
     for proc in Path("/proc").iterdir():
         try:
             line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if "optuna_worker" in line and Path(os.readlink(proc / "cwd")) == folder:
+            if ("optuna_worker" in line or "worker_forkserver" in line) and Path(os.readlink(proc / "cwd")) == folder:
                 lines.append(line)
         except (OSError, ValueError):
             continue  # not a process folder, or it ended meanwhile

@@ -136,11 +136,12 @@ def _trust_spec(tmp_path, backend, name, **overrides):
 
 def _processes_left(backend: str, tmp_path) -> list[int]:
     """Live processes the study started: Ray's (found by the test's private RAY_TMPDIR) or
-    the Optuna workers (their command line, working in the study's folder)."""
+    the Optuna workers' fork server and the workers (their command line, working in the study's
+    folder)."""
     if backend == "ray":
         return _pids_using(os.environ["RAY_TMPDIR"])
-    return [pid for pid in _pids_using("sweeps.backends.optuna_worker")
-            if os.path.realpath(f"/proc/{pid}/cwd") == os.path.realpath(tmp_path)]
+    return [pid for marker in ("sweeps.backends.optuna_worker", "sweeps.backends.worker_forkserver")
+            for pid in _pids_using(marker) if os.path.realpath(f"/proc/{pid}/cwd") == os.path.realpath(tmp_path)]
 
 
 def _wait_until_gone(pids: list[int]) -> None:

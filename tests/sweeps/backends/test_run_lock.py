@@ -56,6 +56,7 @@ def test_a_refused_run_starts_no_worker(in_tmp, monkeypatch):
 
     started = []
     monkeypatch.setattr(supervisor, "spawn_worker", lambda slot: started.append(slot))  # recorded, never run
+    monkeypatch.setattr(supervisor, "fork_worker", lambda slot: started.append(slot))
     spec = _spec()
     with OptunaBackend()._run_lock(spec):
         with pytest.raises(StudyStateError, match="study 'locked' is already being run"):

@@ -1,8 +1,9 @@
-"""``sweeps run`` starts its workers before it sets up the study (supervisor.EarlyWorkers): they
-import what trials use while the driver opens its store, and wait for their go. Those the
-supervisor never takes are killed; a signal before the go ends a worker without a traceback;
-EOF instead of a go is a clean stop. Real worker processes; the pause point makes the signal
-test deterministic (the worker stops itself once its handlers are set)."""
+"""A worker process of its own (``sweeps worker --devices``: supervisor.spawn_worker) imports what
+trials use, then waits for its go on stdin: a signal before the go ends it without a traceback,
+whether it is still importing or waiting. (``sweeps run``'s workers are forked from a fork server
+that imported them: test_worker_forkserver.py.) Real worker processes; the pause point makes the
+signal test deterministic (the worker stops itself once its handlers are set). And a signal as
+``sweeps run``'s supervisor takes over from its driver stops the study."""
 from __future__ import annotations
 
 import os
@@ -12,32 +13,14 @@ import sys
 
 import pytest
 
-from sweeps.backends.supervisor import EarlyWorkers, worker_command
-from sweeps.slot_plan import WorkerSlot
+from sweeps.backends.supervisor import worker_command
 
 WORKER = [sys.executable, "-m", "sweeps.backends.optuna_worker"]
 pytestmark = pytest.mark.slow  # real worker processes, each importing torch and MLflow
 
 
-def _slot(index: int) -> WorkerSlot:
-    return WorkerSlot(index=index, devices=(), threads=1)
-
-
-def test_workers_the_supervisor_does_not_take_are_killed_and_a_taken_one_stops_at_eof():
-    with EarlyWorkers([_slot(0), _slot(1)]) as early:
-        taken = early.take(_slot(0))
-        assert taken is not None and early.take(_slot(0)) is None  # one process per slot, taken once
-        untaken = early.procs[1]
-        assert taken.poll() is None and untaken.poll() is None  # both waiting for their go
-    assert untaken.returncode == -signal.SIGKILL  # killed on leaving: it had only imported
-    assert taken.poll() is None  # the supervisor's now
-    assert taken.stdin is not None
-    taken.stdin.close()  # EOF instead of a go: the driver stopped before sending it
-    assert taken.wait(timeout=600) == 0
-
-
 @pytest.mark.parametrize("command, point", [
-    (worker_command(), "worker_importing"),  # as sweeps run starts it: before any import (packages' too)
+    (worker_command(), "worker_importing"),  # as spawn_worker starts it: before any import (packages' too)
     (WORKER, "worker_before_go"),  # however started: imports done, waiting for the go
 ])
 def test_a_ctrl_c_before_the_go_ends_the_worker_quietly(tmp_path, command, point):

@@ -1,0 +1,1 @@
+"""The step clock, put first on an arm's PYTHONPATH by bench_peers (see sitecustomize)."""

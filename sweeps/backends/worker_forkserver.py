@@ -1,0 +1,237 @@
+"""``sweeps run``'s local workers, forked from one process that imported what every trial uses.
+
+A worker of its own (``supervisor.spawn_worker``) is a fresh interpreter importing seconds of
+torch, MLflow and core.train, and ``sweeps run`` starts one per slot while the driver imports its
+own: on two cores, three interpreters importing at once. Here the driver starts
+:mod:`multiprocessing`'s fork server as soon as it has read its spec (:func:`start`), before it
+imports anything heavy; the server imports the trials' modules once (this module is its preload:
+:func:`_boot_server`) on the core the driver leaves idle, and each worker is a fork of it
+(:func:`fork_worker`) that shares those pages and starts at once.
+
+What a forked worker keeps of a worker process of its own:
+
+* its go: one :class:`~sweeps.backends.worker_protocol.WorkerGo` line on a pipe
+  (``ForkedWorker.stdin``, as a process's stdin), EOF meaning stop;
+* it dies with the driver: the server sets PR_SET_PDEATHSIG first thing (SIGKILL when the driver
+  dies, SIGKILL included), and each worker the same towards the server; the driver kills and
+  reaps the server when its run ends (:func:`running`);
+* its environment: the driver's when it is forked plus its slot's (``CUDA_VISIBLE_DEVICES``,
+  thread counts), set before anything touches CUDA; the server initialises neither CUDA nor an
+  OpenMP pool (importing torch does neither), and the worker sets its torch threads from its go;
+* its signals: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) until it has its go, as they
+  end the server while it imports (``SWEEPS_PAUSE=worker_importing`` stops the server there).
+  Once imported the server blocks them: a signal to the process group (Ctrl-C, ``kill -TERM
+  -PGID``, a scheduler's SIGTERM) is for the workers, which checkpoint, and the server leaves
+  with the driver. A worker unblocks them first thing; one that came meanwhile is delivered then;
+* its exit code, read by the server and passed to the driver; ``ps`` (``ps -o comm``, ``top``,
+  psutil's ``name()``) shows ``sweeps-worker-N``, the server ``sweeps-forksrv``; its standard
+  output and error are the driver's.
+
+Everything that reaches into :mod:`multiprocessing` is here, its private parts included
+(:func:`stop`). Stdlib only at import: the driver imports this before anything heavy.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import IO, Any, Protocol
+
+from core.faults import Pause, pause_here
+from sweeps.errors import BackendError
+from sweeps.stop_signals import STOP_SIGNALS
+
+WORKER_MODULE = "sweeps.backends.optuna_worker"
+AUDIT_START = "sweeps.worker_forkserver.start"
+ENV_SERVER_PARENT = "SWEEPS_FORKSERVER_PARENT"  # set only for the server: the driver's pid
+# multiprocessing runs the driver's main module again in each fork (as ``__mp_main__``, for what it
+# unpickles): ``sweeps`` and ``python -m sweeps.cli`` both import the CLI, imported here once instead.
+DRIVER_MAIN = ("sweeps.cli",)
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_CONTEXT = multiprocessing.get_context("forkserver")
+_server_pid: int | None = None  # in the server and the workers it forks: the server's pid
+
+
+class ServerGone(BackendError):
+    """The fork server exited before it forked the worker asked for: a signal while it imported
+    (the driver has it too), the OOM killer, or an import that failed (its messages are above)."""
+
+
+class WorkerProcess(Protocol):
+    """What the supervisor holds of a worker: the part of :class:`subprocess.Popen` it uses."""
+
+    pid: int
+    stdin: IO[str] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: SIGKILL this process when its parent dies (even by SIGKILL)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _name_process(name: str) -> None:
+    """The name ``ps -o comm``, ``top`` and psutil show (15 characters at most)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
+    except OSError:
+        pass
+
+
+def _quiet_exit(signum, _frame) -> None:
+    os._exit(128 + signum)  # before the go there is no trial to save, nor anything to say
+
+
+def _boot_server() -> None:
+    """The server, importing this module as its preload: it dies with the driver, leaves quietly on
+    a signal while it imports, imports what every trial uses, then blocks the stop signals."""
+    global _server_pid
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _quiet_exit)
+    die_with_parent()
+    if str(os.getppid()) != os.environ.pop(ENV_SERVER_PARENT):
+        os._exit(0)  # the driver died before the line above: nobody will ask for a worker
+    _server_pid = os.getpid()
+    _name_process("sweeps-forksrv")
+    pause_here(Pause.WORKER_IMPORTING)
+    # Lazy, for start-up time: the driver imports this module before anything heavy; only the
+    # server loads the worker and what its trials use.
+    worker = importlib.import_module(WORKER_MODULE)
+    for module in (*worker.TRIAL_IMPORTS, *DRIVER_MAIN):
+        importlib.import_module(module)
+    for module in DRIVER_MAIN:  # runpy warns when it runs an imported module again: here that is the point
+        warnings.filterwarnings("ignore", f"'{module}' found in sys.modules", RuntimeWarning)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def start() -> None:
+    """Start the fork server unless it runs: at once, without waiting for its imports. Call it
+    from the driver's main thread: the server's PR_SET_PDEATHSIG follows the thread that started
+    it, and would kill it when another thread ended. Raises the
+    audit event ``sweeps.worker_forkserver.start`` (multiprocessing starts it with no audit event
+    of its own, where ``subprocess.Popen`` has one), so that an audit hook sees the study start."""
+    sys.audit(AUDIT_START, os.getpid())
+    _CONTEXT.set_forkserver_preload([__name__])
+    os.environ[ENV_SERVER_PARENT] = str(os.getpid())  # read and dropped by the server only
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.pop(ENV_SERVER_PARENT, None)
+
+
+def stop() -> None:
+    """Kill the server (and with it any worker still there) and reap it: when the driver's study
+    ends, nothing it started outlives it, not even for the moment a server takes to notice."""
+    server: Any = multiprocessing.forkserver._forkserver
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()  # closes the driver's end of its pipe, reaps it, forgets it: start() makes a new one
+
+
+@contextlib.contextmanager
+def running() -> Iterator[None]:
+    """The server from :func:`start` (now, or already) to :func:`stop` on leaving."""
+    start()
+    try:
+        yield
+    finally:
+        stop()
+
+
+def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str], slot: int) -> None:
+    """A forked worker, before its go: it takes the driver's environment and its slot's, names
+    itself, unblocks the stop signals (its quiet handlers are the server's), then runs the worker."""
+    die_with_parent()
+    if _server_pid is not None and os.getppid() != _server_pid:
+        os._exit(128 + signal.SIGKILL)  # the server (so the driver) died before the line above
+    os.environ.clear()
+    os.environ.update(env)
+    multiprocessing.set_start_method(None, force=True)  # a trial's DataLoader forks as in a process of its own
+    _name_process(f"sweeps-worker-{slot}")
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _quiet_exit)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    from sweeps.backends import optuna_worker  # the server's: imported before the fork
+    from sweeps.fast_exit import exit_now
+
+    stream = os.fdopen(os.dup(go.fileno()), "r")
+    go.close()
+    exit_now(optuna_worker.main(stream))
+
+
+class ForkedWorker:
+    """The driver's handle on a forked worker, used as the supervisor uses a ``Popen``."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, stdin: IO[str]) -> None:
+        self._process = process
+        self.pid: int = process.pid or 0
+        self.stdin: IO[str] | None = stdin
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"sweeps-worker {self.pid}", timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_worker(env: dict[str, str], slot: int) -> ForkedWorker:
+    """A worker forked from the server (started now if :func:`start` has not, or again if it has
+    exited), with ``env`` as its whole environment; it waits for its go on ``stdin``. Blocks while
+    the server imports; raises :class:`ServerGone` if it exits first."""
+    start()
+    go_r, go_w = _CONTEXT.Pipe(duplex=False)
+    process = _CONTEXT.Process(target=_worker_main, args=(go_r, env, slot), name=f"sweeps-worker-{slot}")
+    try:
+        process.start()
+    except (EOFError, OSError) as exc:  # no pid came back, or nothing listens any more
+        go_w.close()
+        stop()  # reaped now: it may close its socket a moment before it can be reaped
+        raise ServerGone(f"the fork server of the workers exited before it forked worker {slot} "
+                         f"({type(exc).__name__}: {exc}); see the messages above") from exc
+    finally:
+        go_r.close()  # the worker has its own copy now
+    stdin = os.fdopen(os.dup(go_w.fileno()), "w")
+    go_w.close()
+    return ForkedWorker(process, stdin)
+
+
+if os.environ.get(ENV_SERVER_PARENT):  # only in the fork server (see start)
+    _boot_server()

@@ -1,0 +1,58 @@
+"""Two workers whose first trials start together log the same dataset at once: MLflow's SQL store
+checks for the dataset, finds none in both, and the second insert breaks the table's unique key.
+The run's inputs are then logged by a second try, which finds the row the other inserted. The
+collision is played deterministically: the other worker's insert lands between the first try's
+check and insert, which is what the store's error says happened."""
+from __future__ import annotations
+
+import sqlalchemy.exc
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import BAD_REQUEST
+from mlflow.tracking import MlflowClient
+
+from sweeps.tracking.send import send_records
+
+DIGITS = [{"name": "digits-train", "source": "task:digits", "digest": "285ac81a", "context": "training",
+           "profile": {"num_rows": 1437}}]
+
+
+class _LosesTheRace:
+    """The store's client, whose first ``log_inputs`` loses the race to another worker's."""
+
+    def __init__(self, client: MlflowClient, other_run: str) -> None:
+        self.client, self.other_run, self.tries = client, other_run, 0
+
+    def log_inputs(self, run_id, datasets):
+        self.tries += 1
+        if self.tries == 1:
+            self.client.log_inputs(self.other_run, datasets=datasets)  # the other worker's insert, first
+            cause = sqlalchemy.exc.IntegrityError("INSERT INTO datasets ...", {}, Exception(
+                "UNIQUE constraint failed: datasets.experiment_id, datasets.name, datasets.digest"))
+            raise MlflowException(message=cause, error_code=BAD_REQUEST) from cause  # as MLflow's session does
+        return self.client.log_inputs(run_id, datasets=datasets)
+
+
+def test_a_dataset_logged_by_two_workers_at_once_is_an_input_of_both_runs(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("race", artifact_location=(tmp_path / "art").as_uri())
+    mine, other = (client.create_run(exp).info.run_id for _ in range(2))
+    racing = _LosesTheRace(client, other)
+    counts, refusals = send_records(racing, mine, [["in", DIGITS]], on_done=lambda n: None)
+    assert refusals == [] and counts["inputs"] == 1 and racing.tries == 2
+    for run_id in (mine, other):
+        inputs = client.get_run(run_id).inputs.dataset_inputs
+        assert [(d.dataset.name, d.dataset.digest) for d in inputs] == [("digits-train", "285ac81a")]
+
+
+def test_any_other_refusal_of_the_inputs_is_reported_not_retried(tmp_path):
+    class _Refuses:
+        tries = 0
+
+        def log_inputs(self, run_id, datasets):
+            self.tries += 1
+            raise MlflowException("dataset name too long", error_code=BAD_REQUEST)
+
+    refusing = _Refuses()
+    counts, refusals = send_records(refusing, "r1", [["in", DIGITS]], on_done=lambda n: None)
+    assert refusing.tries == 1 and counts["inputs"] == 0
+    assert len(refusals) == 1 and "dataset name too long" in refusals[0]
