@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sweeps import cli
-from tests.sweeps.study_helpers import empty_mlflow_db, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, run_cli, write_spec
 
 
 def _lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -29,7 +29,7 @@ def _saved(line: str) -> Path:
 # ---- the last-resort handler ------------------------------------------------------------------
 def test_an_unexpected_exception_prints_one_line_and_where_its_traceback_is(tmp_path):
     spec = write_spec(tmp_path, name="oops")
-    proc = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
+    proc = cli_in_process(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     first, where = _lines(proc)
     assert first == "error: RuntimeError: injected by SWEEPS_FAULT=cli_unexpected_error"
@@ -37,14 +37,14 @@ def test_an_unexpected_exception_prints_one_line_and_where_its_traceback_is(tmp_
     assert saved.parent == tmp_path / "runs" / ".errors"
     assert "Traceback" in saved.read_text() and "RuntimeError: injected" in saved.read_text()
 
-    debug = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error", SWEEPS_DEBUG="1")
-    assert debug.returncode == 1 and "Traceback" in debug.stderr  # SWEEPS_DEBUG=1 still raises
+    with pytest.raises(RuntimeError, match="injected by SWEEPS_FAULT"):  # SWEEPS_DEBUG=1 still raises
+        cli_in_process(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error", SWEEPS_DEBUG="1")
 
 
 def test_the_traceback_goes_to_the_temp_folder_when_runs_cannot_hold_it(tmp_path):
     spec = write_spec(tmp_path, name="oops", seed_store=False)
     (tmp_path / "runs").write_text("not a folder\n")  # runs/.errors cannot be created
-    proc = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
+    proc = cli_in_process(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
     assert proc.returncode == 1
     saved = _saved(_lines(proc)[1])
     try:
