@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ TPE = {"name": "tpe", "seed": 0}  # the default sampler, where the repeats were 
 
 def _run(cwd, n_trials: int):
     spec = write_spec(cwd, name="draws", sampler=TPE, budget={"n_trials": n_trials})
-    proc = run_cli(cwd, "run", str(spec), "--quiet")
+    proc = cli_in_process(cwd, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
