@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sweeps import cli
-from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, write_spec
 
 
 def _lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -60,13 +60,13 @@ def test_run_with_runs_a_file_names_it_and_exits_2(tmp_path):
     # a regular file: no one, root included, can create anything under it.
     spec = write_spec(tmp_path, name="ro", seed_store=False)
     (tmp_path / "runs").write_text("")
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = _lines(proc)
     assert f"{tmp_path / 'runs'} is a file, not a folder" in line  # the MLflow store in runs/ is checked first
 
     spec = write_spec(tmp_path, name="ro2", seed_store=False, tracking={"uri": "sqlite:///mlflow.db"})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = _lines(proc)
     assert "storage: runs/ro2.journal: cannot create or write the folder" in line
@@ -76,7 +76,7 @@ def test_run_with_runs_a_file_names_it_and_exits_2(tmp_path):
 def test_report_to_a_folder_names_it_and_exits_2(tmp_path):
     spec = write_spec(tmp_path, name="rep")
     (tmp_path / "out").mkdir()
-    proc = run_cli(tmp_path, "report", str(spec), "-o", "out")
+    proc = cli_in_process(tmp_path, "report", str(spec), "-o", "out")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert _lines(proc) == ["error: report -o out: out is a folder; name the page file, e.g. -o out/report.html"]
 
@@ -128,7 +128,7 @@ def _fill(folder: Path) -> None:
 def test_a_full_disk_under_the_study_says_disk_full_in_one_line(small_disk):
     spec = write_spec(small_disk, name="full")
     _fill(small_disk)
-    proc = run_cli(small_disk, "run", str(spec), "--quiet")
+    proc = cli_in_process(small_disk, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     first, *rest = _lines(proc)
     assert first.startswith(f"error: disk full: {small_disk}") and "has 0.0 MB free" in first
@@ -143,7 +143,7 @@ def test_a_full_disk_under_the_mlflow_store_says_disk_full_in_one_line(tmp_path,
     spec = write_spec(tmp_path, name="fullstore", seed_store=False,
                       tracking={"uri": f"sqlite:///{small_disk}/mlflow.db"})
     _fill(small_disk)
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = _lines(proc)
     assert f"disk full: {small_disk} has 0.0 MB free" in line and "Free space there" in line
