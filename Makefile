@@ -28,8 +28,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist worksteal
 
 # The fast tier: everything but the tests marked slow (studies through `sweeps run`, other heavy
-# subprocesses), ray, browser (Chromium), postgres or slurm; under 3 minutes on 2 cores. A test of
-# this tier that starts a study fails and asks for the slow marker (tests/conftest.py).
+# subprocesses), ray, browser (Chromium), postgres or slurm; about 2 CPU-minutes of test processes
+# (README gives the measured figure). A test of this tier that starts a study fails and asks for
+# the slow marker (tests/conftest.py).
 FAST_TIER := not slow and not ray and not browser and not postgres and not slurm
 
 test-fast: $(STAMP)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchmetrics.classification import MulticlassAccuracy
 
 from core.tasks.accuracy import Accuracy
 
 
 @pytest.mark.parametrize("shape, as_labels", [((50, 7), False), ((50, 7), True), ((6, 3, 5, 4), False)])
 def test_accuracy_equals_torchmetrics_micro_accuracy_over_several_batches(shape, as_labels):
+    # Imported here: torchmetrics loads its whole package (seconds), which every test process
+    # would otherwise pay while collecting.
+    from torchmetrics.classification import MulticlassAccuracy
+
     gen = torch.Generator().manual_seed(0)
     ours, theirs = Accuracy(), MulticlassAccuracy(num_classes=shape[1], average="micro")
     for _ in range(3):

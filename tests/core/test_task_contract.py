@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
 
 from core.metrics import metric_problem, reported_metrics
 from core.reporting import RecordingReporter
@@ -41,6 +40,10 @@ class LineTask(Task):
         return nn.MSELoss()
 
     def metrics(self):
+        # Imported where used: torchmetrics loads its whole package (seconds), which every test
+        # process would otherwise pay while collecting.
+        from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
+
         return {"rmse": MeanSquaredError(squared=False), "mae": MeanAbsoluteError()}
 
     def postprocess(self, output):
@@ -85,6 +88,8 @@ def test_classification_keeps_accuracy_and_the_directions_come_from_the_metrics(
 
 
 def test_metrics_without_a_direction_are_refused():
+    from torchmetrics.regression import MeanSquaredError
+
     class Undirected(MeanSquaredError):
         higher_is_better = None  # a user's metric that never said which way is better
 

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 UNUSED = ("torchmetrics", "torchvision", "scipy.signal", "onnx", "onnxruntime")
@@ -31,6 +33,7 @@ print(json.dumps({"val_acc": reporter.epochs[-1][1]["val_acc"],
 """
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and trains: seconds, more than the fast tier allows
 def test_a_one_epoch_digits_trial_loads_no_module_it_does_not_use():
     proc = subprocess.run([sys.executable, "-c", _TRIAL % (UNUSED,)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -10,7 +10,7 @@ import pytest
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
-from tests.sweeps.study_helpers import load_study, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +22,12 @@ def test_report_of_identical_trials_says_why_importances_are_unavailable(tmp_pat
     queued = optuna.create_study(study_name="same", storage=storage, direction="maximize")
     for _ in range(2):
         queued.enqueue_trial({"lr": 0.1}, skip_if_exists=False)
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trials = load_study(tmp_path, "same").trials
     assert [(t.state.name, t.params) for t in trials] == [("COMPLETE", {"lr": 0.1})] * 2
 
-    report = run_cli(tmp_path, "report", str(spec))
+    report = cli_in_process(tmp_path, "report", str(spec))
     assert report.returncode == 0, report.stdout + report.stderr
     page = (tmp_path / "runs" / "same" / "report.html").read_text()
     # The reason is a figure annotation inside the page's JSON: undo its escapes and line breaks.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sweeps import cli
-from tests.sweeps.study_helpers import empty_mlflow_db, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, write_spec
 
 
 def _lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -29,7 +29,7 @@ def _saved(line: str) -> Path:
 # ---- the last-resort handler ------------------------------------------------------------------
 def test_an_unexpected_exception_prints_one_line_and_where_its_traceback_is(tmp_path):
     spec = write_spec(tmp_path, name="oops")
-    proc = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
+    proc = cli_in_process(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     first, where = _lines(proc)
     assert first == "error: RuntimeError: injected by SWEEPS_FAULT=cli_unexpected_error"
@@ -37,13 +37,13 @@ def test_an_unexpected_exception_prints_one_line_and_where_its_traceback_is(tmp_
     assert saved.parent == tmp_path / "runs" / ".errors"
     assert "Traceback" in saved.read_text() and "RuntimeError: injected" in saved.read_text()
 
-    debug = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error", SWEEPS_DEBUG="1")
-    assert debug.returncode == 1 and "Traceback" in debug.stderr  # SWEEPS_DEBUG=1 still raises
+    with pytest.raises(RuntimeError, match="injected by SWEEPS_FAULT"):  # SWEEPS_DEBUG=1 still raises
+        cli_in_process(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error", SWEEPS_DEBUG="1")
 
 
 def test_a_fault_point_that_does_not_exist_is_refused_before_the_command_runs(tmp_path):
     spec = write_spec(tmp_path, name="oops")
-    proc = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_eror")
+    proc = cli_in_process(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_eror")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = _lines(proc)
     assert line.startswith("error: SWEEPS_FAULT='cli_unexpected_eror' names 'cli_unexpected_eror', which is not")
@@ -53,7 +53,7 @@ def test_a_fault_point_that_does_not_exist_is_refused_before_the_command_runs(tm
 def test_the_traceback_goes_to_the_temp_folder_when_runs_cannot_hold_it(tmp_path):
     spec = write_spec(tmp_path, name="oops", seed_store=False)
     (tmp_path / "runs").write_text("not a folder\n")  # runs/.errors cannot be created
-    proc = run_cli(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
+    proc = cli_in_process(tmp_path, "status", str(spec), SWEEPS_FAULT="cli_unexpected_error")
     assert proc.returncode == 1
     saved = _saved(_lines(proc)[1])
     try:
@@ -69,13 +69,13 @@ def test_run_with_runs_a_file_names_it_and_exits_2(tmp_path):
     # a regular file: no one, root included, can create anything under it.
     spec = write_spec(tmp_path, name="ro", seed_store=False)
     (tmp_path / "runs").write_text("")
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = _lines(proc)
     assert f"{tmp_path / 'runs'} is a file, not a folder" in line  # the MLflow store in runs/ is checked first
 
     spec = write_spec(tmp_path, name="ro2", seed_store=False, tracking={"uri": "sqlite:///mlflow.db"})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = _lines(proc)
     assert "storage: runs/ro2.journal: cannot create or write the folder" in line
@@ -85,7 +85,7 @@ def test_run_with_runs_a_file_names_it_and_exits_2(tmp_path):
 def test_report_to_a_folder_names_it_and_exits_2(tmp_path):
     spec = write_spec(tmp_path, name="rep")
     (tmp_path / "out").mkdir()
-    proc = run_cli(tmp_path, "report", str(spec), "-o", "out")
+    proc = cli_in_process(tmp_path, "report", str(spec), "-o", "out")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert _lines(proc) == ["error: report -o out: out is a folder; name the page file, e.g. -o out/report.html"]
 
@@ -137,7 +137,7 @@ def _fill(folder: Path) -> None:
 def test_a_full_disk_under_the_study_says_disk_full_in_one_line(small_disk):
     spec = write_spec(small_disk, name="full")
     _fill(small_disk)
-    proc = run_cli(small_disk, "run", str(spec), "--quiet")
+    proc = cli_in_process(small_disk, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     first, *rest = _lines(proc)
     assert first.startswith(f"error: disk full: {small_disk}") and "has 0.0 MB free" in first
@@ -152,7 +152,7 @@ def test_a_full_disk_under_the_mlflow_store_says_disk_full_in_one_line(tmp_path,
     spec = write_spec(tmp_path, name="fullstore", seed_store=False,
                       tracking={"uri": f"sqlite:///{small_disk}/mlflow.db"})
     _fill(small_disk)
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = _lines(proc)
     assert f"disk full: {small_disk} has 0.0 MB free" in line and "Free space there" in line

@@ -8,19 +8,20 @@ import pytest
 import torch
 
 from sweeps.tracking import TrackingReader
-from tests.sweeps.study_helpers import ROOT, load_study, mlflow_runs, run_cli, write_spec
+from tests.sweeps.study_helpers import ROOT, cli_in_process, load_study, mlflow_runs, write_spec
 
 HERE = Path(__file__).resolve().parent
 PYTHONPATH = f"{HERE}:{ROOT}"
 
 
 @pytest.mark.slow
-def test_out_of_memory_fails_the_trial_then_retries_at_half_batch(tmp_path):
+def test_out_of_memory_fails_the_trial_then_retries_at_half_batch(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))  # fault_tasks, for the driver's check of the target
     spec = write_spec(tmp_path, name="oom", task={"name": None, "target": "fault_tasks:make_oom_task",
                                                   "model": "mlp", "args": {}},
                       train={"batch_size": 64, "grad_accum_steps": 1}, budget={"n_trials": 1,
                                                                               "oom_retry_smaller_batch": True})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=PYTHONPATH, OOM_LIMIT="32")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=PYTHONPATH, OOM_LIMIT="32")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     study = load_study(tmp_path, "oom")
     first, retry = study.trials[0], study.trials[-1]
@@ -37,11 +38,12 @@ def test_out_of_memory_fails_the_trial_then_retries_at_half_batch(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_hanging_trial_is_stopped_failed_and_the_study_goes_on(tmp_path):
+def test_a_hanging_trial_is_stopped_failed_and_the_study_goes_on(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))  # fault_tasks, for the driver's check of the target
     spec = write_spec(tmp_path, name="hang", task={"name": None, "target": "fault_tasks:make_hang_task",
                                                    "model": "mlp", "args": {}},
                       budget={"n_trials": 1, "trial_timeout": "40s"})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=PYTHONPATH,
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=PYTHONPATH,
                    HANG_MARKER=str(tmp_path / "hung-once"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     study = load_study(tmp_path, "hang")
@@ -112,12 +114,12 @@ def test_resume_file_with_a_pickle_payload_is_refused_and_never_runs(tmp_path, m
 @pytest.mark.slow
 def test_torn_last_journal_record_is_repaired_and_the_study_resumes(tmp_path):
     spec = write_spec(tmp_path, name="torn", budget={"n_trials": 1})
-    assert run_cli(tmp_path, "run", str(spec), "--quiet").returncode == 0
+    assert cli_in_process(tmp_path, "run", str(spec), "--quiet").returncode == 0
     journal = tmp_path / "runs" / "torn.journal"
     with open(journal, "ab") as fh:
         fh.write(b'{"op_code": 5, "worker_id": "dead", "trial_id": 1, "sta')  # died mid-append
     spec = write_spec(tmp_path, name="torn", budget={"n_trials": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "torn last record" in proc.stderr
     study = load_study(tmp_path, "torn")

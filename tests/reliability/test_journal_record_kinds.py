@@ -11,7 +11,7 @@ import pytest
 
 from sweeps.backends.journal_file import open_journal, repair_journal
 from sweeps.errors import StudyStateError
-from tests.sweeps.study_helpers import run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, write_spec
 
 UNKNOWN = {"op_code": 99, "worker_id": "w", "study_id": 0}
 
@@ -58,7 +58,7 @@ def test_status_on_a_journal_with_an_unknown_record_exits_2_with_one_line(tmp_pa
     journal = tmp_path / "runs" / "kinds.journal"
     journal.parent.mkdir()
     good = _journal_with_an_unknown_record(journal)
-    proc = run_cli(tmp_path, "status", str(spec), timeout=120)
+    proc = cli_in_process(tmp_path, "status", str(spec))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "Should not reach" not in proc.stderr, proc.stderr
     assert f"line {good + 1}: record {good + 1} has an unknown kind (op_code 99" in proc.stderr, proc.stderr

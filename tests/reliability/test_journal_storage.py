@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, run_cli, sweeps_env, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, sweeps_env, write_spec
 
 # A process holding the journal lock the way a live sweeps writer does, until its stdin closes.
 HOLD_LOCK = """
@@ -42,7 +42,7 @@ def _quiet(proc: subprocess.CompletedProcess) -> str:
 @pytest.mark.timeout(400)
 def test_a_stale_relative_lock_link_spins_neither_status_nor_run(tmp_path):
     spec = write_spec(tmp_path, name="stale", budget={"n_trials": 1})
-    assert run_cli(tmp_path, "run", str(spec), "--quiet").returncode == 0
+    assert cli_in_process(tmp_path, "run", str(spec), "--quiet").returncode == 0
     # What Optuna's own lock leaves when its process is SIGKILLed mid-append and was handed the
     # relative journal path: a link to "runs/stale.journal", dangling from runs/ where it lies.
     # Optuna's acquire() then looped without sleeping, forever.
@@ -50,12 +50,12 @@ def test_a_stale_relative_lock_link_spins_neither_status_nor_run(tmp_path):
     os.symlink("runs/stale.journal", lock)
     assert lock.is_symlink() and not lock.exists()
 
-    status = run_cli(tmp_path, "status", str(spec), timeout=120)
+    status = cli_in_process(tmp_path, "status", str(spec))
     assert status.returncode == 0, status.stdout + status.stderr
     assert "1 complete" in status.stdout  # readers never take the lock
 
     spec = write_spec(tmp_path, name="stale", budget={"n_trials": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=240)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"removing the stale journal lock {lock}" in proc.stderr
     assert not lock.is_symlink()
@@ -72,7 +72,7 @@ def test_a_lock_held_by_a_live_process_ends_in_a_clear_error_naming_it(tmp_path)
     try:
         assert holder.stdout.readline().strip() == "held"
         # The bound is an environment variable so the test waits half a second, not two minutes.
-        proc = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_JOURNAL_LOCK_WAIT_S="0.5")
+        proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", SWEEPS_JOURNAL_LOCK_WAIT_S="0.5")
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
@@ -87,7 +87,7 @@ def test_a_lock_held_by_a_live_process_ends_in_a_clear_error_naming_it(tmp_path)
 @pytest.mark.timeout(400)
 def test_killed_mid_append_the_next_run_cuts_the_partial_record_and_finishes(tmp_path):
     spec = write_spec(tmp_path, name="midappend", budget={"n_trials": 1})
-    assert run_cli(tmp_path, "run", str(spec), "--quiet").returncode == 0
+    assert cli_in_process(tmp_path, "run", str(spec), "--quiet").returncode == 0
     journal = tmp_path / "runs" / "midappend.journal"
     intact = journal.read_bytes()
 
@@ -100,7 +100,7 @@ def test_killed_mid_append_the_next_run_cuts_the_partial_record_and_finishes(tmp
     assert torn.startswith(intact) and len(torn) > len(intact) and not torn.endswith(b"\n")  # half a record
     assert (tmp_path / "runs" / "midappend.journal.lock").is_symlink()  # Optuna's lock, left held
 
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=240)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "removing the stale journal lock" in proc.stderr and "torn last record" in proc.stderr
     saved = list(journal.parent.glob("midappend.journal.torn-*"))
@@ -112,7 +112,7 @@ def test_killed_mid_append_the_next_run_cuts_the_partial_record_and_finishes(tmp
 @pytest.mark.timeout(400)
 def test_a_corrupt_record_inside_the_journal_gives_the_repair_command_to_every_command(tmp_path):
     spec = write_spec(tmp_path, name="corrupt", budget={"n_trials": 1})
-    assert run_cli(tmp_path, "run", str(spec), "--quiet").returncode == 0
+    assert cli_in_process(tmp_path, "run", str(spec), "--quiet").returncode == 0
     journal = tmp_path / "runs" / "corrupt.journal"
     lines = journal.read_bytes().splitlines(keepends=True)
     lines[2] = b'{"op_code": 5, "worker_id": GARBAGE\n'
@@ -120,7 +120,7 @@ def test_a_corrupt_record_inside_the_journal_gives_the_repair_command_to_every_c
     damaged = journal.read_bytes()
 
     for command in ("run", "status", "report", "promote"):
-        proc = run_cli(tmp_path, command, str(spec), timeout=120)
+        proc = cli_in_process(tmp_path, command, str(spec))
         assert proc.returncode == 2, (command, proc.stdout + proc.stderr)
         err = _quiet(proc)
         assert re.search(rf"{re.escape(str(journal))}: line 3: record 3 is corrupt and {len(lines) - 3} more "
@@ -128,9 +128,9 @@ def test_a_corrupt_record_inside_the_journal_gives_the_repair_command_to_every_c
         assert len(err.strip().splitlines()) == 1, err
         assert journal.read_bytes() == damaged, command  # refused before anything was written
 
-    repaired = run_cli(tmp_path, "repair-journal", str(journal))
+    repaired = cli_in_process(tmp_path, "repair-journal", str(journal))
     assert repaired.returncode == 0 and "kept 2 intact records" in repaired.stdout, repaired.stdout + repaired.stderr
-    assert run_cli(tmp_path, "status", str(spec)).returncode == 0
+    assert cli_in_process(tmp_path, "status", str(spec)).returncode == 0
 
 
 @pytest.mark.slow
@@ -139,7 +139,7 @@ def test_a_storage_file_that_is_not_a_journal_is_refused_and_left_as_it_was(tmp_
     notes.write_text("my notes about this study\n")
     spec = write_spec(tmp_path, name="notes", storage="notes.txt", budget={"n_trials": 1})
     for command in ("run", "status"):
-        proc = run_cli(tmp_path, command, str(spec), timeout=120)
+        proc = cli_in_process(tmp_path, command, str(spec))
         assert proc.returncode == 2, (command, proc.stdout + proc.stderr)
         assert f"{notes} is not an Optuna journal" in _quiet(proc) and "nothing was changed" in proc.stderr
         assert notes.read_text() == "my notes about this study\n"
@@ -147,7 +147,7 @@ def test_a_storage_file_that_is_not_a_journal_is_refused_and_left_as_it_was(tmp_
 
 def test_repair_journal_names_a_missing_path_or_a_folder(tmp_path):
     (tmp_path / "runs").mkdir()
-    missing = run_cli(tmp_path, "repair-journal", "runs/nope.journal")
+    missing = cli_in_process(tmp_path, "repair-journal", "runs/nope.journal")
     assert missing.returncode == 2 and "runs/nope.journal does not exist" in _quiet(missing)
-    folder = run_cli(tmp_path, "repair-journal", "runs")
+    folder = cli_in_process(tmp_path, "repair-journal", "runs")
     assert folder.returncode == 2 and "runs is a folder, not an Optuna journal file" in _quiet(folder)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _run(folder: Path, spec: Path, *args: str) -> None:
-    proc = run_cli(folder, "run", str(spec), "--quiet", *args)
+    proc = cli_in_process(folder, "run", str(spec), "--quiet", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.sweeps.study_helpers import run_cli, write_spec
-
-pytestmark = pytest.mark.slow  # every test runs the `sweeps` CLI in a subprocess
+from tests.sweeps.study_helpers import cli_in_process, write_spec
 
 BAD = ["../escape", "/abs/path", "%2e%2e/x", "%252e%252e", "a\\b", "a\x00b", "runs/../../x"]
 
@@ -17,7 +15,7 @@ def test_bad_study_names_and_storage_paths_are_refused_before_anything_is_writte
     spec = write_spec(work, name="ok", seed_store=False, storage=f"runs/{bad}.journal")
     text = spec.read_text().replace("name: ok", f"name: {bad!r}" if "\x00" not in bad else 'name: "a\\0b"')
     spec.write_text(text)
-    proc = run_cli(work, "run", str(spec))
+    proc = cli_in_process(work, "run", str(spec))  # refused before a study starts
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "- name:" in proc.stderr
     if bad != "/abs/path":  # runs//abs/path.journal is a plain path inside runs/, so only the name is bad
@@ -33,7 +31,7 @@ def test_bad_model_names_are_refused_by_promote(tmp_path, bad):
     work = tmp_path / "work"
     work.mkdir()
     spec = write_spec(work, name="ok", seed_store=False)
-    proc = run_cli(work, "promote", str(spec), "--model-name", bad)
+    proc = cli_in_process(work, "promote", str(spec), "--model-name", bad)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "model" in proc.stderr.lower()
     assert sorted(p.name for p in work.iterdir()) == ["ok.yaml"]

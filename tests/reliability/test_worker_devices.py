@@ -15,7 +15,7 @@ from sweeps.backends.supervisor import WORKER_MODULE
 from sweeps.worker_identity import worker_identity
 from tests.scaleout import conftest as scaleout_fixtures
 from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for
-from tests.sweeps.study_helpers import empty_mlflow_db, run_cli, save_spec, start_cli, tiny_spec
+from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, save_spec, start_cli, tiny_spec
 
 ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
 RECORDING = "tests.reliability.device_tasks:make_device_recording_task"
@@ -42,7 +42,7 @@ def _spec(tmp_path: Path, storage: str, name: str, n_trials: int) -> Path:
 def test_a_wrong_flag_is_named_with_the_fix_before_anything_starts(tmp_path, args, expected):
     # Nothing listens on port 1: a flag that got as far as the storage would fail differently.
     spec = _spec(tmp_path, "postgresql://nobody@127.0.0.1:1/none", "flags", 2)
-    proc = run_cli(tmp_path, "worker", str(spec), *args, "--wait", "0", timeout=300)
+    proc = cli_in_process(tmp_path, "worker", str(spec), *args, "--wait", "0")  # refused before a process starts
     assert proc.returncode == 2, proc.stdout + proc.stderr
     said = " ".join(proc.stderr.split())  # the console wraps long lines
     assert expected in said and "Traceback" not in said, proc.stderr

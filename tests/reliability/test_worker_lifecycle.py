@@ -1,5 +1,7 @@
 """Whatever ends a worker, its trial fails with the true cause, is requeued, and the study goes
-on; signals and the timeout stop a trial in every phase (trust issue, defects 6, 8, 12)."""
+on; signals and the timeout stop a trial in every phase (trust issue, defects 6, 8, 12). Where a
+worker dies or hangs, the driver runs in this process (its workers are processes all the same);
+where the driver is signalled, in a process of its own."""
 from __future__ import annotations
 
 import signal
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, save_spec, start_cli, tiny_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, run_cli, save_spec, start_cli, tiny_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DYING = "tests.reliability.dying_tasks:make_dying_task"
@@ -40,7 +42,7 @@ def _assert_nothing_running(tmp_path: Path, name: str = "die") -> None:
 ])
 def test_a_worker_that_dies_in_a_trial_fails_it_with_the_true_cause_and_the_study_finishes(tmp_path, how, cause):
     spec = _spec(tmp_path, budget={"n_trials": 2, "max_failures": 3})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, how))
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, how))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trials = _trials(tmp_path)
     failed = [t for t in trials if t.state.name == "FAIL"]
@@ -58,7 +60,7 @@ def test_a_worker_that_dies_in_a_trial_fails_it_with_the_true_cause_and_the_stud
 
 def test_sys_exit_in_a_task_fails_the_trial_naming_it_and_the_worker_goes_on(tmp_path):
     spec = _spec(tmp_path, budget={"n_trials": 2, "max_failures": 3})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, "sys_exit"))
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, "sys_exit"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     failed = [t for t in _trials(tmp_path) if t.state.name == "FAIL"]
     assert [t.user_attrs["fail_reason"] for t in failed] == ["the task called sys.exit(0)"]
@@ -68,7 +70,7 @@ def test_sys_exit_in_a_task_fails_the_trial_naming_it_and_the_worker_goes_on(tmp
 
 def test_workers_that_die_in_every_trial_stop_the_study_with_a_non_zero_exit(tmp_path):
     spec = _spec(tmp_path, budget={"n_trials": 3, "max_failures": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, "os_exit_0", DIE_ALWAYS="1"))
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, "os_exit_0", DIE_ALWAYS="1"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "2 trials failed in a row" in proc.stdout + proc.stderr
     assert not [t for t in _trials(tmp_path) if t.state.name == "COMPLETE"]
@@ -107,7 +109,7 @@ def test_budget_timeout_stops_a_trial_hanging_in_its_set_up(tmp_path):
     # The timeout leaves a worker time to start and reach the hang (seconds here) even on a
     # much slower machine; without the fix the run would hang until the test's own timeout.
     spec = _spec(tmp_path, budget={"n_trials": 1, "max_failures": 3, "timeout": "120s"})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, "hang"))
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", **_env(tmp_path, "hang"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "died.marker").exists(), "the trial never reached its set-up within budget.timeout"
     assert "budget.timeout (120s) reached" in proc.stdout + proc.stderr

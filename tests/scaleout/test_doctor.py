@@ -106,6 +106,7 @@ def locked_store(in_tmp):
     holder.wait(timeout=30)
 
 
+@pytest.mark.slow  # waits out SQLite's busy timeout on the held lock: about 10 s of real time
 def test_a_locked_sqlite_store_says_locked_and_by_whom(locked_store):
     from sweeps.errors import TrackingError
     from sweeps.tracking.mlflow_tracker import MlflowTracker

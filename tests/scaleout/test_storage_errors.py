@@ -9,7 +9,7 @@ from sweeps.backends.optuna_storage import StorageAccessError, open_storage
 from sweeps.backends.optuna_worker import join_study
 from sweeps.errors import StudyStateError
 from sweeps.spec.load import load_spec
-from tests.sweeps.study_helpers import run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, write_spec
 
 
 def test_a_worker_waits_for_a_database_that_does_not_answer(tmp_path, free_port, caplog):
@@ -29,6 +29,6 @@ def test_refused_database_credentials_exit_2(tmp_path, pg_admin):
     with pytest.raises(StorageAccessError) as err:
         open_storage(load_spec(str(spec)))
     assert err.value.exit_code == 2 and "refused these credentials" in str(err.value) and "PGPASSWORD" in str(err.value)
-    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", timeout=300)
+    proc = cli_in_process(tmp_path, "worker", str(spec), "--wait", "0")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert 'role "no_such_sweeps_user" does not exist' in proc.stderr and "Traceback" not in proc.stderr

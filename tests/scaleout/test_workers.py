@@ -13,7 +13,7 @@ import pytest
 
 from sweeps.worker_identity import worker_identity
 from tests.scaleout.scaleout_helpers import Output, pg_study, running_trials, wait_for
-from tests.sweeps.study_helpers import empty_mlflow_db, run_cli, start_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, run_cli, start_cli, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
@@ -135,7 +135,7 @@ def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_resumed_by_another(tm
 
 def test_worker_without_a_study_says_what_to_run(tmp_path, fresh_db):
     spec = _spec(tmp_path, fresh_db(), "nobody")
-    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", timeout=120, **ENV)
+    proc = cli_in_process(tmp_path, "worker", str(spec), "--wait", "0", **ENV)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sweeps run" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -144,7 +144,7 @@ def test_worker_without_a_study_says_what_to_run(tmp_path, fresh_db):
 def test_a_worker_refused_for_want_of_a_study_writes_no_tracking_store(tmp_path, fresh_db, fan_out):
     store = tmp_path / "not_yet" / "mlflow.db"  # `sweeps run` would create it
     spec = write_spec(tmp_path, name="nostudy", storage=fresh_db(), tracking={"uri": f"sqlite:///{store}"})
-    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", *fan_out, timeout=120, **ENV)
+    proc = cli_in_process(tmp_path, "worker", str(spec), "--wait", "0", *fan_out, **ENV)
     assert proc.returncode == 2 and "sweeps run" in proc.stderr, proc.stdout + proc.stderr
     assert not store.parent.exists()
 
@@ -161,7 +161,7 @@ def test_a_worker_whose_tracking_server_does_not_answer_fails_before_any_trial(t
                search={"lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},
                tracking={"uri": f"http://127.0.0.1:{free_port}"})
     for fan_out in ([], ["--devices", "cpu"]):
-        proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", *fan_out, timeout=120, **ENV)
+        proc = cli_in_process(tmp_path, "worker", str(spec), "--wait", "0", *fan_out, **ENV)
         assert proc.returncode == 1, proc.stdout + proc.stderr  # a TrackingError, as `sweeps run` exits
         assert f"127.0.0.1:{free_port}" in proc.stderr and "mlflow server" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr, proc.stderr

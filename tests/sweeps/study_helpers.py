@@ -1,11 +1,16 @@
-"""Write tiny study specs and run the real `sweeps` CLI on them."""
+"""Write tiny study specs and run the real `sweeps` CLI on them: in a subprocess (:func:`run_cli`),
+or in this process (:func:`cli_in_process`) where the process boundary is not what a test checks."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -94,6 +99,54 @@ def sweeps_env(**extra) -> dict:
 def run_cli(cwd: Path, *args: str, timeout: float = 900, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sweeps.cli", *args], cwd=cwd, env=sweeps_env(**env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def cli_in_process(cwd: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    """``sweeps ARGS`` through :func:`sweeps.cli.main` in this process, in ``cwd``, with the
+    environment :func:`run_cli` gives its subprocess: the same exit code and the same text on
+    stdout and stderr, without a process that imports the whole stack again. What the command
+    prints (its consoles write to ``sys.stdout`` and ``sys.stderr``), its warnings (the handler
+    ``sweeps.cli.main`` configures in a process of its own) and what the processes it starts print
+    (a study's workers, which inherit file descriptors 1 and 2) are all captured. The working
+    directory, the environment and the descriptors are restored afterwards."""
+    from sweeps import cli
+
+    before_cwd, before_env = os.getcwd(), dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    warnings = logging.StreamHandler(err)
+    warnings.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    warnings.setLevel(logging.WARNING)
+    root = logging.getLogger()
+    with tempfile.TemporaryFile() as fd_out, tempfile.TemporaryFile() as fd_err:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(fd_out.fileno(), 1)
+        os.dup2(fd_err.fileno(), 2)
+        os.environ.clear()
+        os.environ.update(sweeps_env(**env))
+        os.chdir(cwd)
+        root.addHandler(warnings)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = cli.main(list(args))
+                except SystemExit as exc:  # argparse's usage errors and --help
+                    code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            root.removeHandler(warnings)
+            os.chdir(before_cwd)
+            os.environ.clear()
+            os.environ.update(before_env)
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        texts = []
+        for captured, fd_file in ((out, fd_out), (err, fd_err)):
+            fd_file.seek(0)
+            texts.append(captured.getvalue() + fd_file.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(["sweeps", *args], int(code or 0), *texts)
 
 
 def start_cli(cwd: Path, *args: str, **env) -> subprocess.Popen:

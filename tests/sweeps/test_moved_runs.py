@@ -1,6 +1,8 @@
 """A project folder moved (a real ``mv``) or copied after its study ran: every command run from
 the new place reads and writes the artifacts there, never in the folder it came from; run from
-another folder, commands say which path they expected and create nothing."""
+another folder, commands say which path they expected and create nothing. The study and the
+commands after each move run in processes of their own, as they would for a user: the move
+happens between processes."""
 from __future__ import annotations
 
 import re
@@ -11,7 +13,7 @@ import subprocess
 import pytest
 
 from sweeps import cli
-from tests.sweeps.study_helpers import empty_mlflow_db, mlflow_runs, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, mlflow_runs, run_cli, write_spec
 
 
 def _locations(folder) -> list[str]:
@@ -62,7 +64,7 @@ def test_a_moved_project_reads_and_writes_its_artifacts_where_they_are_now(tmp_p
     spec = str(moved / "mv_study.yaml")
     for args in (("report", spec), ("status", spec), ("rerun", spec, "--trial", "0"), ("compare", spec, "0", "1"),
                  ("promote", spec, "--dry-run")):
-        out = run_cli(elsewhere, *args)
+        out = cli_in_process(elsewhere, *args)
         assert out.returncode == 2, (args, out.stderr)
         named = r"runs/(mlflow\.db|mv_study\.journal) (does not exist|is not in this folder)"
         assert re.search(named, out.stderr), (args, out.stderr)

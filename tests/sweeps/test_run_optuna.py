@@ -1,47 +1,49 @@
-"""`sweeps run` on Optuna end to end: real workers, real MLflow store, real journal storage."""
+"""`sweeps run` on Optuna end to end: real workers, real MLflow store, real journal storage.
+
+The first study and the signal tests run the CLI in a process of its own, as a user does; the
+others run its main in this process (:func:`cli_in_process`): what they check (the study's
+records, the messages, the exit code) does not depend on the driver's own process, and each
+study's trials still run in real worker processes."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, start_cli, sweeps_env, write_spec
+from tests.sweeps.study_helpers import (
+    cli_in_process,
+    load_study,
+    mlflow_runs,
+    run_cli,
+    start_cli,
+    sweeps_env,
+    write_spec,
+)
 
 pytestmark = pytest.mark.slow
 
-READBACK = r"""
-import json, sys
-from mlflow.tracking import MlflowClient
-client = MlflowClient(sys.argv[1])
-exp = client.get_experiment_by_name(sys.argv[2])
-runs = client.search_runs([exp.experiment_id], max_results=1000)
-out = []
-for r in runs:
-    arts = [a.path for a in client.list_artifacts(r.info.run_id)]
-    for top in list(arts):
-        arts += [a.path for a in client.list_artifacts(r.info.run_id, top)]
-    out.append({"id": r.info.run_id, "status": r.info.status, "tags": r.data.tags, "params": r.data.params,
-                "metrics": sorted(r.data.metrics), "metric_values": r.data.metrics,
-                "val_acc_steps": [m.step for m in client.get_metric_history(r.info.run_id, "val_acc")],
-                "train_loss_steps": len(client.get_metric_history(r.info.run_id, "step/train_loss")),
-                "artifacts": arts})
-print(json.dumps(out))
-"""
-
-
 def _readback(cwd, experiment):
-    proc = subprocess.run([sys.executable, "-c", READBACK, f"sqlite:///{cwd}/runs/mlflow.db", experiment],
-                          capture_output=True, text=True, env=sweeps_env(), timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    """Every run of the experiment as the store holds it once the run's process has ended."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{cwd}/runs/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    out = []
+    for r in client.search_runs([exp.experiment_id], max_results=1000):
+        arts = [a.path for a in client.list_artifacts(r.info.run_id)]
+        for top in list(arts):
+            arts += [a.path for a in client.list_artifacts(r.info.run_id, top)]
+        out.append({"id": r.info.run_id, "status": r.info.status, "tags": r.data.tags, "params": r.data.params,
+                    "metrics": sorted(r.data.metrics), "metric_values": r.data.metrics,
+                    "val_acc_steps": [m.step for m in client.get_metric_history(r.info.run_id, "val_acc")],
+                    "train_loss_steps": len(client.get_metric_history(r.info.run_id, "step/train_loss")),
+                    "artifacts": arts})
+    return out
 
 
 def test_four_trials_make_one_parent_and_four_nested_children(tmp_path):
@@ -50,7 +52,7 @@ def test_four_trials_make_one_parent_and_four_nested_children(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "promote it:" in proc.stdout and "sweeps rerun" in proc.stdout
 
-    runs = _readback(tmp_path, "tiny")  # read back from a separate process
+    runs = _readback(tmp_path, "tiny")  # read back after the run's process ended
     parents = [r for r in runs if r["tags"].get("sweeps.role") == "study"]
     children = [r for r in runs if r["tags"].get("sweeps.role") == "trial"]
     assert len(parents) == 1 and len(children) == 4
@@ -80,13 +82,13 @@ def test_four_trials_make_one_parent_and_four_nested_children(tmp_path):
     assert study.best_value == max(t.value for t in study.trials)
 
     # Running the same command again resumes: the budget is a total, so nothing more runs.
-    again = run_cli(tmp_path, "run", str(spec), "--quiet")
+    again = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert again.returncode == 0, again.stderr
     assert "nothing to run: all 4 trials of budget.n_trials have run" in again.stdout
     assert len(load_study(tmp_path, "tiny").trials) == 4
     assert len([r for r in mlflow_runs(tmp_path, "tiny") if r.data.tags.get("sweeps.role") == "study"]) == 1
 
-    status = run_cli(tmp_path, "status", str(spec))
+    status = cli_in_process(tmp_path, "status", str(spec))
     assert status.returncode == 0 and "COMPLETE" in status.stdout and "*" in status.stdout
 
 
@@ -96,14 +98,14 @@ def test_pruned_trials_are_pruned_in_optuna_and_killed_in_mlflow(tmp_path):
                       search={"lr": {"type": "categorical", "choices": [0.3, 1.0e-6]}},
                       sampler={"name": "grid", "seed": 0}, pruner={"name": "median", "warmup_epochs": 0},
                       budget={"n_trials": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stderr
     # Grow the study: enqueue more hopeless and good trials in a second invocation.
     spec = write_spec(tmp_path, name="prune", train={"epochs": 4},
                       search={"lr": {"type": "categorical", "choices": [0.3, 1.0e-6]}},
                       sampler={"name": "random", "seed": 1}, pruner={"name": "median", "warmup_epochs": 0},
                       budget={"n_trials": 8})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stderr
     study = load_study(tmp_path, "prune")
     pruned = [t for t in study.trials if t.state.name == "PRUNED"]
@@ -120,7 +122,7 @@ def test_pruned_trials_are_pruned_in_optuna_and_killed_in_mlflow(tmp_path):
 def test_two_cpu_workers_run_trials_at_the_same_time_without_lock_errors(tmp_path):
     spec = write_spec(tmp_path, name="par", train={"epochs": 6, "batch_size": 32},
                       budget={"n_trials": 4}, resources={"devices": "cpu", "workers": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "locked" not in out.lower() and "Traceback" not in out
@@ -136,7 +138,7 @@ def test_two_cpu_workers_run_trials_at_the_same_time_without_lock_errors(tmp_pat
 
 def test_unreachable_tracking_server_fails_before_training(tmp_path, free_port):
     spec = write_spec(tmp_path, name="nosrv", tracking={"uri": f"http://127.0.0.1:{free_port}"})
-    proc = run_cli(tmp_path, "run", str(spec))
+    proc = cli_in_process(tmp_path, "run", str(spec))
     assert proc.returncode != 0
     assert f"127.0.0.1:{free_port}" in proc.stderr and "mlflow server" in proc.stderr  # the URI and the fix
     assert not (tmp_path / "runs" / "nosrv.journal").exists()
@@ -163,7 +165,7 @@ def test_a_403_to_a_run_that_sent_no_credentials_says_to_set_them(tmp_path, free
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         spec = write_spec(tmp_path, name="forbidden", tracking={"uri": f"http://127.0.0.1:{free_port}"})
-        proc = run_cli(tmp_path, "run", str(spec), MLFLOW_TRACKING_USERNAME="", MLFLOW_TRACKING_TOKEN="")
+        proc = cli_in_process(tmp_path, "run", str(spec), MLFLOW_TRACKING_USERNAME="", MLFLOW_TRACKING_TOKEN="")
     finally:
         server.shutdown()
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
@@ -208,12 +210,12 @@ def _workers_in(folder: Path) -> list[str]:
 
 def test_changed_search_space_is_refused_unless_fresh(tmp_path):
     spec = write_spec(tmp_path, name="chg", budget={"n_trials": 1})
-    assert run_cli(tmp_path, "run", str(spec), "--quiet").returncode == 0
+    assert cli_in_process(tmp_path, "run", str(spec), "--quiet").returncode == 0
     spec = write_spec(tmp_path, name="chg", budget={"n_trials": 1},
                       search={"lr": {"type": "float", "low": 0.001, "high": 0.5, "log": True}})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 2 and "lr" in proc.stderr and "--fresh" in proc.stderr
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", "--fresh")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", "--fresh")
     assert proc.returncode == 0, proc.stderr
     import optuna
 
@@ -221,7 +223,8 @@ def test_changed_search_space_is_refused_unless_fresh(tmp_path):
     assert names == ["chg", "chg-v2"]  # the old study is kept
 
 
-def test_max_failures_in_a_row_stops_the_study(tmp_path):
+def test_max_failures_in_a_row_stops_the_study(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver (this process) checks the target; workers get PYTHONPATH
     (tmp_path / "broken_task.py").write_text(
         "from core.tasks import task\n"
         "from core.tasks.digits import DigitsTask\n"
@@ -233,7 +236,7 @@ def test_max_failures_in_a_row_stops_the_study(tmp_path):
         "    return Broken(model)\n")
     spec = write_spec(tmp_path, name="broken", task={"name": None, "target": "broken_task:make_task", "model": "mlp",
                                                      "args": {}}, budget={"n_trials": 6, "max_failures": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=f"{tmp_path}:{sweeps_env()['PYTHONPATH']}")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=f"{tmp_path}:{sweeps_env()['PYTHONPATH']}")
     assert proc.returncode == 1
     assert "failed in a row" in proc.stdout + proc.stderr
     study = load_study(tmp_path, "broken")
@@ -247,7 +250,7 @@ def test_study_level_lr_finder_narrows_the_lr_range(tmp_path):
     spec = write_spec(tmp_path, name="lrf", budget={"n_trials": 2},
                       search={"lr": {"type": "float", "low": 1.0e-4, "high": 1.0, "log": True}},
                       lr_finder={"enabled": True, "narrow_search": True, "narrow_factor": 3.0})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stderr
     study = load_study(tmp_path, "lrf")
     summary = study.user_attrs["lr_finder"]

@@ -14,7 +14,7 @@ from sweeps.backends import optuna_attrs, optuna_storage
 from sweeps.errors import StudyStateError
 from sweeps.spec.load import spec_from_dict
 from sweeps.spec.objectives import judged_by
-from tests.sweeps.study_helpers import run_cli, tiny_spec, write_spec
+from tests.sweeps.study_helpers import cli_in_process, tiny_spec, write_spec
 
 
 def _spec(tmp_path, **overrides):
@@ -102,11 +102,11 @@ def test_a_ray_study_resumed_with_other_training_is_refused(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_sweeps_run_with_more_epochs_under_the_same_name_exits_2_and_writes_nothing(tmp_path):
     spec = write_spec(tmp_path, "trained", budget={"n_trials": 1})
-    first = run_cli(tmp_path, "run", str(spec), "--quiet")
+    first = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert first.returncode == 0, first.stdout + first.stderr
     runs_before = _mlflow_runs(tmp_path)
     spec = write_spec(tmp_path, "trained", budget={"n_trials": 2}, train={"epochs": 3})
-    again = run_cli(tmp_path, "run", str(spec), "--quiet")
+    again = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     said = " ".join(again.stderr.split())
     assert again.returncode == 2 and "Traceback" not in said, again.stderr
     assert "train.epochs: 2 -> 3" in said and f"sweeps run {spec} --fresh" in said, said
@@ -114,7 +114,7 @@ def test_sweeps_run_with_more_epochs_under_the_same_name_exits_2_and_writes_noth
     study = optuna.load_study(study_name="trained", storage=optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(str(tmp_path / "runs" / "trained.journal"))))
     assert [t.state.name for t in study.trials] == ["COMPLETE"]
-    fresh = run_cli(tmp_path, "run", str(spec), "--quiet", "--fresh")
+    fresh = cli_in_process(tmp_path, "run", str(spec), "--quiet", "--fresh")
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
 
 

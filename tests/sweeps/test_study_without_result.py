@@ -7,7 +7,7 @@ import pytest
 
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.driver import no_trial_completed
-from tests.sweeps.study_helpers import load_study, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, write_spec
 
 
 def _result(*ended: tuple[str, str]) -> StudyResult:
@@ -32,7 +32,7 @@ def test_no_trial_completed_names_the_most_common_reasons_or_is_none():
 def test_a_study_whose_every_trial_diverges_exits_non_zero_saying_why(tmp_path):
     task = {"name": None, "target": "tests.sweeps.check_tasks:always_diverges", "model": "mlp", "args": {}}
     spec = write_spec(tmp_path, name="diverging", task=task, budget={"n_trials": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "error: no trial of study 'diverging' completed: all 2 ended without a result (2 x pruned: diverged: " \
            "non-finite loss nan at step 1 (epoch 1)" in proc.stderr, proc.stderr
@@ -43,7 +43,7 @@ def test_a_study_whose_every_trial_diverges_exits_non_zero_saying_why(tmp_path):
 def test_nan_in_the_training_data_fails_each_trial_as_a_data_problem(tmp_path):
     task = {"name": None, "target": "tests.sweeps.check_tasks:nan_inputs", "model": "mlp", "args": {}}
     spec = write_spec(tmp_path, name="nandata", task=task, budget={"n_trials": 2, "max_failures": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "stopped: 2 trials failed in a row" in proc.stdout + proc.stderr
     study = load_study(tmp_path, "nandata")

@@ -1,17 +1,18 @@
 """A spec names a declared task, never an arbitrary callable: ``task.target`` reaches only what
 its module declared with ``@task`` (``core.tasks.task``), ``task.name`` a built-in or a
 ``sweeps.tasks`` entry point. Checked through the real CLI: an undeclared target is a spec
-error (exit 2) for ``validate`` and ``run``, it never runs, and nothing is created."""
+error (exit 2) for ``validate`` and ``run``, it never runs, and nothing is created. The refusals
+run the CLI's main in this process (the user's module is found on ``sys.path``, as PYTHONPATH puts
+it there); the studies of declared tasks run in a process of their own, as a user's would."""
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, run_cli, sweeps_env, write_spec
-
-pytestmark = pytest.mark.slow  # every test runs the `sweeps` CLI in a subprocess
+from tests.sweeps.study_helpers import cli_in_process, load_study, run_cli, sweeps_env, write_spec
 
 # Each would do harm if called with these arguments: create PWNED, or delete victim.txt.
 HARMFUL = {
@@ -81,7 +82,7 @@ def _assert_refused(proc, spec: Path, target: str) -> None:
 def test_undeclared_callables_are_refused_and_never_called(tmp_path, command, target):
     (tmp_path / "victim.txt").write_text("still here")
     spec = _target_spec(tmp_path, target, HARMFUL[target])
-    proc = run_cli(tmp_path, command, str(spec), *(["--quiet"] if command == "run" else []), timeout=120)
+    proc = cli_in_process(tmp_path, command, str(spec), *(["--quiet"] if command == "run" else []))
     _assert_refused(proc, spec, target)
     assert not (tmp_path / "PWNED").exists()
     assert (tmp_path / "victim.txt").read_text() == "still here"
@@ -89,25 +90,30 @@ def test_undeclared_callables_are_refused_and_never_called(tmp_path, command, ta
 
 
 @pytest.mark.parametrize("target", ["user_tasks:helper", "user_tasks:Unmarked", "user_tasks:anything"])
-def test_undeclared_callables_of_a_user_module_are_refused(tmp_path, target):
+def test_undeclared_callables_of_a_user_module_are_refused(tmp_path, monkeypatch, target):
     (tmp_path / "user_tasks.py").write_text(USER_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_tasks", raising=False)  # this test's module, not another's
     spec = _target_spec(tmp_path, target, {})
     for args in (("validate", str(spec)), ("run", str(spec), "--quiet")):
-        _assert_refused(run_cli(tmp_path, *args, timeout=120, **_env(tmp_path)), spec, target)
+        _assert_refused(cli_in_process(tmp_path, *args), spec, target)
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "runs").exists()
 
 
-def test_declared_targets_validate_and_a_declared_factory_runs_end_to_end(tmp_path):
+@pytest.mark.slow  # a study
+def test_declared_targets_validate_and_a_declared_factory_runs_end_to_end(tmp_path, monkeypatch):
     (tmp_path / "user_tasks.py").write_text(USER_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_tasks", raising=False)
     env = _env(tmp_path)
     cls_spec = write_spec(tmp_path, name="cls", seed_store=False,
                           task={"name": None, "model": "mlp", "target": "user_tasks:TinyDigits", "args": {"width": 16}})
-    proc = run_cli(tmp_path, "validate", str(cls_spec), **env)
+    proc = cli_in_process(tmp_path, "validate", str(cls_spec))
     assert proc.returncode == 0, proc.stderr
     # A declared task is still checked: the name given with @task("...") labels it in messages.
     bad = write_spec(tmp_path, name="bad", seed_store=False,
                      task={"name": None, "model": "mlp", "target": "user_tasks:TinyDigits", "args": {"colour": 2}})
-    proc = run_cli(tmp_path, "validate", str(bad), **env)
+    proc = cli_in_process(tmp_path, "validate", str(bad))
     assert proc.returncode == 2 and "task.args.colour: task 'tiny digits' has no argument 'colour'" in proc.stderr
 
     spec = write_spec(tmp_path, name="mine", budget={"n_trials": 1}, train={"epochs": 1},
@@ -132,6 +138,7 @@ def _install_entry_point(site: Path) -> None:
     (info / "entry_points.txt").write_text("[sweeps.tasks]\ntiny_ep = ep_tasks:make\n")
 
 
+@pytest.mark.slow  # a study
 def test_an_entry_point_task_runs_by_name(tmp_path):
     site = tmp_path / "site"
     site.mkdir()

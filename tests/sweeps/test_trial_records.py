@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from core import checkpoint as ckpt
-from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -15,10 +15,10 @@ def test_a_worker_killed_after_training_leaves_the_retry_with_every_curve(tmp_pa
     spec = write_spec(tmp_path, name="killed", budget={"n_trials": 1, "max_failures": 3})
     # The worker trains the trial to the end, saves the final checkpoint, then dies before
     # anything records the outcome (and before its buffered points reach MLflow).
-    first = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="after_training")
+    first = cli_in_process(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="after_training")
     assert not [t for t in load_study(tmp_path, "killed").trials if t.state.name == "COMPLETE"], first.stdout
     for _ in range(3):  # whatever the orchestrator does with the dead worker's trial, run until done
-        proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+        proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
         if any(t.state.name == "COMPLETE" for t in load_study(tmp_path, "killed").trials):
             break
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -55,11 +55,11 @@ def test_a_user_task_with_empty_validation_data_fails_its_trial_with_the_reason(
     spec = write_spec(tmp_path, name="empty", budget={"n_trials": 1, "max_failures": 1},
                       task={"name": None, "target": "tests.sweeps.empty_task:make_empty_val_task", "model": "mlp",
                             "args": {}})
-    run_cli(tmp_path, "run", str(spec), "--quiet")
+    cli_in_process(tmp_path, "run", str(spec), "--quiet")
     [trial] = load_study(tmp_path, "empty").trials
     assert trial.state.name == "FAIL"
 
-    status = run_cli(tmp_path, "status", str(spec))
+    status = cli_in_process(tmp_path, "status", str(spec))
     assert status.returncode == 0, status.stdout + status.stderr
     line = next(s for s in status.stdout.splitlines() if s.startswith("trial 0 failed: "))
     assert "TaskError: task 'empty_val_digits'" in line and "returned an empty validation dataset" in line

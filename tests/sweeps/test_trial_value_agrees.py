@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.sweeps.study_helpers import load_study, mlflow_runs, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, run_cli, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_status_report_and_mlflow_agree_on_every_trial_value(study):
     root, spec_path, run_output = study
     expected = _best_epoch_values(root)
 
-    status = run_cli(root, "status", str(spec_path), "--format", "json")
+    status = cli_in_process(root, "status", str(spec_path), "--format", "json")
     assert status.returncode == 0, status.stdout + status.stderr
     status_values = {r["number"]: r["value"] for r in json.loads(status.stdout)["trials"]}
 

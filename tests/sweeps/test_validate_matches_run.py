@@ -1,6 +1,7 @@
 """`sweeps validate` refuses what `sweeps run` would refuse, and `run` refuses it before it
 creates anything: every name and path check of the run is part of loading the spec. A spec
-nested too deeply to read is a spec error too, never a traceback. Through the real CLI."""
+nested too deeply to read is a spec error too, never a traceback. Through the CLI's main, in
+this process: every case is refused before anything starts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.sweeps.study_helpers import run_cli, tiny_spec
-
-pytestmark = pytest.mark.slow  # every test runs the `sweeps` CLI in a subprocess
+from tests.sweeps.study_helpers import cli_in_process, tiny_spec
 
 
 def _save(folder: Path, spec: dict) -> Path:
@@ -21,7 +20,7 @@ def _save(folder: Path, spec: dict) -> Path:
 
 def _validate_and_run_refuse(folder: Path, spec: Path, *expected: str) -> None:
     for args in (("validate", str(spec)), ("run", str(spec), "--quiet")):
-        proc = run_cli(folder, *args, timeout=120)
+        proc = cli_in_process(folder, *args)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr and str(spec) in proc.stderr
         for text in expected:
@@ -44,7 +43,7 @@ def test_an_experiment_name_that_would_leave_its_folder_is_refused(tmp_path, exp
 
 def test_a_plain_experiment_name_is_kept(tmp_path):
     spec = _save(tmp_path, tiny_spec(tracking={"uri": "sqlite:///runs/mlflow.db", "experiment": "team.exp-1"}))
-    proc = run_cli(tmp_path, "validate", str(spec))
+    proc = cli_in_process(tmp_path, "validate", str(spec))
     assert proc.returncode == 0, proc.stderr
 
 

@@ -24,6 +24,7 @@ from tests.sweeps.backends.conftest import (
     study_runs,
     write_spec,
 )
+from tests.sweeps.study_helpers import cli_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +110,7 @@ def test_same_mlflow_layout_status_mapping_and_load(finished_study, tmp_path):
     assert best is not None and parent.data.tags.get("sweeps.best_trial") == str(best.number)
 
     # `sweeps status` lists every trial, whichever backend ran the study
-    status = run_cli(tmp_path, "status", str(spec_path))
+    status = cli_in_process(tmp_path, "status", str(spec_path))
     assert status.returncode == 0, status.stdout + status.stderr
     assert f"({backend})" in status.stdout
     lines = status.stdout.splitlines()
@@ -212,31 +213,32 @@ def test_a_study_whose_trials_all_fail_exits_non_zero_naming_each_cause(tmp_path
               for c in children}
     assert errors[EXIT_WIDTH] == ("FAILED", "the task called sys.exit(0)"), errors
     assert errors[RAISE_WIDTH][0] == "FAILED" and "always fails" in errors[RAISE_WIDTH][1], errors
-    status = run_cli(tmp_path, "status", str(spec_path))
+    status = cli_in_process(tmp_path, "status", str(spec_path))
     assert "sys.exit(0)" in status.stdout and "always fails" in status.stdout, status.stdout + status.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
-def test_a_signal_to_the_driver_alone_mid_trial_exits_128_plus_it_and_the_study_resumes(tmp_path, backend, signum):
+def test_a_signal_to_the_driver_alone_mid_trial_exits_128_plus_it_and_the_study_resumes(tmp_path, backend):
     """`kill -INT`, `kill -TERM` or `kill -HUP` of the driver (not of its process group) while a
-    trial trains: exit 130, 143 or 129 with the budget unmet, no run RUNNING, no process left; the same
-    command then finishes the budget with no step logged twice."""
+    trial trains: exit 130, 143 or 129 with the budget unmet, no run RUNNING, no process left; the
+    same command resumes the study (each signal in turn stops a resumed run mid-trial), then
+    finishes the budget with no step logged twice."""
     from core.faults import Fault
 
     name = f"signal_{backend}"
-    fault = {signal.SIGINT: Fault.DRIVER_SIGINT_MID_TRIAL.value, signal.SIGTERM: Fault.DRIVER_SIGTERM_MID_TRIAL.value,
-             signal.SIGHUP: Fault.DRIVER_SIGHUP_MID_TRIAL.value}[signum]
     spec_path = _trust_spec(tmp_path, backend, "signal", train={"epochs": 3, "batch_size": 16},
                             budget={"n_trials": 2}, resources={"devices": "cpu", "workers": 1})
-    stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
-    assert stopped.returncode == 128 + signum, stopped.stdout[-3000:] + stopped.stderr[-3000:]
-    assert f"stopped by {signal.Signals(signum).name}" in stopped.stdout
-    assert not _processes_left(backend, tmp_path), "a stopped driver left processes behind"
-    parents, children = study_runs(tmp_path, name)
-    assert parents[0].info.status == "KILLED"
-    assert len([c for c in children if c.data.tags.get("sweeps.state") == "COMPLETE"]) < 2
-    assert not [c for c in children if c.info.status == "RUNNING"]
+    for signum, fault in ((signal.SIGINT, Fault.DRIVER_SIGINT_MID_TRIAL.value),
+                          (signal.SIGTERM, Fault.DRIVER_SIGTERM_MID_TRIAL.value),
+                          (signal.SIGHUP, Fault.DRIVER_SIGHUP_MID_TRIAL.value)):
+        stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
+        assert stopped.returncode == 128 + signum, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+        assert f"stopped by {signal.Signals(signum).name}" in stopped.stdout
+        assert not _processes_left(backend, tmp_path), "a stopped driver left processes behind"
+        parents, children = study_runs(tmp_path, name)
+        assert parents[0].info.status == "KILLED", signum
+        assert len([c for c in children if c.data.tags.get("sweeps.state") == "COMPLETE"]) < 2
+        assert not [c for c in children if c.info.status == "RUNNING"]
 
     done = run_cli(tmp_path, "run", str(spec_path), "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -8,6 +8,7 @@ import pytest
 
 from sweeps.pareto import pareto_front
 from tests.sweeps.backends.conftest import run_cli, study_runs, write_spec
+from tests.sweeps.study_helpers import cli_in_process
 
 pytestmark = pytest.mark.ray
 
@@ -43,7 +44,7 @@ def test_a_two_objective_study_on_ray(tmp_path, ray_tmp):
     spec = _spec(tmp_path, budget={"n_trials": 3, "max_failures": 1}, resources={"devices": "cpu", "workers": 1})
     proc = run_cli(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    status = run_cli(tmp_path, "status", str(spec), "--format", "json")
+    status = cli_in_process(tmp_path, "status", str(spec), "--format", "json")
     assert status.returncode == 0, status.stderr
     doc = json.loads(status.stdout)
     _, children = study_runs(tmp_path, "mo_ray")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import optuna
+import pytest
 
 from sweeps.backends import optuna_adapter, optuna_recovery, optuna_study
 from sweeps.backends.trial_liveness import TrialAlive, progress_beat
@@ -23,6 +24,7 @@ def _wait_past_the_grace(study: optuna.Study) -> None:
     time.sleep(2 * optuna_adapter.heartbeat_grace_seconds(study) + 1)
 
 
+@pytest.mark.slow  # waits out the grace period twice: about 10 s of real time
 def test_a_trial_silent_in_its_own_code_stays_alive_while_its_worker_is(tmp_path, monkeypatch):
     study = _study(tmp_path, monkeypatch)
     trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 0.1)})

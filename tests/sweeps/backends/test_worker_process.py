@@ -44,7 +44,7 @@ def test_a_ctrl_c_as_the_supervisor_takes_over_from_the_driver_stops_the_study(t
     supervisor started its workers and ran the whole study, and only the exit code said 130."""
     from core.faults import Fault
     from tests.sweeps.backends.conftest import study_runs
-    from tests.sweeps.study_helpers import run_cli, write_spec
+    from tests.sweeps.study_helpers import cli_in_process, run_cli, write_spec
 
     spec = write_spec(tmp_path, "handover", budget={"n_trials": 1})
     stopped = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT=Fault.DRIVER_SIGINT_AT_HANDOVER.value)
@@ -52,7 +52,7 @@ def test_a_ctrl_c_as_the_supervisor_takes_over_from_the_driver_stops_the_study(t
     assert "stopped by SIGINT" in stopped.stdout and "Traceback" not in stopped.stderr
     parents, children = study_runs(tmp_path, "handover")
     assert [p.info.status for p in parents] == ["KILLED"] and children == []
-    done = run_cli(tmp_path, "run", str(spec), "--quiet")
+    done = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _, children = study_runs(tmp_path, "handover")
     assert [c.data.tags["sweeps.state"] for c in children] == ["COMPLETE"]

@@ -20,6 +20,7 @@ def _tagged(client, experiment_id, client_id):
     return client.search_runs([experiment_id], filter_string=f"tags.`{TAG_CLIENT_ID}` = '{client_id}'")
 
 
+@pytest.mark.slow  # a real `mlflow server`, started twice
 def test_a_trial_started_during_an_outage_is_created_nested_when_the_store_returns(mlflow_server, tmp_path,
                                                                                    fast_http_env):
     from sweeps.tracking import MlflowTracker
@@ -126,10 +127,7 @@ def test_another_machine_closing_a_run_not_yet_created_waits_for_it(store, make_
 def test_sweeps_sync_tracking_creates_a_machines_local_runs_nested_once(store, tmp_path):
     """A machine that never runs `sweeps` again: `sweeps sync-tracking` (the CLI) makes the run it
     created during an outage, nested under the study, sends its points, and a second sync adds nothing."""
-    import subprocess
-    import sys
-
-    from tests.sweeps.study_helpers import sweeps_env
+    from tests.sweeps.study_helpers import cli_in_process
 
     exp = store.client.create_experiment(store.experiment_name())
     study = store.client.create_run(exp, run_name="study").info.run_id
@@ -139,10 +137,8 @@ def test_sweeps_sync_tracking_creates_a_machines_local_runs_nested_once(store, t
                          *(["m", "val_acc", 0.5 + s / 10, 1_700_000_000_000 + s, s] for s in (1, 2, 3)),
                          ["end", "FINISHED", 1_700_000_001_000]])
 
-    def sync() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "sweeps.cli", "sync-tracking", "--uri", store.uri,
-                               "--spool", str(tmp_path / "spool")], env=sweeps_env(), cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
+    def sync():
+        return cli_in_process(tmp_path, "sync-tracking", "--uri", store.uri, "--spool", str(tmp_path / "spool"))
 
     first = sync()
     assert first.returncode == 0, first.stdout + first.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sweeps.tracking.base import RunHandle
-from tests.sweeps.study_helpers import run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, run_cli, write_spec
 
 
 def _git_repo(folder: Path) -> str:
@@ -35,7 +35,7 @@ def test_a_trial_run_holds_what_mlflow_users_look_for(tmp_path):
 
     spec = write_spec(tmp_path, budget={"n_trials": 3})
     head = _git_repo(tmp_path)
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     uri = f"sqlite:///{tmp_path}/runs/mlflow.db"
