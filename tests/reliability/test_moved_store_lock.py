@@ -6,6 +6,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from sweeps import cli
 from sweeps.backends.driver import run_lock
 from tests.sweeps.study_helpers import write_spec
@@ -16,6 +18,7 @@ def _locations(db: Path) -> list[str]:
         return sorted(r[0] for r in con.execute("SELECT artifact_location FROM experiments"))
 
 
+@pytest.mark.slow  # `sweeps run` starts its workers' fork server before it asks for the run lock
 def test_a_run_refused_by_the_run_lock_leaves_a_moved_store_unchanged(tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 

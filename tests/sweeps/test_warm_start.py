@@ -75,6 +75,7 @@ def test_add_trials_raises_the_budget_every_opener_of_the_study_sees(tmp_path, m
     assert extend_budget(again, 2) == 10  # from the raised budget, not the spec's
 
 
+@pytest.mark.slow  # `sweeps run` starts its workers' fork server before it finds the study never ran
 def test_add_trials_to_a_study_that_never_ran_exits_2_saying_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     path = save_spec(tmp_path, tiny_spec("never"))
