@@ -356,10 +356,7 @@ def main(go_stream: IO[str] | None = None) -> int:
         return 0  # the orchestrator stopped before sending the go
     go = WorkerGo.from_line(line)
     spec = spec_of(go)
-    import torch
-
-    # OMP_NUM_THREADS alone is not enough once torch has started its intra-op pool.
-    torch.set_num_threads(go.threads)
+    size_thread_pools(go.threads)
     try:
         return run_worker(spec, go.slot, go=go)
     except SweepsError as exc:  # one line, as the CLI says it; `sweeps run` fails and requeues its trial
@@ -367,6 +364,17 @@ def main(go_stream: IO[str] | None = None) -> int:
             raise
         log.error("worker %d: %s", go.slot, exc)
         return exc.exit_code
+
+
+def size_thread_pools(threads: int) -> None:
+    """The slot's thread count for every pool the process has loaded: OMP_NUM_THREADS in the
+    environment is read only by libraries loaded after it was set, and a forked worker's torch and
+    numpy (OpenBLAS) were loaded by the fork server."""
+    import torch  # lazy, for start-up time: a worker imports torch once it has its go
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(threads)
+    threadpool_limits(limits=threads)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """What ``sweeps run`` tells a local Optuna worker: one typed message, serialized here only.
 
-The orchestrator starts each worker (``python -m sweeps.backends.optuna_worker``) and writes
-one JSON line to its stdin: :class:`WorkerGo`. It carries the spec *snapshot* that
-``sweeps run`` read and validated (a worker never reads the spec file again, so an edit made
-while the study runs cannot split it), the study it works for, the study's MLflow run (its id,
+``sweeps run`` forks each worker from its fork server (``worker_forkserver``) and writes one JSON
+line to its pipe; ``sweeps worker --devices`` starts each worker (``python -m
+sweeps.backends.optuna_worker``) and writes the line to its stdin: :class:`WorkerGo`. It carries
+the spec *snapshot* that ``sweeps run`` read and validated (a worker never reads the spec file
+again, so an edit made while the study runs cannot split it), the study it works for, the study's MLflow run (its id,
 experiment and name: a worker nests its trials' runs under it without reading the store, so one
 started during an MLflow outage trains and spools like the others) and the slot it owns.
 Only what a library reads before the worker can parse a message travels in the environment:
-``CUDA_VISIBLE_DEVICES`` and the OpenMP/MKL thread counts (``slot_plan.WorkerSlot.env``).
+``CUDA_VISIBLE_DEVICES`` and the OpenMP/MKL thread counts (``slot_plan.WorkerSlot.env``); the
+worker sizes the thread pools already loaded (a forked worker's) at its go.
 """
 from __future__ import annotations
 
