@@ -63,11 +63,12 @@ def plan_local_workers(spec: StudySpec) -> list[WorkerSlot]:
 
 @contextlib.contextmanager
 def _killed_if_storage_lost(tracker, parent) -> Iterator[None]:
-    """The Optuna storage stayed away past its wait (optuna_outage): no summary can be read, so the
-    study run is closed KILLED, as on SIGTERM, and the error (its message, exit 143) goes on."""
+    """The Optuna storage stayed away past its wait (optuna_outage), or the workers' fork server is
+    gone: no summary can be read, so the study run is closed KILLED, as on SIGTERM, and the error
+    (its message and exit code) goes on."""
     try:
         yield
-    except StorageUnavailable:
+    except (StorageUnavailable, worker_forkserver.ServerGone):
         tracker.end_run(parent, "KILLED")
         raise
 

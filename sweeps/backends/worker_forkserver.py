@@ -16,8 +16,8 @@ What a forked worker keeps of a worker process of its own:
   dies, SIGKILL included), and each worker the same towards the server; the driver kills and
   reaps the server when its run ends (:func:`running`);
 * its environment: the driver's when it is forked plus its slot's (``CUDA_VISIBLE_DEVICES``,
-  thread counts), set before anything touches CUDA; the server initialises neither CUDA nor an
-  OpenMP pool (importing torch does neither), and the worker sets its torch threads from its go;
+  thread counts), set before anything touches CUDA (importing torch does not initialise it); the
+  thread pools the server loaded (torch's, numpy's OpenBLAS) are sized to the slot at the go;
 * its signals: SIGINT, SIGTERM and SIGHUP end it quietly (128 + n) until it has its go, as they
   end the server while it imports (``SWEEPS_PAUSE=worker_importing`` stops the server there).
   Once imported the server blocks them: a signal to the process group (Ctrl-C, ``kill -TERM
@@ -115,12 +115,19 @@ def _boot_server() -> None:
     pause_here(Pause.WORKER_IMPORTING)
     # Lazy, for start-up time: the driver imports this module before anything heavy; only the
     # server loads the worker and what its trials use.
-    worker = importlib.import_module(WORKER_MODULE)
-    for module in (*worker.TRIAL_IMPORTS, *DRIVER_MAIN):
-        importlib.import_module(module)
+    try:
+        worker = importlib.import_module(WORKER_MODULE)
+        for module in (*worker.TRIAL_IMPORTS, *DRIVER_MAIN):
+            importlib.import_module(module)
+    except ImportError as exc:  # multiprocessing would swallow it and serve half-set-up workers
+        print(f"sweeps: the workers' fork server cannot import {exc.name or 'a module'}: {exc}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
     for module in DRIVER_MAIN:  # runpy warns when it runs an imported module again: here that is the point
         warnings.filterwarnings("ignore", f"'{module}' found in sys.modules", RuntimeWarning)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    sys.stdout.flush()  # what the imports printed is written once, not again by every forked worker
+    sys.stderr.flush()
 
 
 def start() -> None:
