@@ -174,12 +174,16 @@ def _log_inputs(client: Any, run_id: str, described: Sequence[Mapping[str, Any]]
 
 
 def _duplicate_insert(exc: BaseException) -> bool:
-    """An SQL store's unique key broken by a concurrent insert (MLflow wraps SQLAlchemy's error)."""
+    """An SQL store's unique key broken by a concurrent insert: MLflow wraps SQLAlchemy's error in
+    this process, and a tracking server sends it back as its text (a 400 naming the driver's
+    IntegrityError or, from psycopg, UniqueViolation)."""
     with contextlib.suppress(ImportError):
         from sqlalchemy.exc import IntegrityError  # lazy: only an SQL store raises it
 
-        return isinstance(exc.__cause__, IntegrityError)
-    return False
+        if isinstance(exc.__cause__, IntegrityError):
+            return True
+    text = str(exc)
+    return "IntegrityError" in text or "UniqueViolation" in text
 
 
 def dataset_inputs(described: Sequence[Mapping[str, Any]]) -> list[Any]:
