@@ -20,6 +20,7 @@ from core.reporting import Decision, RecordingReporter
 from core.train import train
 from tests.core.ddp_tasks import DdpTestTask
 from tests.core.helpers import fast_config
+from tests.memory_tracker import MemoryTracker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -186,44 +187,6 @@ def test_a_two_process_checkpoint_resumes_on_one_process(tmp_path):
     assert all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0]
 
 
-class _MemoryTracker:
-    """The Tracker calls run_trial makes, kept in memory."""
-
-    def __init__(self) -> None:
-        self.params, self.metrics, self.tags, self.status = {}, [], {}, None
-
-    def start_run(self, run, *, experiment=None, parent=None, tags=None):
-        from sweeps.tracking.base import RunHandle
-
-        self.tags.update(tags or {})
-        return RunHandle(run_id=run, experiment_id=parent.experiment_id if parent else "", name=run)
-
-    def log(self, run, *, params=None, tags=None):
-        self.params.update(params or {})
-        self.tags.update(tags or {})
-
-    def log_metrics(self, run, metrics, step):
-        self.metrics.append((step, dict(metrics)))
-
-    def log_artifact(self, run, artifact, path=None):
-        pass
-
-    def log_inputs(self, run, datasets):
-        self.tags["datasets"] = list(datasets)
-
-    def log_trial_model(self, run, described):
-        self.tags["model"] = dict(described)
-
-    def flush(self, run=None):
-        pass
-
-    def store_run_id(self, run_id):
-        return run_id
-
-    def end_run(self, run, status="FINISHED"):
-        self.status = status
-
-
 @pytest.mark.parametrize("fail_rank", [None, 1])
 def test_a_sweep_trial_with_nproc_2_runs_ddp_and_a_failing_rank_is_a_fail(tmp_path, fail_rank):
     from sweeps.spec.load import spec_from_dict
@@ -241,7 +204,7 @@ def test_a_sweep_trial_with_nproc_2_runs_ddp_and_a_failing_rank_is_a_fail(tmp_pa
         "objective": {"metric": "val_loss", "direction": "minimize"},
         "resources": {"devices": "cpu", "workers": 1},
     })
-    tracker = _MemoryTracker()
+    tracker = MemoryTracker()
     trial = TrialSpec(0, {"lr": 0.05}, tmp_path / "t0", RunHandle("study", "0", "study"), "optuna")
     outcome = run_trial(spec, trial, TrialControl(), tracker)
     assert tracker.params["global_batch_size"] == 32

@@ -12,6 +12,7 @@ from sweeps.spec.load import spec_from_dict
 from sweeps.tracking.base import RunHandle, Tracker
 from sweeps.trial import TrialSpec, run_trial
 from sweeps.trial_control import ENV_HOLD_TRIAL, StopRequest, TrialControl, TrialInterrupted
+from tests.memory_tracker import MemoryTracker
 
 
 def test_a_signal_aborts_the_set_up_and_after_the_first_step_only_asks_for_a_stop():
@@ -59,46 +60,10 @@ def test_the_hold_waits_for_its_gate_beating_and_gives_way_to_a_stop(tmp_path, m
     assert beats == [1]
 
 
-class _Runs:
-    """Every Tracker call, kept in memory."""
-
-    def __init__(self) -> None:
-        self.tags: dict = {}
-        self.status: str | None = None
-
-    def start_run(self, run, *, experiment=None, parent=None, tags=None):
-        self.tags.update(tags or {})
-        return RunHandle("r1", parent.experiment_id if parent else "0", str(run))
-
-    def log(self, run, *, params=None, tags=None):
-        self.tags.update(tags or {})
-
-    def log_metrics(self, run, metrics, step):
-        pass
-
-    def log_artifact(self, run, artifact, path=None):
-        pass
-
-    def log_inputs(self, run, datasets):
-        pass
-
-    def log_trial_model(self, run, described):
-        pass
-
-    def flush(self, run=None):
-        pass
-
-    def store_run_id(self, run_id):
-        return run_id
-
-    def end_run(self, run, status="FINISHED"):
-        self.status = status
-
-
 def test_a_trial_asked_to_stop_before_it_set_up_is_interrupted_naming_the_signal(tmp_path):
     spec = spec_from_dict({"name": "t", "task": {"name": "digits", "model": "mlp"}, "train": {"epochs": 1},
                            "search": {"lr": {"type": "float", "low": 1e-3, "high": 1.0, "log": True}}})
-    runs = _Runs()
+    runs = MemoryTracker()
     assert isinstance(runs, Tracker)
     control = TrialControl(on_start=lambda run: control.stop.request(signal.SIGTERM))  # a signal as it starts
     trial = TrialSpec(0, {"lr": 0.1}, tmp_path / "trial-0000", RunHandle("study", "0", "study"), "optuna")
