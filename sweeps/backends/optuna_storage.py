@@ -16,7 +16,7 @@ import fcntl
 import importlib.util
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
@@ -34,6 +34,7 @@ from sweeps.store_urls import redact_url
 HEARTBEAT_S = 10  # RDB storage: how often a worker is expected to record a heartbeat, and...
 GRACE_S = 40  # ...a RUNNING trial silent longer than this is failed and requeued by any other worker
 ENV_HEARTBEAT, ENV_GRACE = "SWEEPS_HEARTBEAT_S", "SWEEPS_GRACE_S"  # override both (whole seconds)
+_CREATE_TRIES = 3  # opening a new database: each try after the first follows another process's creation
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # The retry callback and its helpers are marked experimental since Optuna 2.8 but are stable
@@ -66,13 +67,17 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
     if spec.is_rdb_storage():
         heartbeat_s, grace_s = heartbeat_settings()
         outage = optuna_outage.outage_wait(redact_url(url))  # waited out once this process has used it
-        try:
-            rdb = outage.call(lambda: RDBStorage(
+
+        def rdb_storage() -> RDBStorage:
+            return RDBStorage(
                 sqlalchemy_url(url), engine_kwargs={"pool_pre_ping": True} if pooled else {"poolclass": NullPool},
                 skip_table_creation=not create,
                 heartbeat_interval=heartbeat_s, grace_period=grace_s,
                 heartbeat_stale_trial_callback=StaleTrialCallback(spec.tracking_store_uri()),
-            ))
+            )
+
+        try:
+            rdb = outage.call(lambda: _created_by_one(rdb_storage))
             return optuna_adapter.outage_tolerant(rdb, outage)
         except optuna_outage.StorageUnavailable:
             raise
@@ -90,6 +95,17 @@ def open_storage(spec: StudySpec, create: bool = True, pooled: bool = True) -> o
     if create:
         make_folder(path.parent, f"storage: {url}")
     return open_journal(path, create=create)
+
+
+def _created_by_one(open_rdb: Callable[[], RDBStorage]) -> RDBStorage:
+    """``open_rdb()``, again when another process created the same tables meanwhile: processes
+    started together on a new database each create Optuna's tables (and stamp its schema
+    version), and PostgreSQL answers the one that waited behind another's CREATE with a unique
+    violation. The tables are there then, and the next try finds them."""
+    for _ in range(_CREATE_TRIES - 1):
+        with contextlib.suppress(sqlalchemy.exc.IntegrityError):
+            return open_rdb()
+    return open_rdb()
 
 
 def _folder_it_ran_in(spec: StudySpec) -> Path | None:
