@@ -43,6 +43,8 @@ class Fault(_Point):
     AFTER_TRAINING = ("after_training", "core.train: SIGKILL once training ended, before the caller records anything")
     JOURNAL_MID_APPEND = ("journal_mid_append",
                           "sweeps.backends.journal_file: half a journal record on disk, then SIGKILL, the lock held")
+    TRIAL_RUN_MADE = ("trial_run_made",
+                      "sweeps.trial: SIGKILL once the trial's MLflow run is made, before the study records its id")
     CLI_UNEXPECTED_ERROR = ("cli_unexpected_error",
                             "sweeps.cli.main: raise a RuntimeError no command handles (the last-resort handler)")
     # A study's driver (``sweeps run``) hits itself, at the same moment on both backends: a trial has

@@ -164,11 +164,16 @@ def tag_front(tracker: MlflowTracker, parent: RunHandle, result: StudyResult) ->
     return sorted(front)
 
 
-def running_children(reader: TrackingReader, parent_run_id: str) -> list[tuple[str, str | None]]:
+def running_children(reader: TrackingReader, parent_run_id: str,
+                     trial_number: int | None = None) -> list[tuple[str, str | None]]:
     """(run id, the id it was made under) of the parent's trial runs whose MLflow status is still
-    RUNNING (reruns, which a user may be running right now, are not trials and are left alone).
-    The second id is the one a study recorded for a run made during an MLflow outage."""
-    runs = reader.children(parent_run_id, {layout.TAG_ROLE: layout.ROLE_TRIAL}, status="RUNNING", max_results=1000)
+    RUNNING (reruns, which a user may be running right now, are not trials and are left alone),
+    or only those of trial ``trial_number``. The second id is the one a study recorded for a run
+    made during an MLflow outage."""
+    tags = {layout.TAG_ROLE: layout.ROLE_TRIAL}
+    if trial_number is not None:
+        tags[layout.TAG_TRIAL_NUMBER] = str(trial_number)
+    runs = reader.children(parent_run_id, tags, status="RUNNING", max_results=1000)
     return [(r.info.run_id, r.data.tags.get(TAG_CLIENT_ID)) for r in runs]
 
 

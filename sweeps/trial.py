@@ -21,6 +21,7 @@ from typing import Any, Literal
 from core.config import TrainConfig, apply_overrides
 from core.ddp_launch import TaskSpec, train_distributed
 from core.diskfull import describe_disk_full
+from core.faults import Fault, stop_here
 from core.distributed import lr_scale_factor
 from core.reporting import Decision
 from core.results import TrainResult
@@ -245,6 +246,7 @@ def run_trial(spec: StudySpec, trial: TrialSpec, control: TrialControl, tracker:
     control.hold_if_asked()
     started = time.monotonic()
     run = start_trial_run(spec, tracker, trial)
+    stop_here(Fault.TRIAL_RUN_MADE)  # tests: a kill that leaves a run the study does not name
     control.on_start(run)
     logged_up_to = trial.logged_up_to if trial.continues is not None else None
     extras = TrialExtras(tracker, run, logged_up_to)  # system metrics from now until the trial ends

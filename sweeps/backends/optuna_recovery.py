@@ -43,10 +43,8 @@ class StaleTrialCallback:
         self._retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        run_id = trial.user_attrs.get(ATTR_RUN_ID)
         reason = trial.user_attrs.get(ATTR_REASON) or "worker heartbeat lost (the worker died); requeued"
-        if run_id:
-            _close_run(self._get_tracker(), run_id, reason)
+        close_trial_runs(self._get_tracker(), study, trial, reason)
         self._retry(study, trial)
 
     def _get_tracker(self):
@@ -59,6 +57,28 @@ def _close_run(tracker, run_id: str, reason: str) -> None:
     run = RunHandle(run_id, "", "")
     tracker.log(run, tags={layout.TAG_STATE: "FAIL", layout.TAG_ERROR: reason})
     tracker.end_run(run, "FAILED")
+
+
+def close_trial_runs(tracker, study: optuna.Study, trial: FrozenTrial, reason: str) -> None:
+    """Close as FAILED the MLflow runs of a trial whose process died: the run the trial records,
+    and any other RUNNING run under the study's run tagged with its number. A process killed
+    after making the run but before the study recorded its id leaves one that only the tag names
+    (the trial's number is its own: no other process makes a run under it)."""
+    run_id = trial.user_attrs.get(ATTR_RUN_ID)
+    if run_id:
+        _close_run(tracker, run_id, reason)
+    parent = study.user_attrs.get(ATTR_PARENT_RUN)
+    if not parent:
+        return
+    try:
+        unnamed = running_children(TrackingReader(tracker.tracking_uri), parent, trial.number)
+    except Exception as exc:  # noqa: BLE001 - the store is away: the run the trial names is closed (spooled)
+        log.warning("trial %d: cannot look for its other runs (%s); a run it made may stay RUNNING",
+                    trial.number, exc)
+        return
+    for found, client_id in unnamed:
+        if run_id not in (found, client_id):
+            _close_run(tracker, found, reason)
 
 
 def close_orphan_runs(tracker, study: optuna.Study) -> None:
@@ -100,9 +120,8 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     frozen = storage.get_trial(trial_id)
     if requeue:
         StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
-    elif frozen.user_attrs.get(ATTR_RUN_ID) and (tracker is not None or tracking_uri):
-        _close_run(tracker or StaleTrialCallback(tracking_uri or "")._get_tracker(), frozen.user_attrs[ATTR_RUN_ID],
-                   reason)
+    elif tracker is not None or tracking_uri:
+        close_trial_runs(tracker or StaleTrialCallback(tracking_uri or "")._get_tracker(), study, frozen, reason)
     return True
 
 

@@ -45,6 +45,24 @@ def test_a_worker_killed_after_training_leaves_the_retry_with_every_curve(tmp_pa
     assert sorted(r.info.status for r in trial_runs) == ["FAILED"] * (len(trial_runs) - 1) + ["FINISHED"]
 
 
+def test_a_worker_killed_before_the_study_names_its_run_has_the_run_closed(tmp_path):
+    """A worker killed after making its trial's MLflow run, before the study recorded the run's id:
+    the run is found by the trial number it is tagged with and closed FAILED with the reason when
+    the trial is requeued, not left RUNNING. The next invocation (no fault) completes the trial."""
+    spec = write_spec(tmp_path, name="unnamed", budget={"n_trials": 1, "max_failures": 1})
+    cli_in_process(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="trial_run_made")
+    trials = load_study(tmp_path, "unnamed").trials
+    assert trials and not [t for t in trials if t.state.name == "COMPLETE"]
+    assert not [t for t in trials if "mlflow_run_id" in t.user_attrs]  # every attempt died before naming its run
+    runs = [r for r in mlflow_runs(tmp_path, "unnamed") if r.data.tags.get("sweeps.role") == "trial"]
+    assert runs and [r.info.status for r in runs] == ["FAILED"] * len(runs), [r.info.status for r in runs]
+    assert all(r.data.tags["sweeps.state"] == "FAIL" and "killed by SIGKILL" in r.data.tags["sweeps.error"] for r in runs)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = [r for r in mlflow_runs(tmp_path, "unnamed") if r.data.tags.get("sweeps.role") == "trial"]
+    assert sorted(r.info.status for r in runs) == ["FAILED"] * (len(runs) - 1) + ["FINISHED"]
+
+
 def _history(state: dict) -> list[dict]:
     import json
 
