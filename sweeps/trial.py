@@ -21,8 +21,8 @@ from typing import Any, Literal
 from core.config import TrainConfig, apply_overrides
 from core.ddp_launch import TaskSpec, train_distributed
 from core.diskfull import describe_disk_full
-from core.faults import Fault, stop_here
 from core.distributed import lr_scale_factor
+from core.faults import Fault, stop_here
 from core.reporting import Decision
 from core.results import TrainResult
 from core.train import train

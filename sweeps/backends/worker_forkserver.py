@@ -42,6 +42,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import IO, Any, Protocol
@@ -57,8 +58,11 @@ ENV_SERVER_PARENT = "SWEEPS_FORKSERVER_PARENT"  # set only for the server: the d
 # unpickles): ``sweeps`` and ``python -m sweeps.cli`` both import the CLI, imported here once instead.
 DRIVER_MAIN = ("sweeps.cli",)
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_NO_STATUS = 255  # multiprocessing's exit code for a forked process whose server sent none
+_SERVER_EXIT_S = 5.0  # how long a server that closed a worker's pipe unanswered may take to exit
 _CONTEXT = multiprocessing.get_context("forkserver")
 _server_pid: int | None = None  # in the server and the workers it forks: the server's pid
+_forked_any = False  # in the driver: whether a server has forked a worker
 
 
 class ServerGone(BackendError):
@@ -193,19 +197,29 @@ def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str],
 class ForkedWorker:
     """The driver's handle on a forked worker, used as the supervisor uses a ``Popen``."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, stdin: IO[str]) -> None:
+    def __init__(self, process: multiprocessing.process.BaseProcess, stdin: IO[str], server_pid: int) -> None:
         self._process = process
         self.pid: int = process.pid or 0
         self.stdin: IO[str] | None = stdin
+        self._server_pid = server_pid
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self._status(self._process.exitcode)
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
-        code = self._process.exitcode
+        code = self._status(self._process.exitcode)
         if code is None:
             raise subprocess.TimeoutExpired(f"sweeps-worker {self.pid}", timeout or 0.0)
+        return code
+
+    def _status(self, code: int | None) -> int | None:
+        """The exit status as a process of its own would give it. A worker dies with its server
+        (PR_SET_PDEATHSIG: SIGKILL), and multiprocessing, which hears of it from the server, then
+        says 255: it is told as the SIGKILL it was, so its trial is requeued as after any kill
+        instead of failing as a worker that exited with an error."""
+        if code == _NO_STATUS and _ends(self._server_pid):
+            return -signal.SIGKILL
         return code
 
     def send_signal(self, sig: int) -> None:
@@ -219,10 +233,41 @@ class ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
+def _ends(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie within a few seconds: a server that closed a
+    worker's pipe without its status is on its way out (it closes its files before it is a
+    zombie), while one that is alive then sent a genuine 255."""
+    deadline = time.monotonic() + _SERVER_EXIT_S
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (OSError, IndexError):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
 def fork_worker(env: dict[str, str], slot: int) -> ForkedWorker:
     """A worker forked from the server (started now if :func:`start` has not, or again if it has
     exited), with ``env`` as its whole environment; it waits for its go on ``stdin``. Blocks while
-    the server imports; raises :class:`ServerGone` if it exits first."""
+    the server imports; raises :class:`ServerGone` if it exits first. A server that forked workers
+    before and is found gone now (the OOM killer's pick: its workers died with it) is replaced by
+    a new one once; one that never forked a worker exited for a reason it has said."""
+    global _forked_any
+    try:
+        worker = _fork(env, slot)
+    except ServerGone:
+        if not _forked_any:
+            raise
+        worker = _fork(env, slot)
+    _forked_any = True
+    return worker
+
+
+def _fork(env: dict[str, str], slot: int) -> ForkedWorker:
     start()
     go_r, go_w = _CONTEXT.Pipe(duplex=False)
     process = _CONTEXT.Process(target=_worker_main, args=(go_r, env, slot), name=f"sweeps-worker-{slot}")
@@ -237,7 +282,8 @@ def fork_worker(env: dict[str, str], slot: int) -> ForkedWorker:
         go_r.close()  # the worker has its own copy now
     stdin = os.fdopen(os.dup(go_w.fileno()), "w")
     go_w.close()
-    return ForkedWorker(process, stdin)
+    server: Any = multiprocessing.forkserver._forkserver
+    return ForkedWorker(process, stdin, server._forkserver_pid or 0)
 
 
 if os.environ.get(ENV_SERVER_PARENT):  # only in the fork server (see start)

@@ -56,7 +56,8 @@ def test_a_worker_killed_before_the_study_names_its_run_has_the_run_closed(tmp_p
     assert not [t for t in trials if "mlflow_run_id" in t.user_attrs]  # every attempt died before naming its run
     runs = [r for r in mlflow_runs(tmp_path, "unnamed") if r.data.tags.get("sweeps.role") == "trial"]
     assert runs and [r.info.status for r in runs] == ["FAILED"] * len(runs), [r.info.status for r in runs]
-    assert all(r.data.tags["sweeps.state"] == "FAIL" and "killed by SIGKILL" in r.data.tags["sweeps.error"] for r in runs)
+    assert all(r.data.tags["sweeps.state"] == "FAIL" and "killed by SIGKILL" in r.data.tags["sweeps.error"]
+               for r in runs)
     proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = [r for r in mlflow_runs(tmp_path, "unnamed") if r.data.tags.get("sweeps.role") == "trial"]

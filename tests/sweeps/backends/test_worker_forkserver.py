@@ -137,6 +137,28 @@ def test_a_server_that_exits_while_a_worker_is_asked_for_is_reported_and_the_nex
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
+def test_a_worker_whose_server_is_killed_reads_as_killed_and_the_next_fork_starts_a_new_server():
+    """The OOM killer picks the server: its workers die with it (SIGKILL), which the driver reads as
+    their exit status (so their trials are requeued as after any kill), not as an exit with an
+    error; the next worker asked for comes from a new server."""
+    (seen,), err = _drive("""
+        worker_forkserver.start()
+        w = worker_forkserver.fork_worker({**os.environ, "SWEEPS_PAUSE": "worker_before_go"}, 0)
+        me = psutil.Process(w.pid)
+        stopped(me)
+        server = psutil.Process(me.ppid())
+        server.kill()
+        code = w.wait(600)
+        after = worker_forkserver.fork_worker({**os.environ, "SWEEPS_PAUSE": "worker_before_go"}, 1)
+        stopped(psutil.Process(after.pid))
+        new_server = psutil.Process(after.pid).ppid() != server.pid
+        after.stdin.close()
+        os.kill(after.pid, signal.SIGCONT)
+        say(code=code, polled=w.poll(), after=after.wait(600), new_server=new_server)
+    """)
+    assert seen == {"code": -signal.SIGKILL, "polled": -signal.SIGKILL, "after": 0, "new_server": True}
+
+
 def test_the_server_and_its_workers_die_with_the_driver_even_by_sigkill():
     driver = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent("""
         worker_forkserver.start()
