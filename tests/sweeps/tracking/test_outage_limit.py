@@ -169,3 +169,26 @@ def test_a_lone_workers_trial_beat_stops_its_trial_as_sigterm_does(make_tracker,
             signal.signal(s, handler)
     assert beats == [1, 1] and signals.event.is_set() and signals.exit_code() == 143
     assert isinstance(signals.storage_lost, TrackingUnavailable)
+
+
+def test_the_ray_driver_ends_its_fit_as_on_sigterm_once_the_store_is_away_past_the_wait(
+        make_tracker, store, free_port, fast_http_env, monkeypatch):
+    """The Ray driver's callback, on a trial's result, checks the outage of the tracker whose spool
+    its trials' writes wait in: past the wait it asks the fit to end as a SIGTERM would (Ray saves
+    the experiment; the trials resume on the next run) and keeps the error the driver exits with."""
+    from sweeps.backends.ray_cluster import Interrupts
+    from sweeps.backends.ray_live import LIVE, DriverCallback
+
+    run = make_tracker().start_run("trial-0", experiment=store.experiment_name())
+    monkeypatch.setenv(ENV_STORAGE_WAIT, "0")
+    down = make_tracker(f"http://127.0.0.1:{free_port}", retry_interval_s=0)
+    down.log_metrics(run, {"val_acc": 0.5}, 1)
+    down.flush(run)  # kept: the outage starts
+    with Interrupts(None) as interrupts:
+        LIVE.update(tracker=down, interrupts=interrupts, drawn=float("inf"))  # no live view to draw
+        try:
+            DriverCallback().on_trial_result(0, [], None, {})
+        finally:
+            LIVE.clear()
+    assert isinstance(interrupts.lost, TrackingUnavailable) and interrupts.lost.exit_code == 143
+    assert interrupts.stop_reason == "store gone" and interrupts.signum is None
