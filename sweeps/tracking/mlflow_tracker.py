@@ -1,12 +1,14 @@
-"""The Tracker on MLflow: explicit run ids through ``MlflowClient``, batched metrics, and a
-local spool so an MLflow outage never loses points nor stops training (runs made during one:
-``local_runs``). Never the fluent "active run": threads and processes write to their runs through
-handles, each process through its own MlflowTracker (benchmarks/README.md, tracking overhead).
+"""The Tracker on MLflow: the Tracker calls (runs, params and tags, buffered and batched metric
+points, artifacts, dataset inputs, the trial's logged model) made into write records with explicit
+run ids and handed to the tracker's ``outbox.Outbox``, which sends them in order or keeps them
+while the store is away, so an MLflow outage never loses points nor stops training (runs made
+during one: ``local_runs``). Never the fluent "active run": threads and processes write to their
+runs through handles, each process through its own MlflowTracker (benchmarks/README.md, tracking
+overhead).
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import posixpath
 import threading
@@ -20,26 +22,15 @@ from sweeps.safe_names import safe_subpath
 from sweeps.tracking.base import RunHandle, RunStatus, check_status
 from sweeps.tracking.experiments import experiment_id_of
 from sweeps.tracking.layout import PARENT_TAG, artifact_root_uri
-from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, known_store_id, new_client_id, new_run_record
-from sweeps.tracking.outage import TrackingOutage
-from sweeps.tracking.send import StoreRefusesEveryWrite, drain, send_records
+from sweeps.tracking.local_runs import TAG_CLIENT_ID, new_client_id, new_run_record
+from sweeps.tracking.outbox import Outbox
 from sweeps.tracking.spool import Spool
 from sweeps.tracking.store_checks import apply_fast_fail_http_defaults, check_store, is_http_uri
-from sweeps.tracking.store_errors import (
-    call_error,
-    disk_full_error,
-    disk_full_raised,
-    is_transient,
-    short_reason,
-    store_folder,
-)
-from sweeps.tracking.sync import kept_until_fixed, retry_seconds
+from sweeps.tracking.store_errors import call_error, disk_full_error, is_transient, store_folder
+from sweeps.tracking.sync import retry_seconds
 from sweeps.tracking.values import clean_key, param_values, tag_values
 
-log = logging.getLogger(__name__)
-
 DEFAULT_SPOOL_DIR = Path("runs") / ".mlflow_spool"
-MAX_PAUSE_S = 5.0  # the longest pause between two tries at the end of a study
 
 
 class MlflowTracker:
@@ -57,8 +48,8 @@ class MlflowTracker:
     Besides the Tracker calls, its owner (the code that made it) calls ``check_connection``
     before training, ``check_outage`` while trials train (to stop when the store has been away past
     the wait, ``tracking.outage``), ``close`` when done, and, at the end of a study,
-    ``send_spooled``. Reads go through a
-    ``sweeps.tracking.reader.TrackingReader``.
+    ``send_spooled``. ``check_outage``, ``send_spooled`` and ``store_down`` are its ``outbox``'s
+    (``tracking.outbox``). Reads go through a ``sweeps.tracking.reader.TrackingReader``.
 
     Thread-safe; one per process (it holds locks and a buffer: pass ``RunHandle`` values
     between processes, not the tracker).
@@ -83,19 +74,13 @@ class MlflowTracker:
         self._made_client = client
         self._client_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the buffer; held for microseconds
-        # Serialises every send and spool write, so a run's writes reach the store (or
-        # the spool) in the order they were made, whichever thread triggers the flush.
-        self._send_lock = threading.RLock()
+        # Every write goes through it: sent in order, or kept while the store is away.
+        self.outbox = Outbox(self.tracking_uri, self.spool, self._store_dir, self.retry_interval_s,
+                             lambda: self._client)
         self._buffer: dict[str, list[list[Any]]] = {}
         self._n_buffered = 0
         self._last_flush = time.monotonic()
         self._metric_keys: dict[object, str] = {}
-        self._outage = TrackingOutage(self.tracking_uri, self.spool.directory, self.retry_interval_s)  # is it down
-        self._next_look = 0.0  # monotonic time before which check_outage tries nothing
-        # Runs this tracker spooled for: sent as soon as the store answers again, even
-        # those that ended meanwhile and will not flush again.
-        self._spooled: set[str] = set()
-        self._store_ids: dict[str, str] = {}  # local run id -> the store's, once created
 
     @property
     def _client(self) -> Any:
@@ -118,13 +103,13 @@ class MlflowTracker:
     def check_connection(self) -> None:
         """Before training: raise TrackingError (URI + fix) unless the store answers."""
         check_store(self.tracking_uri, lambda: self._client)
-        self._drain_waiting()  # what any process left for this store (an outage, a crash) goes first
+        self.outbox.drain_waiting()  # what any process left for this store (an outage, a crash) goes first
 
     def flush(self, run: RunHandle | None = None) -> None:
         """Before its owner reads a run back (and by log_metrics when due): send the buffered
         points of ``run`` (or of every run) in batches; what the store cannot take is spooled."""
-        with self._send_lock:
-            # Take the points out while holding the send lock: a second flusher cannot
+        with self.outbox.lock:
+            # Take the points out while holding the outbox's lock: a second flusher cannot
             # overtake us and reach the store with newer points first.
             with self._lock:
                 if run is None:
@@ -138,7 +123,7 @@ class MlflowTracker:
             errors = []
             for run_id, points in taken.items():
                 try:
-                    self._submit(run_id, points)
+                    self.outbox.submit(run_id, points)
                 except TrackingError as exc:  # refused points: report all runs, not the first
                     errors.append(str(exc))
             if errors:
@@ -153,23 +138,13 @@ class MlflowTracker:
         store has not answered for longer than the wait. When a retry is due it tries the writes
         kept for this store (this process's or its workers'), so an owner that writes little (a
         driver between trials) sees an outage start, end and outlast the wait as its workers do."""
-        now = time.monotonic()
-        if now >= max(self._outage.until, self._next_look):
-            self._next_look = now + self.retry_interval_s
-            self._try_kept()
-        if self._outage.gone is not None:
-            raise self._outage.gone
+        self.outbox.check_outage()
 
     def send_spooled(self) -> None:
         """At the end of a study, its runs closed: send the writes kept for this store, trying again
         with backoff while it does not answer, until the outage has lasted the wait. Raises
         TrackingError (exit 1) counting the runs still kept and naming the command that sends them."""
-        pause = 0.25
-        while self._try_kept() and self._outage.reason:  # kept, and the store did not take them
-            if self._outage.gone is not None:
-                raise self._outage.still_kept(len(self.spool.run_ids(store=self.tracking_uri)))
-            time.sleep(pause)
-            pause = min(pause * 2, MAX_PAUSE_S)
+        self.outbox.send_spooled()
 
     # -- runs ----------------------------------------------------------------------------
     def start_run(self, run: str | RunHandle, *, experiment: str | None = None,
@@ -177,9 +152,9 @@ class MlflowTracker:
         """A new run named ``run`` in ``experiment`` (or the parent's, nested under it); or
         the existing run ``run`` (a handle) RUNNING again, with ``tags``."""
         if isinstance(run, RunHandle):
-            # Through _submit like every write: queued behind whatever of the run still waits
+            # Through the outbox like every write: queued behind whatever of the run still waits
             # in the spool (its last status, say), so the store ends up saying RUNNING.
-            self._submit(run.run_id, [["open"], *self._tag_records(tags or {})])
+            self.outbox.submit(run.run_id, [["open"], *self._tag_records(tags or {})])
             return run
         if parent is not None:
             experiment_id = parent.experiment_id
@@ -198,22 +173,16 @@ class MlflowTracker:
             except Exception as exc:
                 if not is_transient(exc):
                     raise self._error("create run", run, exc) from exc
-                self._mark_down(exc)
+                self.outbox.mark_down(exc)
         # The store is down: the trial goes on under its client id; the run is made when the
         # store answers again, everything written meanwhile queued behind (local_runs).
-        self._spool(client_id, [new_run_record(experiment_id, run, all_tags)])
+        self.outbox.keep(client_id, [new_run_record(experiment_id, run, all_tags)])
         return RunHandle(client_id, experiment_id, run)
 
     def store_run_id(self, run_id: str) -> str:
         """The store's id of ``run_id``: itself, or for a run made during an outage the id the
         store gave it once created (until then the local id)."""
-        if not is_local(run_id):
-            return run_id
-        if run_id not in self._store_ids and not self.spool.has_pending(run_id):
-            known = known_store_id(self.spool.directory, run_id)
-            if known is not None:
-                self._store_ids[run_id] = known
-        return self._store_ids.get(run_id, run_id)
+        return self.outbox.store_run_id(run_id)
 
     def _experiment_id(self, name: str) -> str:
         """The id of experiment ``name``, created if missing."""
@@ -228,7 +197,7 @@ class MlflowTracker:
             tags: Mapping[str, Any] | None = None) -> None:
         """Hyperparameters (once per run) and state tags, sent now (they are few)."""
         records = [["p", k, v] for k, v in param_values(params or {}).items()]
-        self._submit(run.run_id, records + self._tag_records(tags or {}))
+        self.outbox.submit(run.run_id, records + self._tag_records(tags or {}))
 
     def _tag_records(self, tags: Mapping[str, Any]) -> list[list[Any]]:
         return [["t", k, v] if v is not None else ["dt", k] for k, v in tag_values(tags).items()]
@@ -278,7 +247,7 @@ class MlflowTracker:
         local = Path(artifact)
         if not local.exists():
             raise TrackingError(f"artifact {str(local)!r} for run {run.run_id} does not exist; nothing to upload")
-        self._submit(run.run_id, [["a", str(local.resolve()), path, False]])
+        self.outbox.submit(run.run_id, [["a", str(local.resolve()), path, False]])
 
     def _log_object(self, run: RunHandle, obj: Any, artifact_file: str | None) -> None:
         """``obj`` as JSON (YAML for .yaml/.yml) at ``artifact_file`` in the run."""
@@ -293,22 +262,22 @@ class MlflowTracker:
             text = json.dumps(obj, indent=2, default=str)
         # Staged in the spool folder, so it can still be sent later if the store is down.
         staged = self.spool.stage_file(run.run_id, rel, text)
-        self._submit(run.run_id, [["a", str(staged), posixpath.dirname(rel) or None, True]])
+        self.outbox.submit(run.run_id, [["a", str(staged), posixpath.dirname(rel) or None, True]])
 
     def log_inputs(self, run: RunHandle, datasets: list[dict[str, Any]]) -> None:
         """Dataset inputs (dicts, see ``send.dataset_inputs``): sent now, or spooled like every write."""
-        self._submit(run.run_id, [["in", list(datasets)]])
+        self.outbox.submit(run.run_id, [["in", list(datasets)]])
 
     def log_trial_model(self, run: RunHandle, described: Mapping[str, Any]) -> None:
         """The trial's logged model (``trial_model.model_record``), made after the run's points (it
         reuses their timestamps): now, or when the store answers again, like every write."""
         self.flush(run)
-        self._submit(run.run_id, [["lm", dict(described)]])
+        self.outbox.submit(run.run_id, [["lm", dict(described)]])
 
     @property
     def store_down(self) -> str:
         """Why the store is down now, or "" (a run is then made under a local id, ``local_runs``)."""
-        return self._outage.reason if time.monotonic() < self._outage.until else ""
+        return self.outbox.store_down
 
     # -- end -----------------------------------------------------------------------------
     def end_run(self, run: RunHandle, status: RunStatus = "FINISHED") -> None:
@@ -316,114 +285,15 @@ class MlflowTracker:
         whatever it cannot take now stays in the spool, with a warning saying how to send it."""
         check_status(status)
         end_ms = int(time.time() * 1000)
-        with self._send_lock:
+        with self.outbox.lock:  # taken with the points: no flush of the run can overtake its status
             with self._lock:
                 points = self._buffer.pop(run.run_id, [])
                 self._n_buffered -= len(points)
-            try:
-                # One submission: the store gets one try (not one per part) even while it
-                # is considered down, and the status can never overtake the last points.
-                self._submit(run.run_id, points + [["end", status, end_ms]], force=True)
-            except TrackingError as exc:  # refused writes: loud, but the trial itself is over
-                log.error("%s", exc)
-            pending = self.spool.has_pending(run.run_id)
-        if pending:
-            self._outage.kept_at_end(run, status, self.spool.pending_count(run.run_id), self.spool.path(run.run_id))
+            # One submission, so the status can never overtake the last points.
+            kept = self.outbox.send_last(run.run_id, points + [["end", status, end_ms]])
+        if kept:
+            self.outbox.kept_at_end(run, status)
 
     # -- internals -----------------------------------------------------------------------
-    def _submit(self, run_id: str, records: list[list[Any]], force: bool = False) -> None:
-        """Send ``records`` in order after anything already spooled for the run; spool
-        what the store cannot take now. ``force`` tries the store even while it is
-        considered down (end_run: the last chance to send without a sync command)."""
-        if not records:
-            return
-        with self._send_lock:
-            run_id = self.store_run_id(run_id)
-            down = time.monotonic() < self._outage.until and not force
-            # A local run not yet created on the store queues behind its own creation.
-            if down or self.spool.has_pending(run_id) or is_local(run_id):
-                # Older writes wait in the spool: queue behind them to keep the order.
-                self._spool(run_id, records)
-                if not down:
-                    self._drain(run_id)
-                return
-            sent = 0
-
-            def on_done(n: int) -> None:
-                nonlocal sent
-                sent = n
-
-            try:
-                _, refusals = send_records(self._client, run_id, records, on_done, self.spool.discard_staged)
-            except StoreRefusesEveryWrite as exc:
-                self._spool(run_id, records[sent:])
-                raise kept_until_fixed(self.tracking_uri, self.spool.directory, exc) from exc
-            except Exception as exc:
-                if not is_transient(exc):  # send_records lets only transient ones out
-                    raise
-                self._spool(run_id, records[sent:])
-                self._mark_down(exc)
-                return
-            self._mark_up()
-            if refusals:
-                raise TrackingError(f"MLflow store {self.tracking_uri} refused writes:\n" + "\n".join(refusals))
-
-    def _spool(self, run_id: str, records: list[list[Any]]) -> None:
-        with disk_full_raised(f"keeping MLflow writes of run {run_id}", self.spool.directory):  # nowhere left
-            self.spool.append(run_id, records)
-        self._spooled.add(run_id)
-
-    def _drain(self, run_id: str) -> None:
-        """Send the run's spool; on success, also the spools of runs that ended (and
-        so will not flush again) while the store was down."""
-        try:
-            counts, refusals, drained = drain(self.spool, self._client, run_id)
-        except StoreRefusesEveryWrite as exc:
-            raise kept_until_fixed(self.tracking_uri, self.spool.directory, exc) from exc
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            self._mark_down(exc)
-            return
-        if drained:
-            self._spooled.discard(run_id)
-        if self._outage.reason:
-            log.info("MLflow store %s reachable again; sent spooled writes of run %s: %s",
-                     self.tracking_uri, run_id, counts)
-        self._mark_up()
-        if refusals:
-            raise TrackingError(f"MLflow store {self.tracking_uri} refused spooled writes:\n" + "\n".join(refusals))
-
-    def _mark_down(self, exc: BaseException) -> None:
-        with self._send_lock:  # start_run's failed creation comes without it
-            self._outage.failed(short_reason(exc, self._store_dir))  # one line, a full disk named
-
-    def _mark_up(self) -> None:
-        if self._outage.answered():
-            self._drain_waiting()
-
-    def _try_kept(self) -> list[str]:
-        """Try the store with the oldest run kept for it (taken: the rest follows); the runs that were kept."""
-        waiting = self.spool.run_ids(store=self.tracking_uri)
-        if waiting:
-            try:
-                with self._send_lock:
-                    self._drain(waiting[0])
-            except TrackingError as exc:  # refused: said, and no sign of an outage
-                log.error("%s", exc)
-        return waiting
-
-    def _drain_waiting(self) -> None:
-        """Send every spool waiting for this store: this tracker's, then any other process's
-        (one that ended or died during an outage), so no one has to run the sync by hand."""
-        for run_id in dict.fromkeys([*sorted(self._spooled), *self.spool.run_ids(store=self.tracking_uri)]):
-            if self._outage.reason:  # it went away again while we were catching up
-                break
-            try:
-                with self._send_lock:
-                    self._drain(run_id)
-            except TrackingError as exc:  # a refusal in another run: report, don't fail this call
-                log.error("%s", exc)
-
     def _error(self, what: str, subject: str, exc: BaseException) -> TrackingError:
         return call_error(what, subject, self.tracking_uri, exc, self._store_dir)

@@ -1,13 +1,14 @@
 """How long a process waits out an MLflow tracking store that stopped answering, and what it says.
 
-While the store does not answer, a tracker keeps every write in its spool (the outbox) and tries
-the store again every ``SWEEPS_TRACKING_RETRY_S``; trials train on. The outage is bounded by the
-limit the Optuna storage's is (``SWEEPS_STORAGE_WAIT_S``, :data:`sweeps.durations.STORAGE_WAIT_S`):
-one line when it starts, one when the store answers again, and past the limit the owner's check
-(``MlflowTracker.check_outage``) raises :class:`TrackingUnavailable`, on which the process stops
-as SIGTERM stops it (exit 143). Only a failed try is counted: the stop comes at the first try
-that fails once the limit has passed, so within one retry interval of it. The spooled writes stay
-where they are, for the next sweeps process that reaches the store or ``sweeps sync-tracking``.
+While the store does not answer, a tracker's outbox (``sweeps.tracking.outbox``) keeps every write
+in its spool and tries the store again every ``SWEEPS_TRACKING_RETRY_S``; trials train on. The
+outage is bounded by the limit the Optuna storage's is (``SWEEPS_STORAGE_WAIT_S``,
+:data:`sweeps.durations.STORAGE_WAIT_S`): one line when it starts, one when the store answers
+again, and past the limit the owner's check (``MlflowTracker.check_outage``, its outbox's) raises
+:class:`TrackingUnavailable`, on which the process stops as SIGTERM stops it (exit 143). Only a
+failed try is counted: the stop comes at the first try that fails once the limit has passed, so
+within one retry interval of it. The spooled writes stay where they are, for the next sweeps
+process that reaches the store or ``sweeps sync-tracking``.
 
 A store that refuses every write (credentials, permissions, schema: ``send.StoreRefusesEveryWrite``)
 is not waited for: it is one line at once.
@@ -31,9 +32,9 @@ class TrackingUnavailable(TrackingError, StoreGone):
 
 
 class TrackingOutage:
-    """The outage state of one tracker (the caller holds its send lock): why the store is down and
-    until when it is left alone, when it stopped answering, and the error once that is longer ago
-    than the wait."""
+    """The outage state of one tracker's outbox (the caller holds the outbox's lock): why the store
+    is down and until when it is left alone, when it stopped answering, and the error once that is
+    longer ago than the wait."""
 
     def __init__(self, tracking_uri: str, spool_dir: Path, retry_s: float) -> None:
         self.tracking_uri, self.spool_dir, self.retry_s = tracking_uri, spool_dir, retry_s

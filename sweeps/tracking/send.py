@@ -2,7 +2,7 @@
 order, in as few calls as MLflow's limits allow, telling a transient failure (keep the
 records, retry later) from a refusal (drop what was refused, report it, go on).
 
-Used by ``MlflowTracker`` for every write, and by ``drain`` for what waited in the spool.
+Used by a tracker's ``outbox.Outbox`` for every write, and by ``drain`` for what waited in the spool.
 """
 from __future__ import annotations
 
