@@ -141,7 +141,7 @@ def python_start_s(code: str, repeats: int = 1) -> float:
 class TrackingStore:
     """A SQLite MLflow store in ``folder`` with a study parent run, and ``tracker``: the
     :class:`sweeps.tracking.mlflow_tracker.MlflowTracker` a worker trains with (in the trainer's
-    process, the one tracking path). Hands out :class:`sweeps.trial.TrialReporter` objects
+    process, the one tracking path). Hands out :class:`sweeps.trial_reporter.TrialReporter` objects
     wired the way an Optuna worker wires them (never prunes, never interrupted, heartbeat
     touches a file)."""
 
@@ -167,8 +167,8 @@ class TrackingStore:
 
     def trial_reporter(self, name: str, objective: str = "val_acc"):
         """A new child run and its TrialReporter: ``(reporter, run)``."""
-        from sweeps.trial import TrialReporter
         from sweeps.trial_control import TrialControl
+        from sweeps.trial_reporter import TrialReporter
 
         run = self.tracker.start_run(name, parent=self.parent, tags={"sweeps.role": "trial"})
         reporter = TrialReporter(self.tracker, run, objective, TrialControl(heartbeat=self.beat_file.touch))

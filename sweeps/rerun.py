@@ -41,8 +41,9 @@ from sweeps.safe_names import safe_component
 from sweeps.tracking import layout
 from sweeps.tracking.base import RunHandle
 from sweeps.tracking.reader import TrackingReader
-from sweeps.trial import TrialOutcome, TrialReporter, finish_trial_run
+from sweeps.trial import TrialOutcome, finish_trial_run
 from sweeps.trial_control import TrialControl
+from sweeps.trial_reporter import TrialReporter
 
 if TYPE_CHECKING:
     from core.reporting import Decision

@@ -29,8 +29,9 @@ def test_a_continued_run_logs_no_step_it_already_holds(tmp_path, monkeypatch):
     from sweeps.backends.ray_continuing_run import logged_up_to
     from sweeps.parent_run import find_or_create_parent, reader_for, tracker_for
     from sweeps.spec.load import load_spec
-    from sweeps.trial import TrialReporter, TrialSpec, start_trial_run
+    from sweeps.trial import TrialSpec, start_trial_run
     from sweeps.trial_control import TrialControl
+    from sweeps.trial_reporter import TrialReporter
 
     monkeypatch.chdir(tmp_path)
     spec = load_spec(_ray_spec(tmp_path, "steps"))

@@ -7,8 +7,9 @@ import json
 from sweeps.backends.ray_continuing_run import logged_up_to
 from sweeps.spec.load import spec_from_dict
 from sweeps.tracking import TrackingReader, layout
-from sweeps.trial import TrialOutcome, TrialReporter, TrialSpec, finish_trial_run, start_trial_run
+from sweeps.trial import TrialOutcome, TrialSpec, finish_trial_run, start_trial_run
 from sweeps.trial_control import TrialControl
+from sweeps.trial_reporter import TrialReporter
 
 SPEC = {"name": "t", "task": {"name": "digits", "model": "mlp"}, "train": {"epochs": 2, "batch_size": 64},
         "search": {"lr": {"type": "float", "low": 1e-3, "high": 1.0, "log": True}}}
