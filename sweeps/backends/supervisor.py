@@ -122,6 +122,9 @@ class Supervisor:
     forked: bool = False  # workers forked from the fork server (sweeps run), else processes of their own
     driver_signals: DriverSignals | None = None  # what took the signals before this (sweeps run's driver)
     storage_lost: StoreGone | None = None  # the Optuna storage or the MLflow store stayed away past its wait
+    # How a slot's worker starts; None: fork_worker or spawn_worker, as ``forked`` says. The
+    # bookkeeping above does not depend on it: its tests give workers that live in their process.
+    spawner: Callable[[WorkerSlot], WorkerProcess] | None = None
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, slots: list[WorkerSlot]) -> tuple[str, int]:
@@ -291,7 +294,7 @@ class Supervisor:
         beat.parent.mkdir(parents=True, exist_ok=True)
         beat.unlink(missing_ok=True)
         try:
-            proc = fork_worker(slot) if self.forked else spawn_worker(slot)
+            proc = self.spawner(slot) if self.spawner else fork_worker(slot) if self.forked else spawn_worker(slot)
         except worker_forkserver.ServerGone:
             if self.stopping:
                 return  # a signal ended the server as it imported (the driver has it): nothing to start

@@ -11,6 +11,7 @@ from benchmarks.bench_peers import ARMS, PEERS, first_trial_seconds
 from benchmarks.common import bench_main
 from benchmarks.peers.records import recorded, table
 from tests.benchmarks.test_bench_smoke import check_schema
+from tests.sweeps.study_helpers import migrated_store
 
 N_TRIALS = 2
 
@@ -64,7 +65,7 @@ def test_records_are_read_from_the_store_not_assumed(tmp_path):
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     client = MlflowClient(uri)
     exp = client.create_experiment("s", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp).info.run_id
@@ -89,7 +90,7 @@ def test_time_to_the_first_trial_is_read_from_the_runs_start_and_first_epoch(tmp
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path)
     client = MlflowClient(uri)
     exp = client.create_experiment("s", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp, start_time=1_000_000).info.run_id

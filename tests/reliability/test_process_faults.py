@@ -18,18 +18,13 @@ from pathlib import Path
 import pytest
 
 from core import checkpoint as ckpt
-from tests.sweeps.study_helpers import ROOT, load_study, mlflow_runs, run_cli, start_cli, write_spec
+from core.faults import Fault
+from tests.sweeps.study_helpers import ROOT, cli_in_process, load_study, mlflow_runs, run_cli, start_cli, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
 EPOCHS, BATCH = 3, 32
-
-
-def _slow_spec(tmp_path: Path, name: str, n_trials: int = 3) -> Path:
-    # A wide MLP over 4 epochs: a trial stays RUNNING with a checkpoint on disk for a while.
-    return write_spec(tmp_path, name=name, task={"args": {"width": 1024}},
-                      train={"epochs": 4, "batch_size": 32}, budget={"n_trials": n_trials})
 
 
 def _gated_spec(tmp_path: Path, name: str) -> Path:
@@ -101,7 +96,7 @@ def _worker_pids(orchestrator_pid: int) -> list[int]:
     return out
 
 
-def test_kills_mid_trial_mid_checkpoint_and_after_training_then_a_rerun_completes_without_loss(tmp_path):
+def test_kills_mid_trial_mid_checkpoint_and_after_training_then_a_rerun_completes_without_loss(tmp_path, monkeypatch):
     spec = _gated_spec(tmp_path, "kill")
     gate = tmp_path / "gate-open"
     env = {"PYTHONPATH": f"{HERE}:{ROOT}", "GATE_AFTER": str(_steps_per_epoch()), "GATE_OPEN": str(gate)}
@@ -122,9 +117,12 @@ def test_kills_mid_trial_mid_checkpoint_and_after_training_then_a_rerun_complete
     epoch_1 = last.read_bytes()
     assert ckpt.load_checkpoint(last)["epoch"] == 1
 
+    # Steps 2 to 4 run their driver in this process (the kills are its workers'): it checks the target.
+    monkeypatch.syspath_prepend(str(HERE))
+
     # 2. The next `sweeps run` fails that trial as orphaned and requeues it; the retry resumes,
     #    trains epoch 2 and its worker is killed in the middle of writing epoch 2's checkpoint.
-    second = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="mid_checkpoint", **env)
+    second = cli_in_process(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="mid_checkpoint", **env)
     assert second.returncode == 1, second.stdout + second.stderr  # budget.max_failures: 1 failure stops it
     assert [p for p in folder.iterdir() if p.name.endswith(".tmp")]  # the write that was cut short
     assert last.read_bytes() == epoch_1  # the torn file never replaced last.pt
@@ -133,14 +131,14 @@ def test_kills_mid_trial_mid_checkpoint_and_after_training_then_a_rerun_complete
 
     # 3. The retry of that retry resumes from epoch 1, trains to the end, saves the final
     #    checkpoint, and its worker is killed before anything records the outcome.
-    third = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="after_training", **env)
+    third = cli_in_process(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT="after_training", **env)
     assert third.returncode == 1, third.stdout + third.stderr
     final_state = ckpt.load_checkpoint(last)
     assert final_state["epoch"] == EPOCHS and final_state["progress"] is None
     trained = last.read_bytes()
 
     # 4. Without faults the study finishes; the trial's last retry has nothing left to train.
-    final = run_cli(tmp_path, "run", str(spec), "--quiet", **env)
+    final = cli_in_process(tmp_path, "run", str(spec), "--quiet", **env)
     assert final.returncode == 0, final.stdout + final.stderr
     assert last.read_bytes() == trained  # it resumed from the final checkpoint: not trained again
 
@@ -177,25 +175,25 @@ def test_kills_mid_trial_mid_checkpoint_and_after_training_then_a_rerun_complete
     assert val_acc == [(h["epoch"], h["val_acc"]) for h in json.loads(final_state["history_json"])]
 
 
-@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_sigterm_checkpoints_fails_and_requeues_then_resumes(tmp_path, signum, code):
+@pytest.mark.parametrize("fault,code", [(Fault.DRIVER_SIGTERM_MID_TRIAL, 143), (Fault.DRIVER_SIGINT_MID_TRIAL, 130)])
+def test_sigterm_checkpoints_fails_and_requeues_then_resumes(tmp_path, fault, code):
+    # The driver signals itself once its first trial has reported an epoch, and that trial waits
+    # there for the stop (core/faults.py): a trial mid-way with its checkpoint on disk, on any machine.
     name = f"term{code}"
-    spec = _slow_spec(tmp_path, name, n_trials=2)
-    proc = start_cli(tmp_path, "run", str(spec), "--quiet")
-    _wait_for(lambda: _running_trial_with_checkpoint(tmp_path, name), proc, every=0.05)
-    proc.send_signal(signum)
-    out, _ = proc.communicate()  # the hang guard is the pytest timeout
-    assert proc.returncode == code, out
+    spec = write_spec(tmp_path, name=name, budget={"n_trials": 2})
+    stopped = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_FAULT=fault.value)
+    assert stopped.returncode == code, stopped.stdout + stopped.stderr
     study = load_study(tmp_path, name)
     failed = [t for t in study.trials if t.state.name == "FAIL"]
     assert len(failed) == 1 and "interrupted" in failed[0].user_attrs["fail_reason"]
+    assert (tmp_path / failed[0].user_attrs["out_dir"] / ckpt.LAST).exists()  # it checkpointed
     waiting = [t for t in study.trials if t.state.name == "WAITING"]
     assert len(waiting) == 1 and waiting[0].params == failed[0].params
     run = {int(r.data.tags["sweeps.trial_number"]): r for r in mlflow_runs(tmp_path, name)
            if r.data.tags.get("sweeps.role") == "trial"}[failed[0].number]
     assert run.info.status == "KILLED" and "interrupted" in run.data.tags["sweeps.error"]
 
-    again = run_cli(tmp_path, "run", str(spec), "--quiet")
+    again = cli_in_process(tmp_path, "run", str(spec), "--quiet")  # the resume: its driver's process is not the point
     assert again.returncode == 0, again.stderr
     study = load_study(tmp_path, name)
     assert len([t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]) == 2

@@ -18,6 +18,7 @@ from core.train import train
 from sweeps.compare import open_client
 from sweeps.registry import Candidate
 from sweeps.tracking.reader import TrackingReader
+from tests.sweeps.study_helpers import migrated_store
 
 TASK_SECTION = {"name": "digits", "model": "mlp", "args": {"width": 16}}
 
@@ -28,6 +29,17 @@ class TrialFiles:
 
     folder: Path
     cfg: TrainConfig
+
+
+_TRAINED: dict[str, TrialFiles] = {}
+
+
+def trained_digits(tmp_path_factory) -> TrialFiles:
+    """:func:`train_digits` once per test process, shared by the modules that read its files
+    (none writes into its folder)."""
+    if "digits" not in _TRAINED:
+        _TRAINED["digits"] = train_digits(tmp_path_factory.mktemp("trial"))
+    return _TRAINED["digits"]
 
 
 def train_digits(folder: Path) -> TrialFiles:
@@ -44,8 +56,7 @@ def trial_run(root: Path, files: TrialFiles, onnx: bytes | None = None) -> tuple
     ``onnx``: other bytes in place of its ``onnx/model.onnx``. Returns (store URI, reader, candidate)."""
     from mlflow.tracking import MlflowClient
 
-    root.mkdir(parents=True, exist_ok=True)
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = migrated_store(root) if not (root / "mlflow.db").exists() else f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     names = {e.name for e in client.search_experiments()}
     exp = client.get_experiment_by_name("promote-inputs").experiment_id if "promote-inputs" in names else \

@@ -36,6 +36,14 @@ def empty_mlflow_db() -> Path:
     return _TEMPLATE_DB
 
 
+def migrated_store(folder: Path, name: str = "mlflow.db") -> str:
+    """The URI of a real, empty MLflow SQLite store at ``folder/name``, copied from
+    :func:`empty_mlflow_db` (a store MLflow creates itself migrates its tables for seconds)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(empty_mlflow_db(), folder / name)
+    return f"sqlite:///{folder / name}"
+
+
 # The tiny digits-MLP study every CLI-level test (and benchmarks/common.tiny_spec) starts from.
 TINY_STUDY: dict = {
     "name": "tiny",

@@ -10,12 +10,12 @@ import pytest
 from core.tasks.digits import DigitsTask
 from core.tasks.inputs import InputRefused, InputSpec
 from sweeps.tracking.mlflow_adapter import fluent_uri
-from tests.sweeps.promoted_model import promote_logged, train_digits, trial_run
+from tests.sweeps.promoted_model import promote_logged, trained_digits, trial_run
 
 
 @pytest.fixture(scope="module")
 def trial_files(tmp_path_factory):
-    return train_digits(tmp_path_factory.mktemp("trial"))
+    return trained_digits(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,13 @@ from sweeps import trial
 from sweeps.trial_control import TrialControl
 from tests.core.helpers import fast_config
 from tests.core.test_forensics import _NanBackward
+from tests.sweeps.study_helpers import migrated_store
 
 
 def test_diverged_json_and_the_reason_land_in_the_trials_run(tmp_path):
     from sweeps.tracking import MlflowTracker, TrackingReader
 
-    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = MlflowTracker(migrated_store(tmp_path))
     run = tracker.start_run("trial-0000", experiment="t")
     reporter = trial.TrialReporter(tracker, run, "val_acc", TrialControl())
     result = train(_NanBackward(), fast_config(epochs=1, detect_anomaly=True), reporter=reporter,

@@ -1,8 +1,8 @@
 """A project folder moved (a real ``mv``) or copied after its study ran: every command run from
 the new place reads and writes the artifacts there, never in the folder it came from; run from
-another folder, commands say which path they expected and create nothing. The study and the
-commands after each move run in processes of their own, as they would for a user: the move
-happens between processes."""
+another folder, commands say which path they expected and create nothing. The study runs in a
+process of its own and the move happens after it has exited; the commands after each move run
+in this process, which never opened the project at its old path."""
 from __future__ import annotations
 
 import re
@@ -31,7 +31,7 @@ def test_a_moved_project_reads_and_writes_its_artifacts_where_they_are_now(tmp_p
     assert done.returncode == 0, done.stderr
     subprocess.run(["mv", str(first), str(moved)], check=True)
 
-    report = run_cli(moved, "report", "mv_study.yaml")
+    report = cli_in_process(moved, "report", "mv_study.yaml")
     assert report.returncode == 0, report.stderr
     assert not first.exists()  # nothing written into the old absolute path
     assert (moved / "runs" / "mv_study" / "report.html").is_file()
@@ -39,22 +39,22 @@ def test_a_moved_project_reads_and_writes_its_artifacts_where_they_are_now(tmp_p
     assert "was moved: its artifact locations named" in report.stderr  # it says what it changed
     assert all(str(moved) in loc for loc in _locations(moved))
 
-    dry = run_cli(moved, "promote", "mv_study.yaml", "--dry-run")
+    dry = cli_in_process(moved, "promote", "mv_study.yaml", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     [trial0] = [r for r in mlflow_runs(moved, "mv_study") if r.data.tags.get("sweeps.trial_number") == "0"]
     threads = re.match(r"cpu \((\d+) threads?\)", trial0.data.tags["sweeps.device"]).group(1)
-    rerun = run_cli(moved, "rerun", "mv_study.yaml", "--trial", "0", "--threads", threads)
+    rerun = cli_in_process(moved, "rerun", "mv_study.yaml", "--trial", "0", "--threads", threads)
     assert rerun.returncode == 0, rerun.stderr
     assert "bitwise equal" in rerun.stdout  # the original's config and curves were found
-    promote = run_cli(moved, "promote", "mv_study.yaml")
+    promote = cli_in_process(moved, "promote", "mv_study.yaml")
     assert promote.returncode == 0, promote.stderr + promote.stdout  # its checkpoint artifact was found
-    status = run_cli(moved, "status", "mv_study.yaml")
+    status = cli_in_process(moved, "status", "mv_study.yaml")
     assert status.returncode == 0 and "COMPLETE" in status.stdout
     assert not first.exists()
 
     # A copy (the original still in place) uses its own artifacts, not the original's.
     shutil.copytree(moved, copy)
-    again = run_cli(copy, "report", "mv_study.yaml")
+    again = cli_in_process(copy, "report", "mv_study.yaml")
     assert again.returncode == 0, again.stderr
     assert all(str(copy) in loc for loc in _locations(copy))
     assert all(str(moved) in loc for loc in _locations(moved))

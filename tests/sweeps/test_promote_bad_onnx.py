@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from sweeps.errors import ArtifactError
-from tests.sweeps.promoted_model import promote_logged, train_digits, trial_run
+from tests.sweeps.promoted_model import promote_logged, trained_digits, trial_run
 
 
 @pytest.fixture(scope="module")
 def trial_files(tmp_path_factory):
-    return train_digits(tmp_path_factory.mktemp("trial"))
+    return trained_digits(tmp_path_factory)
 
 
 def _refusal(trial_files, tmp_path, onnx: bytes) -> ArtifactError:

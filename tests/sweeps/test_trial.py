@@ -8,6 +8,7 @@ import pytest
 from sweeps import trial
 from sweeps.spec.load import spec_from_dict
 from sweeps.trial_control import TrialControl
+from tests.sweeps.study_helpers import migrated_store
 
 BASE = {
     "name": "t",
@@ -49,7 +50,7 @@ def test_a_resumed_run_logs_the_checkpoints_curves_only_into_a_fresh_run(tmp_pat
     and must not get them again, nor a donor's. Either way the pruner is not asked again."""
     from sweeps.tracking import MlflowTracker, TrackingReader
 
-    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = MlflowTracker(migrated_store(tmp_path))
     run = tracker.start_run("trial-0000", experiment="t")
     asked: list[int] = []
     control = TrialControl(should_prune=lambda epoch, value: asked.append(epoch) or False)

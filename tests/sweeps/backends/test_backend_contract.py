@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.sweeps.backends.conftest import (
+    ONE_THREAD,
     _pids_using,
     artifact_paths,
     mlflow_client,
@@ -29,6 +30,15 @@ from tests.sweeps.study_helpers import cli_in_process
 pytestmark = pytest.mark.slow
 
 LRS = [0.05, 0.3, 1.0e6]  # the last one diverges in its first epoch
+
+
+def _sweeps(backend: str):
+    """`sweeps` for a case whose subject is not the driver's process: an Optuna driver runs in
+    this process (its workers are processes all the same); a Ray driver in a process of its own,
+    Ray's state and signal handlers with it."""
+    if backend == "optuna":
+        return lambda cwd, *args, **env: cli_in_process(cwd, *args, **{**ONE_THREAD, **env})
+    return run_cli
 
 
 def _spec(tmp_path, backend):
@@ -48,7 +58,7 @@ def finished_study(request, tmp_path, monkeypatch):
     if backend == "ray":
         request.getfixturevalue("ray_tmp")
     spec_path = _spec(tmp_path, backend)
-    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet", timeout=900)
+    proc = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     monkeypatch.chdir(tmp_path)  # the spec's paths (runs/...) are relative to the working directory
     return backend, spec_path, proc
@@ -202,7 +212,7 @@ def test_a_study_whose_trials_all_fail_exits_non_zero_naming_each_cause(tmp_path
                             search={"task.width": {"type": "categorical", "choices": [EXIT_WIDTH, RAISE_WIDTH]}},
                             sampler={"name": "grid"}, budget={"n_trials": 2, "max_failures": 2},
                             resources={"devices": "cpu", "workers": 2 if backend == "ray" else 1})
-    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    proc = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
     assert "stopped: 2 trials failed in a row (budget.max_failures)" in out, out[-4000:]
@@ -240,7 +250,7 @@ def test_a_signal_to_the_driver_alone_mid_trial_exits_128_plus_it_and_the_study_
         assert len([c for c in children if c.data.tags.get("sweeps.state") == "COMPLETE"]) < 2
         assert not [c for c in children if c.info.status == "RUNNING"]
 
-    done = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    done = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     children = _no_run_running_and_no_step_twice(tmp_path, name)
     assert len([c for c in children if c.data.tags["sweeps.state"] == "COMPLETE"]) == 2
@@ -261,7 +271,7 @@ def test_a_study_resumed_after_a_driver_sigkill_mid_trial_logs_no_step_twice(tmp
     _after_a_driver_kill(backend, tmp_path)
     assert not _processes_left(backend, tmp_path), "a killed driver left processes behind"
 
-    done = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    done = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     children = _no_run_running_and_no_step_twice(tmp_path, name)
     complete = [c for c in children if c.data.tags["sweeps.state"] == "COMPLETE"]
@@ -287,7 +297,7 @@ def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed
                             budget={"n_trials": 2, "max_failures": 2, "trial_timeout": "30s"},
                             resources={"devices": "cpu", "workers": 1})
     env = {"HANG_MARKER": str(tmp_path / "hung-once")}
-    proc = run_cli(tmp_path, "run", str(spec_path), "--quiet", **env)
+    proc = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet", **env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == HANG_EXIT[backend], out[-4000:]
     children = _no_run_running_and_no_step_twice(tmp_path, name)
@@ -301,7 +311,7 @@ def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed
     assert "trial 0 failed: hung: no progress for" in out, out[-4000:]
     assert "retry 1 of" not in out, out[-4000:]
 
-    again = run_cli(tmp_path, "run", str(spec_path), "--quiet", **env)
+    again = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet", **env)
     assert again.returncode == HANG_EXIT[backend], again.stdout[-3000:] + again.stderr[-3000:]
     _, after = study_runs(tmp_path, name)
     [still] = [c for c in after if c.info.run_id == failed.info.run_id]
@@ -328,7 +338,7 @@ def test_a_sigterm_while_the_driver_starts_or_ends_is_a_clean_stop(tmp_path, bac
     if when == "end":  # the summary was written before the study run was closed
         assert "summary/summary.json" in artifact_paths(mlflow_client(tmp_path), parents[0].info.run_id)
 
-    done = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    done = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     parents, children = study_runs(tmp_path, name)
     assert "RUNNING" not in [p.info.status for p in parents]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sweeps.study_helpers import migrated_store
+
 FAST_HTTP_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
@@ -35,10 +37,9 @@ class Store:
         from mlflow.tracking import MlflowClient
 
         self.root = root
-        self.uri = f"sqlite:///{root / 'mlflow.db'}"
+        self.uri = migrated_store(root)  # the schema already made: a fresh store per test costs no migration
         self.artifact_root = root / "artifacts"
         self.client = MlflowClient(tracking_uri=self.uri)
-        self.client.search_experiments(max_results=1)  # create the schema now, once
 
     def experiment_name(self) -> str:
         return f"exp-{uuid.uuid4().hex[:10]}"

@@ -11,6 +11,7 @@ from mlflow.protos.databricks_pb2 import BAD_REQUEST
 from mlflow.tracking import MlflowClient
 
 from sweeps.tracking.send import send_records
+from tests.sweeps.study_helpers import migrated_store
 
 DIGITS = [{"name": "digits-train", "source": "task:digits", "digest": "285ac81a", "context": "training",
            "profile": {"num_rows": 1437}}]
@@ -33,7 +34,7 @@ class _LosesTheRace:
 
 
 def test_a_dataset_logged_by_two_workers_at_once_is_an_input_of_both_runs(tmp_path):
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(migrated_store(tmp_path))
     exp = client.create_experiment("race", artifact_location=(tmp_path / "art").as_uri())
     mine, other = (client.create_run(exp).info.run_id for _ in range(2))
     racing = _LosesTheRace(client, other)
@@ -47,7 +48,7 @@ def test_a_dataset_logged_by_two_workers_at_once_is_an_input_of_both_runs(tmp_pa
 def test_the_collision_answered_by_a_tracking_server_is_tried_again_too(tmp_path):
     """Through an MLflow server the store's error arrives as the server's 400 answer, its text
     naming the driver's error: the same collision, tried again the same way."""
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(migrated_store(tmp_path))
     exp = client.create_experiment("race", artifact_location=(tmp_path / "art").as_uri())
     mine, other = (client.create_run(exp).info.run_id for _ in range(2))
 
