@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sweeps.tracking import TrackingReader
+from tests.reliability.hang_clock import clock_ahead_while_hung
 from tests.sweeps.study_helpers import ROOT, cli_in_process, load_study, mlflow_runs, write_spec
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +44,7 @@ def test_a_hanging_trial_is_stopped_failed_and_the_study_goes_on(tmp_path, monke
     spec = write_spec(tmp_path, name="hang", task={"name": None, "target": "fault_tasks:make_hang_task",
                                                    "model": "mlp", "args": {}},
                       budget={"n_trials": 1, "trial_timeout": "40s"})
+    clock_ahead_while_hung(monkeypatch, tmp_path, "hang", tmp_path / "hung-once", 40)
     proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=PYTHONPATH,
                    HANG_MARKER=str(tmp_path / "hung-once"))
     assert proc.returncode == 0, proc.stdout + proc.stderr

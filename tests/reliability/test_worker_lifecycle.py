@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from sweeps.backends import supervisor
-from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, run_cli, save_spec, start_cli, tiny_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, save_spec, start_cli, tiny_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DYING = "tests.reliability.dying_tasks:make_dying_task"
@@ -96,7 +96,7 @@ def test_a_signal_stops_a_trial_hanging_in_its_set_up_and_the_next_run_resumes(t
     assert failed.state.name == "FAIL" and f"stopped by {signum.name}" in failed.user_attrs["fail_reason"]
     assert [t.state.name for t in _trials(tmp_path)] == ["FAIL", "WAITING"]  # requeued
     _assert_nothing_running(tmp_path)
-    again = run_cli(tmp_path, "run", str(spec), "--quiet")  # the marker exists: no hang this time
+    again = cli_in_process(tmp_path, "run", str(spec), "--quiet")  # the marker exists: no hang this time
     assert again.returncode == 0, again.stdout + again.stderr
     assert [t.state.name for t in _trials(tmp_path)] == ["FAIL", "COMPLETE"]
 

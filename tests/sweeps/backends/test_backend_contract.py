@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.reliability.hang_clock import clock_ahead_while_hung
 from tests.sweeps.backends.conftest import (
     ONE_THREAD,
     _pids_using,
@@ -287,7 +288,8 @@ HANG_EXIT = {"optuna": 0, "ray": 1}
 
 
 @pytest.mark.slow
-def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed_into_the_hang(tmp_path, backend):
+def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed_into_the_hang(tmp_path, backend,
+                                                                                                monkeypatch):
     """The first trial hangs mid-epoch (tests/reliability/fault_tasks.py): budget.trial_timeout
     stops it and fails it with the reason; the other trials complete; the next run of the
     same command does not retry the hung trial into its hang."""
@@ -297,6 +299,8 @@ def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed
                             budget={"n_trials": 2, "max_failures": 2, "trial_timeout": "30s"},
                             resources={"devices": "cpu", "workers": 1})
     env = {"HANG_MARKER": str(tmp_path / "hung-once")}
+    if backend == "optuna":  # its supervisor runs here: 30 s pass at once while the trial hangs
+        clock_ahead_while_hung(monkeypatch, tmp_path, name, tmp_path / "hung-once", 30)
     proc = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet", **env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == HANG_EXIT[backend], out[-4000:]
