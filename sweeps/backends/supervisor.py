@@ -148,7 +148,9 @@ class Supervisor:
                     for w in list(self.workers):
                         if w.proc.poll() is not None and not w.handled:
                             self._handle_exit(w)
-                    if not any(w.proc.poll() is None for w in self.workers):
+                    # Only handled ones: a worker that exits after the look above is handled (and
+                    # replaced) on the next round, not left with its trial when the loop ends.
+                    if all(w.handled for w in self.workers):
                         break
                     self.on_progress()
                 except StoreGone as exc:  # waited for as long as allowed: stop as on SIGTERM

@@ -40,6 +40,9 @@ class Dies:
 
     code: int
     before_a_trial: bool = False
+    # Exits right after a look of the supervisor found it running: between its look for exits and
+    # its look for a worker still alive, as a process may.
+    between_looks: bool = False
 
 
 class _Stdin:
@@ -69,13 +72,22 @@ class ScriptedWorker:
         self._workers, self._act, self._acted = workers, act, False
 
     def poll(self) -> int | None:
+        if isinstance(self._act, Dies) and self._act.between_looks and self._ready():
+            self._act_now()
+            return None  # this look saw it running; the next sees its exit
         return self.returncode
 
+    def _ready(self) -> bool:
+        return self.returncode is None and not self._acted and self.stdin.closed
+
+    def _act_now(self) -> None:
+        self._acted = True
+        go = WorkerGo.from_line(self.stdin.text)
+        self.returncode = self._workers.act(self, self._act, Path(go.beat_file))
+
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None and not self._acted and self.stdin.closed:
-            self._acted = True
-            go = WorkerGo.from_line(self.stdin.text)
-            self.returncode = self._workers.act(self, self._act, Path(go.beat_file))
+        if self._ready():
+            self._act_now()
         if self.returncode is None:
             time.sleep(min(timeout or 0.05, 0.05))  # a hung worker: the supervisor's loop goes round
         if self.returncode is None:

@@ -53,6 +53,20 @@ def test_a_worker_that_dies_in_a_trial_fails_it_with_the_true_cause_and_the_stud
     _assert_nothing_running(supervisor)
 
 
+def test_a_worker_that_exits_between_the_supervisors_looks_is_handled_and_replaced(tmp_path):
+    """The last live worker exits after the supervisor's look for exits found it running and
+    before its look for a worker still alive: its exit is still handled (the true cause, the
+    requeue) and a fresh worker finishes the study, instead of the loop ending with the trial
+    failed as if its worker had died before it began."""
+    supervisor, workers = supervised(tmp_path, [Dies(3, between_looks=True)], budget={"n_trials": 2, "max_failures": 3})
+    assert supervisor.run(ONE_SLOT) == ("", 0)
+    [failed] = [t for t in supervisor.study.trials if t.state.name == "FAIL"]
+    assert failed.user_attrs[ATTR_REASON] == "its worker process exited with code 3 in the middle of the trial"
+    assert sum(t.state.name == "COMPLETE" for t in supervisor.study.trials) == 2
+    assert len(workers.started) == 2
+    _assert_nothing_running(supervisor)
+
+
 def test_workers_that_die_in_every_trial_stop_the_study_with_a_non_zero_exit(tmp_path):
     supervisor, workers = supervised(tmp_path, [Dies(0)] * 5, budget={"n_trials": 3, "max_failures": 2})
     stopped, code = supervisor.run(ONE_SLOT)
