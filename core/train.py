@@ -27,8 +27,9 @@ from core.io_utils import save_json_atomic
 from core.members import Member, MemberBatches, build_members
 from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
+from core.pack_rules import config_problem
 from core.peak_memory import PeakMemory
-from core.population import MemberRun, PackError, Population, config_problem, stack_members
+from core.population import MemberRun, PackError, Population, stack_members
 from core.precision import Precision
 from core.profiling import StepProfiler, start_profiler
 from core.reporting import Decision, NullReporter, Reporter
@@ -101,7 +102,7 @@ def train_population(task: Task, runs: list[MemberRun], resume: bool = False) ->
 def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: list[Path | None], resume: bool,
            ctx: DistContext, profiler: StepProfiler | None) -> list[TrainResult]:
     # ---- set-up: the monitored metric must be the task's (checked before the model or data is built)
-    cfg = runs[0].cfg  # what every member shares (population.MEMBER_FIELDS may differ)
+    cfg = runs[0].cfg  # what every member shares (pack_rules.MEMBER_FIELDS may differ)
     problem = metric_problem(task, cfg.monitor, cfg.monitor_mode == "max", "train.monitor / train.monitor_mode")
     if problem:
         raise TaskError(problem)

@@ -1,0 +1,77 @@
+"""``resources.pack``: the spec's rules (fast) and a packed study end to end through `sweeps run`
+(slow): every member a whole trial, with its own Optuna trial, MLflow run, curves, checkpoint,
+ONNX export, logged model and pruning decision."""
+from __future__ import annotations
+
+import pytest
+
+from sweeps.errors import SpecError
+from sweeps.spec.load import spec_from_dict
+from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, tiny_spec, write_spec
+
+DIABETES = {"task": {"name": "diabetes", "model": "mlp", "args": {"width": 16}},
+            "train": {"epochs": 3, "batch_size": 32, "optimizer": "adamw", "scheduler": "cosine",
+                      "num_workers": 0, "export_onnx": True, "seed": 0},
+            "search": {"lr": {"type": "float", "low": 1e-3, "high": 3e-2, "log": True},
+                       "weight_decay": {"type": "float", "low": 1e-5, "high": 1e-2, "log": True}},
+            "objective": {"metric": "val_rmse", "direction": "minimize"}}
+
+
+def _spec(**overrides):
+    return spec_from_dict(tiny_spec("packed", **{**DIABETES, **overrides}))
+
+
+def test_pack_sizes():
+    assert _spec().resources.pack_size() == 1
+    assert _spec(resources={"pack": 4}).resources.pack_size() == 4
+    assert _spec(resources={"pack": "auto"}).resources.pack_size() == 16
+
+
+def test_pack_leaves_the_hash_of_a_spec_without_it():
+    plain = _spec()
+    assert plain.spec_hash() == _spec(resources={"pack": None}).spec_hash()
+    assert plain.spec_hash() != _spec(resources={"pack": 4}).spec_hash()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"resources": {"pack": 0}}, "resources.pack"),
+    ({"resources": {"pack": "many"}}, "use a number of trials trained together"),
+    ({"backend": "ray", "resources": {"pack": 4}}, "not supported on backend ray"),
+    ({"resources": {"pack": 4}, "train": {**DIABETES["train"], "profile": {}}}, "train.profile"),
+    ({"resources": {"pack": 4}, "train": {**DIABETES["train"], "distributed": {"nproc": 2}}}, "DDP"),
+    ({"resources": {"pack": 4}, "train": {**DIABETES["train"], "mixup_alpha": 0.2}}, "mixup"),
+])
+def test_what_pack_cannot_do_is_a_spec_error(overrides, words):
+    with pytest.raises(SpecError) as info:
+        _spec(**overrides)
+    assert words in str(info.value)
+    assert info.value.exit_code == 2
+
+
+@pytest.mark.slow
+def test_packed_study_keeps_every_trial_whole(tmp_path):
+    spec = write_spec(tmp_path, "packed", **DIABETES, budget={"n_trials": 6, "max_failures": 3},
+                      pruner={"name": "median", "warmup_epochs": 1}, resources={"pack": 4, "workers": 1})
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    study = load_study(tmp_path, "packed")
+    trials = study.trials
+    assert len(trials) == 6 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"}
+    packs = [t.user_attrs["pack"] for t in trials]
+    # Asked four at once, then the last two of the budget: two populations.
+    assert packs[0] == "packed with trials 1, 2, 3" and packs[4] == "packed with trials 5"
+    runs = {int(r.data.tags["sweeps.trial_number"]): r for r in mlflow_runs(tmp_path, "packed")
+            if r.data.tags.get("sweeps.role") == "trial"}
+    assert sorted(runs) == list(range(6))
+    for t in trials:
+        run = runs[t.number]
+        assert run.data.tags["sweeps.pack"] == t.user_attrs["pack"]
+        assert run.data.params["lr"] == str(t.params["lr"])
+        assert run.data.tags["sweeps.state"] == t.state.name
+        if t.state.name == "COMPLETE":
+            assert run.data.metrics["objective"] == pytest.approx(t.value)
+            assert run.data.tags["sweeps.onnx_parity_passed"] == "true"
+            assert (tmp_path / "runs" / "packed" / f"trial-{t.number:04d}" / "best.pt").exists()
+            assert "sweeps.model_id" in run.data.tags
+    # Each member has its own curves: the members differ (their own lr and weight decay).
+    assert len({round(runs[n].data.metrics["train_loss"], 6) for n in runs}) == 6
