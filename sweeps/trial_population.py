@@ -86,11 +86,11 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
             try:
                 if refused:
                     raise PackError(refused)
-                results = train_population(task, members, resume=True)
                 for k, (reporter, run) in enumerate(zip(reporters, runs, strict=True)):
                     note = f"packed with trials {', '.join(str(n) for n in numbers if n != numbers[k])}"
                     reporter.tracker.log(run, tags={TAG_PACK: note})
-                    on_pack(k, note)
+                    on_pack(k, note)  # said before training, so the live view shows it while they train
+                results = train_population(task, members, resume=True)
             except PackError as exc:  # raised before any step: each member trains alone, in its own run
                 results = _one_by_one(spec, trials, members, reporters, runs, str(exc), on_pack)
         return [_outcome(spec, result, run) for result, run in zip(results, runs, strict=True)]
