@@ -5,7 +5,7 @@ Arms, each one whole study end to end (start-up included), on the same trials:
 * ``sweeps run`` with ``resources.pack: 16`` (workers: auto);
 * ``sweeps run`` without pack (workers: auto), the same spec otherwise;
 * the plain script (``benchmarks/peers/task_script.py``): the task's own model, data, loss and
-  metrics in a hand loop, TPE and ``MlflowClient``, one trial at a time on every core.
+  metrics in a hand loop, TPE and ``MlflowClient``, one trial at a time (1 torch thread).
 
 Cases: (a) the diabetes MLP (width 64, 40 epochs, lr x weight decay, 64 trials), (b) the digits
 CNN, (c) the shapes U-Net; on a GPU also (d) ResNet-18 at CIFAR size on synthetic data, with the
@@ -131,7 +131,7 @@ def _arm(ctx: Context, case_name: str, case: dict, which: str, device: str, inde
                "task": case["task"], "epochs": case["epochs"], "batch_size": case["batch_size"],
                "optimizer": case["optimizer"], "search": {"lr": case["lr"], "weight_decay": case["weight_decay"]},
                "objective": case["objective"], "direction": case["direction"], "n_trials": case["n_trials"],
-               "seed": 0, "threads": ctx.options.get("script_threads", 2)}
+               "seed": 0, "threads": ctx.options.get("script_threads", 1)}
         (folder / "runs").mkdir(exist_ok=True)
         path = folder / "study.json"
         path.write_text(json.dumps(cfg))
@@ -188,7 +188,8 @@ def run(ctx: Context) -> dict:
             "summary": summary, "rows": rows, "details": {"runs": details, "gpu_cases": on_gpu},
             "notes": [f"One study per arm, end to end (start-up included); {repeats} round(s). Unpacked and packed "
                       "arms: `sweeps run` with workers: auto, the same spec but resources.pack; the plain script "
-                      "runs one trial at a time on 2 torch threads.",
+                      "runs one trial at a time on 1 torch thread (`--opt script_threads=N`): on 2 cores shared "
+                      "with other jobs, 2 threads made it several times slower.",
                       "Records: trial runs whose objective curve has every epoch; best: the best trial's objective "
                       "(its best epoch) in each arm.",
                       *([] if on_gpu else ["No GPU here: the ResNet-18 case (GPU utilisation per arm) was not run; "

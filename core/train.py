@@ -24,7 +24,7 @@ from core.faults import Fault, stop_here
 from core.finalize import finalize_run
 from core.forensics import record_divergence
 from core.io_utils import save_json_atomic
-from core.members import Member, MemberBatches, build_members
+from core.members import Member, MemberBatches, build_members, save_checkpoints
 from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.pack_rules import config_problem
@@ -123,11 +123,12 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
     criterion = task.make_loss(cfg)
     model, grads = stack_members(models, generators, backbone, task, loaders[cfg.seed], criterion, device,
                                  ctx.enabled)
-    ddp_model, fwd_model = _wrap(model, cfg, ctx, device)
     batches = MemberBatches(loaders, [r.cfg.seed for r in runs])
+    optimizers = [_build_optimizer(m, run.cfg, backbone, ctx.world_size) for m, run in zip(models, runs, strict=True)]
+    ddp_model, fwd_model = _wrap(model, cfg, ctx, device)  # after the optimizers: the same parameters
     members = []
-    for k, (run, reporter, out, member_model) in enumerate(zip(runs, reporters, outs, models, strict=True)):
-        optimizer = _build_optimizer(member_model, run.cfg, backbone, ctx.world_size)
+    for k, (run, reporter, out, member_model, optimizer) in enumerate(zip(runs, reporters, outs, models, optimizers,
+                                                                          strict=True)):
         scheduler, interval = build_scheduler(optimizer, run.cfg, optimizer_steps_per_epoch(micro_batches, accum))
         checkpoints = RunCheckpoints(out, run.owner, run.cfg, task, member_model, optimizer, scheduler, precision,
                                      ctx.is_main, generators[k] if len(runs) > 1 else None)
@@ -234,9 +235,11 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
 
         # ---- validate
         vals = _evaluate(fwd_model, val_loader, criterion, validating, device, precision, ctx)
+        epoch_metrics = []
         for m, val in zip(validating, vals, strict=True):
             metrics = _epoch_metrics(m.sums, m.train_time, val, m.steps.grad_norm, m.optimizer, precision, peak)
-            improved = m.run.record_epoch(epoch, metrics, cfg.monitor, cfg.monitor_mode)
+            m.improved = m.run.record_epoch(epoch, metrics, cfg.monitor, cfg.monitor_mode)
+            epoch_metrics.append(metrics)
 
             # ---- schedule, checkpoint, then report (a kill after the report still finds the checkpoint)
             if m.interval == "epoch":
@@ -244,7 +247,8 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
             elif m.interval == "plateau":
                 assert isinstance(m.scheduler, lr_scheduler.ReduceLROnPlateau)  # build_scheduler pairs them
                 m.scheduler.step(metrics[cfg.monitor])
-            m.checkpoints.save(m.run, epoch, best=improved)
+        save_checkpoints(validating, epoch)  # a population's members at once: each to its own folder
+        for m, metrics in zip(validating, epoch_metrics, strict=True):
             decision = ctx.agree(m.reporter.report_epoch(epoch, m.run.step, metrics), device)
             if decision is Decision.PRUNE:
                 m.stop = Stop("pruned", f"pruned after epoch {epoch} ({cfg.monitor}={metrics[cfg.monitor]:.6g})")

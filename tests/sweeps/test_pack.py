@@ -75,3 +75,51 @@ def test_packed_study_keeps_every_trial_whole(tmp_path):
             assert "sweeps.model_id" in run.data.tags
     # Each member has its own curves: the members differ (their own lr and weight decay).
     assert len({round(runs[n].data.metrics["train_loss"], 6) for n in runs}) == 6
+
+
+def _all_running_checkpointed(folder, name: str, n: int):
+    """The n RUNNING trials once each has a checkpoint (a durable state), else None."""
+    if not (folder / "runs" / f"{name}.journal").exists():
+        return None
+    try:
+        trials = load_study(folder, name).trials
+    except Exception:  # noqa: BLE001 - the journal may be mid-write while the study runs: poll again
+        return None
+    running = [t for t in trials if t.state.name == "RUNNING"
+               and (folder / t.user_attrs.get("out_dir", "/nonexistent") / "last.pt").exists()]
+    return running if len(running) == n else None
+
+
+@pytest.mark.slow
+def test_a_stopped_population_resumes_each_member_from_its_checkpoint(tmp_path):
+    import signal
+    import time
+
+    from tests.sweeps.study_helpers import run_cli, start_cli
+
+    wide = {**DIABETES, "task": {**DIABETES["task"], "args": {"width": 512}},
+            "train": {**DIABETES["train"], "epochs": 8, "export_onnx": False}}
+    spec = write_spec(tmp_path, "stopped", **wide, budget={"n_trials": 3, "max_failures": 3},
+                      resources={"pack": 3, "workers": 1})
+    proc = start_cli(tmp_path, "run", str(spec), "--quiet")
+    while not _all_running_checkpointed(tmp_path, "stopped", 3):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate()
+    assert proc.returncode == 143, out
+    failed = [t for t in load_study(tmp_path, "stopped").trials if t.state.name == "FAIL"]
+    assert len(failed) == 3 and all("interrupted" in t.user_attrs["fail_reason"] for t in failed)
+
+    again = run_cli(tmp_path, "run", str(spec), "--quiet")
+    assert again.returncode == 0, again.stdout + again.stderr
+    trials = load_study(tmp_path, "stopped").trials
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") is not None]
+    assert len(retries) == 3 and {t.state.name for t in retries} == {"COMPLETE"}
+    assert all(t.user_attrs["pack"].startswith("packed with trials") for t in retries)
+    runs = {int(r.data.tags["sweeps.trial_number"]): r for r in mlflow_runs(tmp_path, "stopped")
+            if r.data.tags.get("sweeps.role") == "trial"}
+    for t in retries:  # each member went on from its own checkpoint, its run holding the whole curve
+        run = runs[t.number]
+        assert int(run.data.tags["sweeps.resumed_from_epoch"]) >= 1
+        assert run.data.tags["sweeps.state"] == "COMPLETE"
