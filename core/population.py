@@ -11,7 +11,7 @@ draw them alone, its reporter, checkpoints and result. ``core.train`` runs the p
 through the same loop as a single run; a member that is pruned, diverges or is interrupted
 leaves it and the others go on.
 
-What a population cannot hold is refused before anything trains (:func:`pack_problem`), so the
+What a population cannot hold is refused before anything trains (:class:`PackError`), so the
 caller runs those members alone and says why (the rules on configs alone: core/pack_rules.py).
 """
 from __future__ import annotations

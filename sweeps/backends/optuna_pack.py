@@ -26,11 +26,13 @@ from sweeps.trial_control import TrialControl
 from sweeps.trial_population import run_population
 
 
-def ask_more(spec: StudySpec, study: optuna.Study, n_trials: int) -> list[optuna.Trial]:
+def ask_more(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int = 1) -> list[optuna.Trial]:
     """Called under the ask lock after the worker's first trial: up to ``pack - 1`` more, within
-    the budget, each named for this worker at once (as the first)."""
+    the budget and this worker's share of it (``pool`` workers started together: 16 trials on 2
+    workers are two populations of 8, not one of 16 and an idle worker), each named for this
+    worker at once (as the first)."""
     more = []
-    for _ in range(spec.resources.pack_size() - 1):
+    for _ in range(min(spec.resources.pack_size(), -(-n_trials // max(pool, 1))) - 1):
         if optuna_study.budget_left(study, n_trials) <= 0:
             break
         trial = study.ask()

@@ -148,7 +148,7 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
             if trial is not None:  # named at once: if this process dies, its supervisor finds the trial
                 trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker_name())
             # resources.pack: more trials asked at once, to train as populations (optuna_pack)
-            more = optuna_pack.ask_more(spec, study, n_trials) if trial is not None else []
+            more = optuna_pack.ask_more(spec, study, n_trials, go.pool if go else 1) if trial is not None else []
         if trial is None:
             # The budget is taken. On RDB storage another machine's trial may still die and be
             # requeued: stay until no trial runs, so someone is there to retry it (and so

@@ -123,3 +123,16 @@ def test_a_stopped_population_resumes_each_member_from_its_checkpoint(tmp_path):
         run = runs[t.number]
         assert int(run.data.tags["sweeps.resumed_from_epoch"]) >= 1
         assert run.data.tags["sweeps.state"] == "COMPLETE"
+
+
+@pytest.mark.parametrize("n_trials, pool, asked", [(16, 2, 8), (64, 2, 16), (5, 1, 5), (3, 4, 1)])
+def test_a_worker_asks_its_share_of_the_budget(n_trials, pool, asked):
+    import optuna
+
+    from sweeps.backends.optuna_pack import ask_more
+
+    study = optuna.create_study()
+    study.ask()  # the worker's first trial
+    more = ask_more(_spec(resources={"pack": 16}), study, n_trials, pool)
+    assert 1 + len(more) == asked
+    assert all(t.user_attrs["worker"] for t in more)
