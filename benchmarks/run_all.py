@@ -1,6 +1,6 @@
 """Run every benchmark and write ``benchmarks/results/<name>.json`` and ``benchmarks/RESULTS.md``.
 
-    python -m benchmarks.run_all                 # the full suite (make bench): < 40 min on 2 CPU cores
+    python -m benchmarks.run_all                 # the full suite (make bench): < 50 min on 2 CPU cores
     python -m benchmarks.run_all --quick         # tiny sizes, 1 repeat: checks every code path (~2 min)
     python -m benchmarks.run_all --only trainer_overhead,tracking_overhead
 
@@ -47,12 +47,14 @@ BENCHMARKS: dict[str, tuple[int, int, int]] = {
     "gpu": (8, 5, 120),
     "peers": (9, 900, 900),
     "thousand_trials": (10, 600, 300),
+    "packed": (11, 600, 400),
 }
 # Diagnostics: not in the default suite; run with --only NAME; shown in RESULTS.md when their JSON exists.
 OPTIONAL: dict[str, tuple[int, int, int]] = {"trainer_ladder": (1, 150, 120)}
-# The full suite ends within 40 minutes on 2 CPU cores, with 100 s of margin: the peer benchmark
-# (three studies five ways) has 900 s of its own, the study of 2,000 one-step trials 600 s.
-SUITE_BUDGET_S = 2300
+# The full suite ends within 50 minutes on 2 CPU cores, with 100 s of margin: the peer benchmark
+# (three studies five ways) has 900 s of its own, the study of 2,000 one-step trials 600 s, the
+# packed studies (three cases three ways) 600 s.
+SUITE_BUDGET_S = 2900
 GPU_LIMIT_S = 900  # gpu_check.py on a CUDA machine ("a few minutes"); on CPU the section is skipped at once
 
 
@@ -257,6 +259,19 @@ def _extra_section(r: dict) -> list[str]:
             out.append("| hand loop | 1 |")
     if r["name"] == "peers":
         out += _peers_section(r)
+    if r["name"] == "packed":
+        out += ["", "| case | arm | trials/min | wall s | whole records / trials | best objective | GPU util % |",
+                "|---|---|---|---|---|---|---|"]
+        for case, arms in (r.get("details", {}).get("runs") or {}).items():
+            for which, runs in arms.items():
+                for x in runs:
+                    if "error" in x:
+                        out.append(f"| {case} | {which} | failed: {_cell(x['error'].splitlines()[0][:150])} | | | | |")
+                        continue
+                    util = "-" if x.get("gpu_util_pct") is None else f"{x['gpu_util_pct']:.0f}"
+                    best = "-" if x.get("best") is None else f"{x['best']:.4g}"
+                    out.append(f"| {case} | {which} | {x['tpm']:.1f} | {x['wall_s']:.1f} | {x['records']} / "
+                               f"{x['trials']} | {best} | {util} |")
     if r["name"] == "orchestration":
         out += ["", "| backend | wall s | sum of trial_seconds | start-up s | extra in first trial s | "
                     "between trials s | shut-down s | overhead s/trial |", "|---|---|---|---|---|---|---|---|"]

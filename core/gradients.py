@@ -92,6 +92,12 @@ class StepGradients:
         per-step curve and the divergence check. A float on CPU, a device tensor on CUDA."""
         return self._norm(self._unpooled_grads())
 
+    def measure(self, limits: list[float | None], lanes: list[int]) -> list[torch.Tensor | float]:
+        """The loop's call for its one run (``limits``: its ``grad_clip``): the norm, clipped to the
+        limit when there is one (see ``core.population.StackedGradients`` for several runs)."""
+        (limit,) = limits
+        return [self.clip_(limit) if limit else self.norm()]
+
     def _unpooled_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.unpooled if p.grad is not None]
 

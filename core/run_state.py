@@ -68,11 +68,14 @@ class RunState:
 
 class RunCheckpoints:
     """The checkpoints of a run writing to ``out``: :meth:`restore` loads the latest into the
-    training objects, :meth:`save` writes them (on rank 0, when ``cfg.save_checkpoints``)."""
+    training objects, :meth:`save` writes them (on rank 0, when ``cfg.save_checkpoints``).
+    ``generator``: a population member's own random stream (core/population.py), saved and restored
+    where a run alone keeps the global one, so either can resume the other's checkpoint."""
 
     def __init__(self, out: Path | None, owner: str | None, cfg: TrainConfig, task: Task, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler, precision: Precision, is_main: bool) -> None:
-        self.out, self.owner, self.cfg, self.task = out, owner, cfg, task
+                 optimizer: torch.optim.Optimizer, scheduler, precision: Precision, is_main: bool,
+                 generator: torch.Generator | None = None) -> None:
+        self.out, self.owner, self.cfg, self.task, self.generator = out, owner, cfg, task, generator
         self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
         self.saving = out is not None and is_main and cfg.save_checkpoints
 
@@ -88,6 +91,8 @@ class RunCheckpoints:
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state["precision"])
         set_rng_state(state["rng"])
+        if self.generator is not None:
+            self.generator.set_state(_stream(state["rng"], self.generator.device))
         step_log = StepLog()
         step_log.load_state_dict(state.get("steps"))
         progress = state.get("progress")  # set when interrupted mid-epoch
@@ -105,9 +110,9 @@ class RunCheckpoints:
             return
         assert self.out is not None  # saving implies a folder
         state = {
-            "model": ckpt.strip_prefixes(ckpt.unwrap_model(self.model).state_dict()),
+            "model": ckpt.strip_prefixes(_own(ckpt.unwrap_model(self.model).state_dict())),
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "precision": self.precision.state_dict(), "rng": rng_state(),
+            "precision": self.precision.state_dict(), "rng": self._rng_state(),
             "epoch": epoch, "step": run.step, "best": run.best, "best_epoch": run.best_epoch,
             "history_json": json.dumps(run.history), "progress": progress,
             "config_json": json.dumps(self.cfg.to_dict()), "task_json": json.dumps(self.task.describe()),
@@ -116,3 +121,26 @@ class RunCheckpoints:
         ckpt.save_last(state, self.out)
         if best:
             ckpt.save_checkpoint(state, self.out / ckpt.BEST)
+
+    def _rng_state(self) -> dict:
+        state = rng_state()
+        if self.generator is not None:  # the member's stream stands where the global one would alone
+            device = self.generator.device
+            if device.type == "cpu":
+                state["torch"] = self.generator.get_state()
+            else:
+                state["cuda"] = list(state["cuda"])
+                state["cuda"][device.index or 0] = self.generator.get_state()
+        return state
+
+
+def _stream(rng: dict, device: torch.device) -> torch.Tensor:
+    """The saved state of ``device``'s stream in a checkpoint's RNG states."""
+    return rng["torch"] if device.type == "cpu" else rng["cuda"][device.index or 0]
+
+
+def _own(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with each tensor holding only its own memory: a population member's weights
+    are views of the members' stacked rows, and torch.save would write the whole storage."""
+    return {k: v.clone() if v.untyped_storage().nbytes() > v.numel() * v.element_size() else v
+            for k, v in state.items()}

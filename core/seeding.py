@@ -24,6 +24,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+def member_generator(device: torch.device, state: torch.Tensor | None = None) -> torch.Generator:
+    """A generator on ``device`` holding ``state``, or the global stream's state now (that device's
+    default generator): a member of a population draws its dropout masks from it, as its run alone
+    would draw them from the global stream (core/population.py)."""
+    generator = torch.Generator(device=device)
+    if state is None:
+        state = torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+    generator.set_state(state)
+    return generator
+
+
 def configure_determinism(enabled: bool) -> None:
     """Opt-in deterministic kernels. Costs speed on GPU, so it is off by default.
 

@@ -23,18 +23,19 @@ from core.distributed import DistContext, init_from_env, lr_scale_factor, shutdo
 from core.faults import Fault, stop_here
 from core.finalize import finalize_run
 from core.forensics import record_divergence
-from core.grad_checkpoint import checkpoint_blocks
-from core.gradients import StepGradients
 from core.io_utils import save_json_atomic
+from core.members import Member, MemberBatches, build_members, save_checkpoints
 from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
+from core.pack_rules import config_problem
 from core.peak_memory import PeakMemory
+from core.population import MemberRun, PackError, Population, stack_members
 from core.precision import Precision
 from core.profiling import StepProfiler, start_profiler
 from core.reporting import Decision, NullReporter, Reporter
 from core.results import Stop, TrainResult
 from core.run_state import RunCheckpoints, RunState
-from core.seeding import configure_determinism, seed_everything
+from core.seeding import configure_determinism
 from core.step_stats import StepReader, read_lag
 from core.tasks.base import Task, TaskError
 
@@ -60,17 +61,32 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     ``owner`` names the run in its checkpoints; resuming from a checkpoint of another owner
     (or of none, when one is given) raises CheckpointError before anything is trained.
     """
-    validate(cfg)
+    return train_population(task, [MemberRun(cfg, reporter, out_dir, owner)], resume)[0]
+
+
+def train_population(task: Task, runs: list[MemberRun], resume: bool = False) -> list[TrainResult]:
+    """Train several runs of ``task`` whose models have the same shapes as one population
+    (core/population.py), each run as :func:`train` would train it alone: its own reporter,
+    folder, checkpoints, pruning and result. One run is a plain run. A population the loop
+    cannot hold raises :class:`PackError` (with the reason) before anything is trained."""
+    cfgs = [run.cfg for run in runs]
+    for cfg in cfgs:
+        validate(cfg)
+    problem = config_problem(cfgs) if len(runs) > 1 else None
+    if problem:
+        raise PackError(problem)
+    cfg = cfgs[0]
     ctx = init_from_env(cfg.distributed.backend, cfg.device)
     # Only rank 0 talks to the outside; the others follow its broadcast decisions.
-    reporter = (reporter or NullReporter()) if ctx.is_main else NullReporter()
-    out = Path(out_dir) if out_dir is not None else None
-    if out is not None and ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+    reporters = [(run.reporter or NullReporter()) if ctx.is_main else NullReporter() for run in runs]
+    outs = [Path(run.out_dir) if run.out_dir is not None else None for run in runs]
+    for out in outs:
+        if out is not None and ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
     # train.profile: torch.profiler over a few steps (rank 0); None when unset, so no step pays for it.
-    profiler = start_profiler(cfg.profile, cfg.device, out, reporter) if ctx.is_main else None
+    profiler = start_profiler(cfg.profile, cfg.device, outs[0], reporters[0]) if ctx.is_main else None
     try:
-        result = _train(task, cfg, reporter, out, resume, owner, ctx, profiler)
+        results = _train(task, runs, reporters, outs, resume, ctx, profiler)
     except BaseException:
         shutdown(ctx)
         raise
@@ -80,69 +96,81 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     shutdown(ctx, completed=True)
     if ctx.is_main:
         stop_here(Fault.AFTER_TRAINING)  # tests: a kill after training, before the caller records anything
-    return result
+    return results
 
 
-def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, resume: bool,
-           owner: str | None, ctx: DistContext, profiler: StepProfiler | None) -> TrainResult:
+def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: list[Path | None], resume: bool,
+           ctx: DistContext, profiler: StepProfiler | None) -> list[TrainResult]:
     # ---- set-up: the monitored metric must be the task's (checked before the model or data is built)
+    cfg = runs[0].cfg  # what every member shares (pack_rules.MEMBER_FIELDS may differ)
     problem = metric_problem(task, cfg.monitor, cfg.monitor_mode == "max", "train.monitor / train.monitor_mode")
     if problem:
         raise TaskError(problem)
-    # Seed first, so model init and data order depend only on cfg.seed
     device = resolve_device(cfg.device, ctx)
     peak = PeakMemory(device)  # this run's own peak_mem_mb, not the worker process's (core/peak_memory.py)
-    seed_everything(cfg.seed)
     configure_determinism(cfg.deterministic)
     precision = Precision(cfg.precision, device)
-    model, backbone = _build_model(task, cfg, ctx, device)
+    # Each member seeded first, so its model init and data order depend only on its seed
+    models, backbone, generators, (train_ds, val_ds) = build_members(task, runs, ctx, device)
     backbone_params = list(backbone.parameters()) if backbone is not None else []
 
-    train_ds, val_ds = task.datasets()
     check_datasets(task, cfg, train_ds, val_ds)
-    train_loader = make_train_loader(train_ds, cfg, device, ctx, task.collate_fn)
+    loaders = {s: make_train_loader(train_ds, r.cfg, device, ctx, task.collate_fn)
+               for s, r in {r.cfg.seed: r for r in runs}.items()}  # one per data order (seed)
     val_loader = make_val_loader(val_ds, cfg, device, ctx, task.collate_fn)
-    micro_batches = len(train_loader)  # per epoch, at most max_steps_per_epoch (a stream may end sooner)
+    micro_batches = len(loaders[cfg.seed])  # per epoch, at most max_steps_per_epoch (a stream may end sooner)
     accum = cfg.grad_accum_steps
-    optimizer = _build_optimizer(model, cfg, backbone, ctx.world_size)
-    scheduler, sched_interval = build_scheduler(optimizer, cfg, optimizer_steps_per_epoch(micro_batches, accum))
-    ddp_model, fwd_model = _wrap(model, cfg, ctx, device)
     criterion = task.make_loss(cfg)
-    meter = ValidationMeter(task, device)  # val_loss and the task's metrics (val_<name>)
-    grads = StepGradients(list(model.parameters()), device, distributed=ctx.enabled)
+    model, grads = stack_members(models, generators, backbone, task, loaders[cfg.seed], criterion, device,
+                                 ctx.enabled)
+    batches = MemberBatches(loaders, [r.cfg.seed for r in runs])
+    optimizers = [_build_optimizer(m, run.cfg, backbone, ctx.world_size) for m, run in zip(models, runs, strict=True)]
+    ddp_model, fwd_model = _wrap(model, cfg, ctx, device)  # after the optimizers: the same parameters
+    members = []
+    for k, (run, reporter, out, member_model, optimizer) in enumerate(zip(runs, reporters, outs, models, optimizers,
+                                                                          strict=True)):
+        scheduler, interval = build_scheduler(optimizer, run.cfg, optimizer_steps_per_epoch(micro_batches, accum))
+        checkpoints = RunCheckpoints(out, run.owner, run.cfg, task, member_model, optimizer, scheduler, precision,
+                                     ctx.is_main, generators[k] if len(runs) > 1 else None)
+        # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, curves, mid-epoch progress
+        restored = checkpoints.restore(ctx.world_size) if resume else None
+        state = restored or RunState()
+        if restored is not None:
+            # The process that reported these may have died before they were stored, and this
+            # run may be tracked in a new place: hand them over before the first new step.
+            reporter.resumed(epoch_reports(state.history), state.step_log.reports())
+        if out is not None and ctx.is_main:
+            _write_config(out, run.cfg, task, reporter)
+        # Each step's numbers are read now (lag 0) or one step later (lag 1): core/step_stats.py.
+        steps = StepReader(read_lag(device, ctx.enabled), reporter, state.step_log, ctx, device,
+                           check_grad=not precision.tolerates_nonfinite_grads)
+        members.append(Member(k, run.cfg, reporter, out, member_model, optimizer, scheduler, interval, checkpoints,
+                              state, steps, ValidationMeter(task, device)))
 
-    # ---- resume: weights, optimizer, scheduler, scaler, RNG, counters, curves, mid-epoch progress
-    checkpoints = RunCheckpoints(out, owner, cfg, task, model, optimizer, scheduler, precision, ctx.is_main)
-    restored = checkpoints.restore(ctx.world_size) if resume else None
-    run = restored or RunState()
-    if restored is not None:
-        # The process that reported these may have died before they were stored, and this
-        # run may be tracked in a new place: hand them over before the first new step.
-        reporter.resumed(epoch_reports(run.history), run.step_log.reports())
-    if out is not None and ctx.is_main:
-        _write_config(out, cfg, task, reporter)
-
-    stop: Stop | None = None  # why the run ends early; None while it goes on
-    diverged: dict | None = None  # the divergence record, when the run diverged
-    # Each step's numbers are read now (lag 0) or one step later (lag 1): core/step_stats.py.
-    steps = StepReader(read_lag(device, ctx.enabled), reporter, run.step_log, ctx, device,
-                       check_grad=not precision.tolerates_nonfinite_grads)
     if profiler is not None:
         profiler.start()
-    for epoch in range(run.start_epoch, cfg.epochs + 1):
-        # ---- train one epoch
+    batch: tuple = ()
+    for epoch in range(min(m.run.start_epoch for m in members), cfg.epochs + 1):
+        # ---- train one epoch (each member from where it stands: all at once, unless resumed apart)
+        training = [m for m in members if m.stop is None and m.run.start_epoch <= epoch]
+        if all(m.stop is not None for m in members):
+            break
         for p in backbone_params:  # frozen for the first `freeze_backbone_epochs` epochs
             p.requires_grad_(epoch > cfg.freeze_backbone_epochs)
         grads.attach()
         model.train()
-        skip, (loss_sum, seen, train_time, grad_norm) = run.take_progress(ctx.is_main)
-        steps.start_epoch(epoch, run.step, loss_sum, seen, grad_norm)
+        for m in training:
+            m.skip, (loss_sum, seen, m.train_time, grad_norm) = m.run.take_progress(ctx.is_main)
+            m.steps.start_epoch(epoch, m.run.step, loss_sum, seen, grad_norm)
+            m.last_i = m.skip - 1  # the last micro-batch trained in this epoch
         t0 = time.perf_counter()
-        last_i = skip - 1  # the last micro-batch trained in this epoch
         # The order and augmentation of epoch k depend only on (seed, k); resuming mid-epoch, the
         # micro-batches trained before the interrupt are not fetched (a stream's are replayed).
-        for i, (x, y) in train_loader.epoch(epoch, start=skip):
-            last_i = i
+        for i, (x, y) in batches.epoch(epoch, start=min((m.skip for m in training), default=0)):
+            live = [m for m in training if m.stop is None and i >= m.skip]
+            if not live:  # resumed apart: the members ahead wait for the batch they stopped at
+                continue
+            batch = (x, y)
             group_start = (i // accum) * accum
             group_size = min(accum, micro_batches - group_start)  # the epoch's remainder group is smaller
             final_micro = i - group_start == group_size - 1
@@ -153,84 +181,94 @@ def _train(task: Task, cfg: TrainConfig, reporter: Reporter, out: Path | None, r
                     else contextlib.nullcontext())
             with sync:
                 with precision.autocast():
-                    loss = _forward(fwd_model, criterion, x, y, cfg.mixup_alpha)
+                    losses, total = _losses(fwd_model, criterion, batches, x, y, cfg.mixup_alpha, live)
                 if i == group_start:
-                    check_loss_value(task, loss)
+                    check_loss_value(task, losses[0])
                     grads.before_backward()
-                precision.backward(loss if group_size == 1 else loss / group_size)
-            steps.add(loss, y.shape[0])  # no .item(): read with the step
+                precision.backward(total if group_size == 1 else total / group_size)
+            for m, loss in zip(live, losses, strict=True):
+                m.last_i = i
+                m.steps.add(loss, batches.size(y))  # no .item(): read with the step
             if not final_micro:
                 continue
-            # ---- one optimizer step (after `group_size` micro-batches)
-            precision.unscale_(optimizer)  # clip and measure true gradients, not scaled ones
+            # ---- one optimizer step of each member (after `group_size` micro-batches)
+            for m in live:
+                precision.unscale_(m.optimizer)  # clip and measure true gradients, not scaled ones
             # Without clipping, only measure: clipping at infinity would still rescale every gradient by 1.0.
-            stop = steps.before_update(grads.clip_(cfg.grad_clip) if cfg.grad_clip else grads.norm())
-            if stop is None:  # the step read before the weights change was fine
-                precision.step(optimizer)
+            norms = grads.measure([m.cfg.grad_clip for m in live], [m.lane for m in live])
+            stepped = False
+            for m, norm in zip(live, norms, strict=True):
+                m.stop = m.steps.before_update(norm)
+                if m.stop is None:  # the step read before the weights change was fine
+                    precision.step(m.optimizer)
+                    stepped = True
+                    if m.interval == "step":
+                        m.scheduler.step()
+                    m.run.step += 1
+                    m.stop = m.steps.after_update(current_lr(m.optimizer))
+                if m.stop is not None:
+                    m.batch = batches.member_batch((x, y), m.lane)
+            if stepped:
                 grads.after_step()
-                if sched_interval == "step":
-                    scheduler.step()
-                run.step += 1
-                stop = steps.after_update(current_lr(optimizer))
                 if profiler is not None and not profiler.step():
                     profiler = None  # its schedule is done: the rest of the run pays nothing
-            if stop is not None:
+            if all(m.stop is not None for m in training):
                 break
-        stop = steps.finish_epoch() or stop  # lag 1: the epoch's last step is read only now
-        train_time += time.perf_counter() - t0
-        if stop is not None and stop.status == "diverged":
-            if ctx.is_main:  # diverged.json: what a practitioner needs to find why
-                stop, diverged = _record_divergence(stop, steps, last_i, (x, y), model, criterion, cfg,
-                                                    optimizer, precision, out, reporter)
-            break  # no checkpoint: the weights in memory may be spoiled
-        sums = ctx.all_reduce_sum([steps.loss_sum, steps.seen], device)
-        if stop is not None:  # interrupted mid-epoch: a resumed run continues at the next micro-batch
-            checkpoints.save(run, epoch, progress={"next_batch": last_i + 1, "world_size": ctx.world_size,
-                                                   "sums": (*sums, train_time), "grad_norm": steps.grad_norm})
-            break
+        elapsed = time.perf_counter() - t0
+        validating = []
+        for m in training:
+            m.stop = m.steps.finish_epoch() or m.stop  # lag 1: the epoch's last step is read only now
+            m.train_time += elapsed
+            if m.stop is not None and m.stop.status == "diverged":
+                if ctx.is_main:  # diverged.json: what a practitioner needs to find why
+                    m.stop, m.diverged = _record_divergence(
+                        m.stop, m.steps, m.last_i, m.batch or batches.member_batch(batch, m.lane), m.model,
+                        criterion, m.cfg, m.optimizer, precision, m.out, m.reporter)
+                continue  # no checkpoint: the weights in memory may be spoiled
+            m.sums = ctx.all_reduce_sum([m.steps.loss_sum, m.steps.seen], device)
+            if m.stop is not None:  # interrupted mid-epoch: a resumed run continues at the next micro-batch
+                m.checkpoints.save(m.run, epoch, progress={
+                    "next_batch": m.last_i + 1, "world_size": ctx.world_size, "sums": (*m.sums, m.train_time),
+                    "grad_norm": m.steps.grad_norm})
+                continue
+            validating.append(m)
 
         # ---- validate
-        val = _evaluate(fwd_model, val_loader, criterion, meter, device, precision, ctx)
-        metrics = _epoch_metrics(sums, train_time, val, steps.grad_norm, optimizer, precision, peak)
-        improved = run.record_epoch(epoch, metrics, cfg.monitor, cfg.monitor_mode)
+        vals = _evaluate(fwd_model, val_loader, criterion, validating, device, precision, ctx)
+        epoch_metrics = []
+        for m, val in zip(validating, vals, strict=True):
+            metrics = _epoch_metrics(m.sums, m.train_time, val, m.steps.grad_norm, m.optimizer, precision, peak)
+            m.improved = m.run.record_epoch(epoch, metrics, cfg.monitor, cfg.monitor_mode)
+            epoch_metrics.append(metrics)
 
-        # ---- schedule, checkpoint, then report (a kill after the report still finds the checkpoint)
-        if sched_interval == "epoch":
-            scheduler.step()
-        elif sched_interval == "plateau":
-            assert isinstance(scheduler, lr_scheduler.ReduceLROnPlateau)  # build_scheduler pairs them
-            scheduler.step(metrics[cfg.monitor])
-        checkpoints.save(run, epoch, best=improved)
-        decision = ctx.agree(reporter.report_epoch(epoch, run.step, metrics), device)
-        if decision is Decision.PRUNE:
-            stop = Stop("pruned", f"pruned after epoch {epoch} ({cfg.monitor}={metrics[cfg.monitor]:.6g})")
-            break
-        if decision is Decision.INTERRUPT:
-            stop = Stop("interrupted", f"interrupted after epoch {epoch}; checkpoint saved")
-            break
+            # ---- schedule, checkpoint, then report (a kill after the report still finds the checkpoint)
+            if m.interval == "epoch":
+                m.scheduler.step()
+            elif m.interval == "plateau":
+                assert isinstance(m.scheduler, lr_scheduler.ReduceLROnPlateau)  # build_scheduler pairs them
+                m.scheduler.step(metrics[cfg.monitor])
+        save_checkpoints(validating, epoch)  # a population's members at once: each to its own folder
+        for m, metrics in zip(validating, epoch_metrics, strict=True):
+            decision = ctx.agree(m.reporter.report_epoch(epoch, m.run.step, metrics), device)
+            if decision is Decision.PRUNE:
+                m.stop = Stop("pruned", f"pruned after epoch {epoch} ({cfg.monitor}={metrics[cfg.monitor]:.6g})")
+            if decision is Decision.INTERRUPT:
+                m.stop = Stop("interrupted", f"interrupted after epoch {epoch}; checkpoint saved")
 
-    # ---- end of run: the result, then (completed runs) evaluation and ONNX export of the best weights
-    result = _result(stop, run, cfg.batch_size * ctx.world_size * accum, precision.skipped_steps)
-    result.diverged = diverged
-    if out is not None and ctx.is_main:
-        result.checkpoint_last = out / ckpt.LAST if (out / ckpt.LAST).exists() else None
-        result.checkpoint_best = out / ckpt.BEST if (out / ckpt.BEST).exists() else None
-        if result.status == "completed":
-            finalize_run(task, cfg, model, val_ds, device, out, reporter, result)
-    return result
-
-
-def _build_model(task: Task, cfg: TrainConfig, ctx: DistContext,
-                 device: torch.device) -> tuple[nn.Module, nn.Module | None]:
-    """The task's model on ``device`` (BatchNorm synchronised across DDP ranks when asked), and its
-    pretrained backbone or None."""
-    model = task.build_model()
-    if task.checkpoint_blocks:  # gradient checkpointing of the task's named blocks, set once here
-        checkpoint_blocks(model, task.checkpoint_blocks, task.name)
-    if ctx.enabled and cfg.distributed.sync_batchnorm:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = model.to(device)
-    return model, task.backbone(model)
+    # ---- end of run: each result, then (completed runs) evaluation and ONNX export of the best weights
+    results = []
+    for m in members:
+        result = _result(m.stop, m.run, cfg.batch_size * ctx.world_size * accum, precision.skipped_steps)
+        result.diverged = m.diverged
+        out = m.out
+        if out is not None and ctx.is_main:
+            result.checkpoint_last = out / ckpt.LAST if (out / ckpt.LAST).exists() else None
+            result.checkpoint_best = out / ckpt.BEST if (out / ckpt.BEST).exists() else None
+            if result.status == "completed":
+                member_model = model.release(m.lane) if isinstance(model, Population) else m.model
+                finalize_run(task, m.cfg, member_model, val_ds, device, out, m.reporter, result)
+        results.append(result)
+    return results
 
 
 def _build_optimizer(model: nn.Module, cfg: TrainConfig, backbone: nn.Module | None,
@@ -312,17 +350,36 @@ def _forward(model: nn.Module, criterion, x: torch.Tensor, y: torch.Tensor, mixu
     return lam * criterion(output, y) + (1 - lam) * criterion(output, y[perm])
 
 
-def _evaluate(model: nn.Module, loader, criterion, meter: ValidationMeter, device: torch.device,
-              precision: Precision, ctx: DistContext) -> dict[str, float]:
-    """``val_loss`` (the task's loss, averaged over samples) and the task's metrics on ``loader``."""
+def _losses(model: nn.Module, criterion, batches: MemberBatches, x: torch.Tensor, y: torch.Tensor,
+            mixup_alpha: float, live: list[Member]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each live member's training loss on the micro-batch, and their sum (what backward takes:
+    the members' weights are apart, so each gets its own loss's gradient)."""
+    if not isinstance(model, Population):
+        loss = _forward(model, criterion, x, y, mixup_alpha)
+        return [loss], loss
+    lanes = [m.lane for m in live]
+    xs, ys = batches.for_lanes(x, y, lanes)
+    losses = model.losses(criterion, model(xs, lanes, batches.per_member), ys, batches.per_member)
+    return list(losses.unbind()), losses.sum()
+
+
+def _evaluate(model: nn.Module, loader, criterion, members: list[Member], device: torch.device,
+              precision: Precision, ctx: DistContext) -> list[dict[str, float]]:
+    """Each member's ``val_loss`` (the task's loss, averaged over samples) and the task's metrics on
+    ``loader``; a population's members are evaluated in one forward pass a batch."""
+    if not members:
+        return []
     model.eval()
-    meter.reset()
+    for m in members:
+        m.meter.reset()
+    lanes = [m.lane for m in members]
     with torch.inference_mode(), precision.autocast():
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            output = model(x)
-            meter.update(output, y, criterion(output.float(), y))
-    return meter.compute(lambda values: ctx.all_reduce_sum(values, device))
+            outputs = model(x, lanes) if isinstance(model, Population) else [model(x)]
+            for m, output in zip(members, outputs, strict=True):
+                m.meter.update(output, y, criterion(output.float(), y))
+    return [m.meter.compute(lambda values: ctx.all_reduce_sum(values, device)) for m in members]
 
 
 def _write_config(out: Path, cfg: TrainConfig, task: Task, reporter: Reporter) -> None:

@@ -59,6 +59,7 @@ class LiveView:
             k += t.state != "FAIL"
             if self.plain:
                 extra = f" ({t.reason})" if t.reason and t.state != "COMPLETE" else ""
+                extra += f" [{t.pack}]" if t.pack else ""  # resources.pack: trained with which trials, or why alone
                 print(f"trial {t.number} {t.state} {result.metric}={_fmt(t.value)} "
                       f"in {t.duration_s or 0:.1f}s [{k}/{self.spec.budget.n_trials}] "
                       f"{_fmt_params(t.params)}{extra}", flush=True)
@@ -77,13 +78,14 @@ class LiveView:
             f"  best {result.metric}={_fmt(best.value if best else None)}",
             f" (trial {best.number})" if best else "", f"  elapsed {elapsed:.0f}s  ETA {eta}")
         table = Table(show_header=True, header_style="bold", box=None)
-        for col in ("trial", "epoch", result.metric, "params"):
+        packing = self.spec.resources.pack_size() > 1
+        for col in ("trial", "epoch", result.metric, "params", *(("pack",) if packing else ())):
             table.add_column(col)
         for t in self._running(result):
             epoch = max(t.intermediate) if t.intermediate else 0
             value = t.intermediate.get(epoch) if t.intermediate else None
             table.add_row(str(t.number), f"{epoch}/{self.spec.resolved_train_config().epochs}", _fmt(value),
-                          _fmt_params(t.params))
+                          _fmt_params(t.params), *((t.pack,) if packing else ()))
         return Group(head, table)
 
     @staticmethod

@@ -219,7 +219,7 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, run
             else:
                 result = train(task, cfg, reporter=reporter, out_dir=trial.out_dir, resume=resume,
                                owner=trial.owner)
-        outcome = _outcome_of(result, run)
+        outcome = outcome_of(result, run)
         outcome.figures = figures
         if outcome.state == "COMPLETE":
             outcome.values = deploy_check.objective_values(spec, result.history, result.best_epoch, figures)
@@ -284,7 +284,7 @@ def finish_trial_run(tracker: Tracker, run: RunHandle, outcome: TrialOutcome,
     tracker.end_run(run, _MLFLOW_STATUS[outcome.state])
 
 
-def _outcome_of(result: TrainResult, run: RunHandle) -> TrialOutcome:
+def outcome_of(result: TrainResult, run: RunHandle) -> TrialOutcome:
     if result.status == "completed":
         return TrialOutcome("COMPLETE", result.best_metric, result.reason, run, result)
     if result.status == "pruned":

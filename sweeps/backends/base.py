@@ -24,6 +24,7 @@ class TrialRecord:
     values: list[float] | None = None  # every objective's value, in the spec's order (COMPLETE trials)
     figures: dict[str, float] = field(default_factory=dict)  # deployment figures (sweeps.deploy_check)
     rejected: bool = False  # PRUNED before training: its architecture violates a constraint
+    pack: str = ""  # resources.pack: "packed with trials ..." or "alone: why"
 
     def objective_values(self, metrics: list[str]) -> dict[str, float]:
         """``{metric: value}`` of the objectives, with the deployment figures (what --where reads)."""

@@ -111,7 +111,7 @@ def run_worker_pool(spec: StudySpec, overrides: dict, wait_s: float) -> int:
         return WorkerGo(spec_text=spec.text or "", spec_path=str(spec.path), study_name=study.study_name,
                         study_uid=uid, parent_run_id=parent.run_id, parent_experiment_id=parent.experiment_id,
                         parent_run_name=parent.name, since=since, deadline=None, slot=slot.index,
-                        threads=slot.threads, beat_file=str(beat), resources=overrides or None)
+                        threads=slot.threads, beat_file=str(beat), resources=overrides or None, pool=len(slots))
 
     log.warning("joining study %r with %d worker(s) on this machine: %s", study.study_name, len(slots),
                 ", ".join(f"slot {s.index} on {_devices_text(s)}" for s in slots))

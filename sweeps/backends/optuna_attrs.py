@@ -15,6 +15,7 @@ ATTR_RUN_ID = "mlflow_run_id"
 ATTR_WORKER = "worker"
 ATTR_REASON = "fail_reason"
 ATTR_BATCH_OVERRIDES = "train_overrides"
+ATTR_PACK = "pack"  # resources.pack: how the trial trained ("packed with trials ..." or "alone: why")
 ATTR_N_TRIALS = "n_trials"  # the budget as raised by sweeps run --add-trials, above the spec's
 ATTR_JUDGED_BY = "judged_by"  # training, objectives, constraints, deploy (sweeps.spec.objectives.judged_by)
 ATTR_STUDY_UID = "study_uid"  # a UUID made when the study is created: its identity beyond its name

@@ -156,7 +156,7 @@ class OptunaBackend:
             return WorkerGo(spec_text=spec.text or "", spec_path=str(spec.path), study_name=study.study_name,
                             study_uid=uid, parent_run_id=parent.run_id, parent_experiment_id=parent.experiment_id,
                             parent_run_name=parent.name, since=started, deadline=deadline,
-                            slot=slot.index, threads=slot.threads, beat_file=str(beat))
+                            slot=slot.index, threads=slot.threads, beat_file=str(beat), pool=len(slots))
 
         def on_progress() -> None:
             tracker.check_outage()  # the MLflow store away past its wait: the supervisor stops as on SIGTERM

@@ -31,6 +31,7 @@ from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.optuna_attrs import (
     ATTR_JUDGED_BY,
     ATTR_N_TRIALS,
+    ATTR_PACK,
     ATTR_PARENT_RUN,
     ATTR_REASON,
     ATTR_RUN_ID,
@@ -155,6 +156,7 @@ def record_of(t: FrozenTrial, direction: str = "maximize") -> TrialRecord:
         retry_of=t.system_attrs.get("failed_trial"),
         values=list(t.values) if t.state == TrialState.COMPLETE and t.values else None,
         figures=dict(t.user_attrs.get(ATTR_FIGURES) or {}), rejected=bool(t.user_attrs.get(ATTR_REJECTED)),
+        pack=str(t.user_attrs.get(ATTR_PACK, "")),
     )
 
 

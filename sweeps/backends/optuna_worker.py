@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -22,7 +24,7 @@ from optuna.trial import TrialState
 
 from core import faults
 from sweeps import deploy_check
-from sweeps.backends import optuna_adapter, optuna_attrs, optuna_recovery, optuna_storage, optuna_study
+from sweeps.backends import optuna_adapter, optuna_attrs, optuna_pack, optuna_recovery, optuna_storage, optuna_study
 from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
 from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.optuna_storage import ask_lock
@@ -145,6 +147,8 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
             trial = study.ask() if optuna_study.budget_left(study, n_trials) > 0 else None
             if trial is not None:  # named at once: if this process dies, its supervisor finds the trial
                 trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker_name())
+            # resources.pack: more trials asked at once, to train as populations (optuna_pack)
+            more = optuna_pack.ask_more(spec, study, n_trials, go.pool if go else 1) if trial is not None else []
         if trial is None:
             # The budget is taken. On RDB storage another machine's trial may still die and be
             # requeued: stay until no trial runs, so someone is there to retry it (and so
@@ -153,7 +157,10 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
                 signals.event.wait(_poll_seconds(study))
                 continue
             break
-        code = _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_file)
+        jobs = [prepare_trial(spec, study, t, tracker, parent, worker_index, signals, beat_file)
+                for t in [trial, *more]]
+        code = (optuna_pack.run_packed(spec, study, jobs, tracker, signals, _run_job, finish_trial) if more
+                else _run_job(spec, study, jobs[0], tracker, signals))
         if code is not None:
             return code
     return signals.exit_code()
@@ -164,7 +171,30 @@ def _poll_seconds(study: optuna.Study) -> float:
     return min(5.0, max(0.5, optuna_adapter.heartbeat_grace_seconds(study) / 4))
 
 
-def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_file) -> int | None:
+def _run_job(spec, study, job: TrialJob, tracker, signals) -> int | None:
+    alive = TrialAlive.start(study, optuna_adapter.trial_id_of(job.trial))
+    try:
+        outcome = run_trial(spec, job.spec_trial, job.control, tracker)
+    finally:
+        if alive is not None:
+            alive.stop()
+    return finish_trial(spec, study, job, outcome, tracker, signals)
+
+
+@dataclass
+class TrialJob:
+    """A trial taken from the study, ready to train (``sweeps.trial.run_trial``, or with others as a
+    population: ``optuna_pack``), and what telling its outcome needs."""
+
+    trial: optuna.Trial
+    spec_trial: TrialSpec
+    control: TrialControl
+    overrides: dict
+    beat: Callable[[], None]
+
+
+def prepare_trial(spec, study, trial, tracker, parent, worker_index, signals, beat_file) -> TrialJob:
+    """The trial's parameters, folder, tags and control (its pruning asks the study)."""
     params = ss.suggest(trial, optuna_study.effective_search(spec, study))
     retry_of = optuna_adapter.stored_trial(study, trial).system_attrs.get("failed_trial")
     if retry_of is not None:
@@ -183,13 +213,14 @@ def _run_one(spec, study, trial, tracker, parent, worker_index, signals, beat_fi
     beat = progress_beat(beat_file)
     if beat_file is None:  # on its own (`sweeps worker`): no supervisor watches the MLflow store for it
         beat = _watching_tracking(beat, tracker, signals)
-    alive = TrialAlive.start(study, optuna_adapter.trial_id_of(trial))
-    try:
-        outcome = _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides, uid, signals, beat)
-    finally:
-        if alive is not None:
-            alive.stop()
-    beat()
+    spec_trial, control = _trial_parts(parent, trial, params, out_dir, tags, overrides, uid, signals, beat)
+    return TrialJob(trial, spec_trial, control, overrides, beat)
+
+
+def finish_trial(spec, study, job: TrialJob, outcome, tracker, signals) -> int | None:
+    """Tell the study the trial's outcome; the worker's exit code when it must stop, else None."""
+    trial, overrides = job.trial, job.overrides
+    job.beat()
     try:
         if outcome.run is not None and tracker.store_run_id(outcome.run.run_id) != outcome.run.run_id:
             # Made during an MLflow outage and on the store since: the study names the store's run.
@@ -229,9 +260,8 @@ def _watching_tracking(beat, tracker, signals: _Signals):
     return beat_and_check
 
 
-def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides, uid, signals, beat):
-    """The trial's training (through ``run_trial``, the path every backend shares) with Optuna's
-    pruning."""
+def _trial_parts(parent, trial, params, out_dir, tags, overrides, uid, signals, beat):
+    """The trial's TrialSpec and its TrialControl, with Optuna's pruning."""
     several = len(trial.study.directions) > 1
 
     def should_prune(epoch: int, value: float) -> bool:
@@ -259,7 +289,7 @@ def _train_trial(spec, tracker, parent, trial, params, out_dir, tags, overrides,
         beat()
 
     control = TrialControl(signals.event, should_prune, beat, on_start)
-    return run_trial(spec, spec_trial, control, tracker)
+    return spec_trial, control
 
 
 def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, overrides: dict) -> bool:

@@ -36,6 +36,7 @@ class WorkerGo:
     # `sweeps worker --devices/--gpus-per-trial`: the resources fields its flags override (the
     # spec text stays the file's), so a trial holding K GPUs runs DDP over them as it would there.
     resources: dict | None = None
+    pool: int = 1  # the workers this one was started with: resources.pack leaves each its share of the budget
 
     def parent(self) -> RunHandle:
         """The study's MLflow run, as the trials' runs nest under it."""

@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from core.config import ConfigError, TrainConfig, apply_overrides, config_fields
 from core.metrics import LOOP_METRICS, declared_metrics
+from core.pack_rules import config_problem
 from sweeps.spec import search_space as ss
 from sweeps.spec.messages import BOOL_WORDS, did_you_mean, foreign, show, unwrap
 from sweeps.spec.model import BACKEND_PRUNERS, BACKEND_SAMPLERS, PrunerSection
@@ -241,6 +242,7 @@ def _resource_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Pro
         out.append((("resources", "gpus_per_trial"), f"{res.gpus_per_trial!r} is a GPU share but "
                                                      f"train.distributed.nproc = {cfg.distributed.nproc}; "
                                                      "DDP needs whole GPUs per process"))
+    _pack_problems(s, cfg, out)
     # What OptunaBackend._plan would refuse from the spec alone, so `sweeps validate` says it too.
     if s["backend"] != "optuna" or not isinstance(res.workers, int):
         return
@@ -255,6 +257,25 @@ def _resource_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Pro
         out.append((("storage",), f"{storage!r} is SQLite, which {res.workers} parallel workers would lock ('database "
                                   "is locked'); remove storage (a journal file) or use postgresql://..., "
                                   "or workers: 1"))
+
+
+def _pack_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Problem]) -> None:
+    """``resources.pack``: what a population cannot hold is refused here, not found trial by trial."""
+    res = s["resources"]
+    if res.pack is None or res.pack_size() == 1:
+        return
+    where = ("resources", "pack")
+    if s["backend"] == "ray":
+        out.append((where, f"{res.pack!r} is not supported on backend ray (Ray Tune hands each trial to its own "
+                           "actor, so trials cannot be trained together); remove it or use backend: optuna"))
+    if res.gpus_per_trial >= 2:
+        out.append((where, f"{res.pack!r} with gpus_per_trial {res.gpus_per_trial!r}: a trial on several GPUs runs "
+                           "DDP, one run over several processes; remove pack or use gpus_per_trial: 1"))
+    if cfg is None:
+        return
+    problem = config_problem([cfg])
+    if problem:
+        out.append((where, f"{res.pack!r} cannot pack these trials: {problem}; remove pack or that setting"))
 
 
 def _lr_finder_problems(s: dict[str, Any], out: list[Problem]) -> None:

@@ -20,7 +20,7 @@ def test_diverged_json_and_the_reason_land_in_the_trials_run(tmp_path):
     reporter = trial.TrialReporter(tracker, run, "val_acc", TrialControl())
     result = train(_NanBackward(), fast_config(epochs=1, detect_anomaly=True), reporter=reporter,
                    out_dir=tmp_path / "trial")
-    outcome = trial._outcome_of(result, run)
+    outcome = trial.outcome_of(result, run)
     trial.finish_trial_run(tracker, run, outcome)
 
     reader = TrackingReader(tracker.tracking_uri)

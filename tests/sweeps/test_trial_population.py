@@ -1,0 +1,91 @@
+"""run_population: members trained together are each a whole trial in its own run; a group the
+population refuses as it sets up trains one by one in the same runs, each saying why."""
+from __future__ import annotations
+
+from torch import nn
+
+from core.tasks.base import task
+from core.tasks.diabetes import DiabetesTask
+from sweeps.spec.load import spec_from_dict
+from sweeps.tracking.base import RunHandle
+from sweeps.trial import TrialSpec
+from sweeps.trial_control import TrialControl
+from sweeps.trial_population import TAG_PACK, run_population
+from tests.memory_tracker import MemoryTracker
+
+
+class RunsTracker:
+    """A MemoryTracker per run, so each member's params, points, tags and status stay apart."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, MemoryTracker] = {}
+
+    def start_run(self, run, *, experiment=None, parent=None, tags=None):
+        self.runs[str(run)] = MemoryTracker()
+        return self.runs[str(run)].start_run(run, experiment=experiment, parent=parent, tags=tags)
+
+    def __getattr__(self, name):
+        def call(run, *args, **kwargs):
+            return getattr(self.runs[run.run_id], name)(run, *args, **kwargs)
+        return call
+
+    def store_run_id(self, run_id):
+        return run_id
+
+
+class Flaky(nn.Module):
+    """A model whose forward branches on a weight's value: vmap cannot run it, so it cannot be packed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = DiabetesTask(width=8).build_model()
+
+    def forward(self, x):
+        return self.net(x) if float(self.net[0].weight.detach().sum()) > -1e9 else -self.net(x)
+
+
+@task
+class BranchingDiabetes(DiabetesTask):
+    def build_model(self):
+        return Flaky()
+
+
+def _spec(target: str | None = None):
+    task_section = {"target": target} if target else {"name": "diabetes", "model": "mlp"}
+    return spec_from_dict({"name": "p", "task": {**task_section, "args": {"width": 8}},
+                           "train": {"epochs": 2, "batch_size": 64, "num_workers": 0, "optimizer": "adamw"},
+                           "search": {"lr": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}},
+                           "objective": {"metric": "val_rmse", "direction": "minimize"},
+                           "resources": {"pack": 3}})
+
+
+def _run(spec, tmp_path):
+    tracker, notes = RunsTracker(), {}
+    trials = [TrialSpec(n, {"lr": lr}, tmp_path / f"trial-{n:04d}", RunHandle("study", "0", "study"), "optuna",
+                        owner=f"uid:trial-{n:04d}") for n, lr in enumerate([0.001, 0.01, 0.05])]
+    outcomes = run_population(spec, trials, [TrialControl() for _ in trials], tracker,
+                              on_pack=lambda k, note: notes.__setitem__(k, note))
+    return tracker, notes, outcomes
+
+
+def test_members_are_whole_trials_in_their_own_runs(tmp_path):
+    tracker, notes, outcomes = _run(_spec(), tmp_path)
+    assert [o.state for o in outcomes] == ["COMPLETE"] * 3
+    assert notes == {0: "packed with trials 1, 2", 1: "packed with trials 0, 2", 2: "packed with trials 0, 1"}
+    for n, outcome in enumerate(outcomes):
+        run = tracker.runs[f"trial-{n}"]
+        assert run.status == "FINISHED" and run.tags[TAG_PACK] == notes[n]
+        assert run.params["lr"] == [0.001, 0.01, 0.05][n]
+        epochs = [step for step, points in run.metrics if "val_rmse" in points]
+        assert epochs == [1, 2]
+        assert outcome.value == min(points["val_rmse"] for _, points in run.metrics if "val_rmse" in points)
+        assert (tmp_path / f"trial-{n:04d}" / "best.pt").exists()
+    assert len({o.value for o in outcomes}) == 3
+
+
+def test_a_model_vmap_refuses_trains_its_members_one_by_one(tmp_path):
+    tracker, notes, outcomes = _run(_spec(f"{__name__}:BranchingDiabetes"), tmp_path)
+    assert [o.state for o in outcomes] == ["COMPLETE"] * 3
+    for n in range(3):
+        assert notes[n].startswith("alone: the model does not run under torch.func.vmap")
+        assert tracker.runs[f"trial-{n}"].tags[TAG_PACK] == notes[n]
