@@ -24,9 +24,10 @@ from datetime import datetime
 from typing import Any, cast
 
 import optuna
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from sweeps.backends import optuna_adapter
+from sweeps.backends import optuna_adapter, optuna_recovery
 from sweeps.backends.base import StudyResult, TrialRecord
 from sweeps.backends.optuna_attrs import (
     ATTR_JUDGED_BY,
@@ -38,10 +39,11 @@ from sweeps.backends.optuna_attrs import (
     ATTR_SEARCH,
     ATTR_SPEC_HASH,
     ATTR_STUDY_UID,
+    MAX_RETRIES,
 )
 from sweeps.backends.optuna_sampler import make_pruner, make_sampler
 from sweeps.backends.optuna_storage import StorageUnreachableError, open_storage
-from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED
+from sweeps.deploy_check import ATTR_FIGURES, ATTR_REJECTED, constraint_values
 from sweeps.errors import BackendError, StudyStateError, cause_chain
 from sweeps.spec import search_space as ss
 from sweeps.spec.model import StudySpec
@@ -340,3 +342,50 @@ def _tables_missing(exc: BaseException) -> bool:
     texts = (f"{type(link).__name__} {link}".lower() for link in cause_chain(exc))
     return any("undefinedtable" in text or "no such table" in text or ("relation" in text and "does not exist" in text)
                or ("table" in text and "doesn't exist" in text) for text in texts)
+
+
+def record_outcome(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, overrides: dict) -> bool:
+    """Store the outcome in the study (and requeue what should be retried). Returns whether
+    the grid of search values is exhausted."""
+    if outcome.value is not None:
+        trial.set_user_attr("best_value", outcome.value)
+    if outcome.figures:
+        trial.set_user_attr(ATTR_FIGURES, outcome.figures)
+    # Before tell: tpe and gp read a finished trial's constraints (rejected ones are told PRUNED).
+    for key, value in constraint_values(spec.constraints, outcome.figures).items():
+        trial.set_constraint(key, value)
+    if outcome.rejected:
+        trial.set_user_attr(ATTR_REJECTED, True)
+    several = len(study.directions) > 1
+    if outcome.state == "COMPLETE" and several and outcome.values is None:
+        outcome.state, outcome.reason = "FAIL", "an objective has no value (NaN or not reported at the best epoch)"
+    if outcome.reason:
+        trial.set_user_attr(ATTR_REASON, outcome.reason)
+    if outcome.state == "COMPLETE":  # one path for one objective or several
+        return _tell(study, trial, values=outcome.values if several else outcome.value)
+    if outcome.state == "PRUNED":
+        return _tell(study, trial, state=TrialState.PRUNED)
+    if outcome.state == "INTERRUPTED":
+        trial.set_user_attr("interrupted", True)
+    exhausted = _tell(study, trial, state=TrialState.FAIL)
+    frozen = optuna_adapter.stored_trial(study, trial)
+    if outcome.state == "INTERRUPTED":
+        # Requeue the same parameters; the retry resumes from the checkpoint just saved.
+        RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)(study, frozen)
+    elif outcome.oom and spec.budget.oom_retry_smaller_batch and not overrides:
+        optuna_recovery.enqueue_smaller_batch(spec, study, frozen)
+    return exhausted
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, **kwargs) -> bool:
+    """``study.tell``; True when the sampler says the search space is exhausted.
+
+    GridSampler calls ``study.stop()`` after the last grid point, which Optuna only allows
+    inside ``optimize``; the trial's state is stored before that (in a ``finally``)."""
+    try:
+        study.tell(trial, **kwargs)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+        return True
+    return False

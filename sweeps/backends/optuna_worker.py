@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import IO
 
 import optuna
-from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from core import faults
-from sweeps import deploy_check
 from sweeps.backends import optuna_adapter, optuna_attrs, optuna_pack, optuna_recovery, optuna_storage, optuna_study
 from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
 from sweeps.backends.optuna_outage import StorageUnavailable
@@ -225,7 +223,7 @@ def finish_trial(spec, study, job: TrialJob, outcome, tracker, signals) -> int |
         if outcome.run is not None and tracker.store_run_id(outcome.run.run_id) != outcome.run.run_id:
             # Made during an MLflow outage and on the store since: the study names the store's run.
             trial.set_user_attr(optuna_attrs.ATTR_RUN_ID, tracker.store_run_id(outcome.run.run_id))
-        exhausted = _record(spec, study, trial, outcome, overrides)
+        exhausted = optuna_study.record_outcome(spec, study, trial, outcome, overrides)
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
         if not optuna_adapter.stored_trial(study, trial).state.is_finished():
             raise
@@ -290,53 +288,6 @@ def _trial_parts(parent, trial, params, out_dir, tags, overrides, uid, signals, 
 
     control = TrialControl(signals.event, should_prune, beat, on_start)
     return spec_trial, control
-
-
-def _record(spec: StudySpec, study: optuna.Study, trial: optuna.Trial, outcome, overrides: dict) -> bool:
-    """Store the outcome in the study (and requeue what should be retried). Returns whether
-    the grid of search values is exhausted."""
-    if outcome.value is not None:
-        trial.set_user_attr("best_value", outcome.value)
-    if outcome.figures:
-        trial.set_user_attr(deploy_check.ATTR_FIGURES, outcome.figures)
-    # Before tell: tpe and gp read a finished trial's constraints (rejected ones are told PRUNED).
-    for key, value in deploy_check.constraint_values(spec.constraints, outcome.figures).items():
-        trial.set_constraint(key, value)
-    if outcome.rejected:
-        trial.set_user_attr(deploy_check.ATTR_REJECTED, True)
-    several = len(study.directions) > 1
-    if outcome.state == "COMPLETE" and several and outcome.values is None:
-        outcome.state, outcome.reason = "FAIL", "an objective has no value (NaN or not reported at the best epoch)"
-    if outcome.reason:
-        trial.set_user_attr(optuna_attrs.ATTR_REASON, outcome.reason)
-    if outcome.state == "COMPLETE":  # one path for one objective or several
-        return _tell(study, trial, values=outcome.values if several else outcome.value)
-    if outcome.state == "PRUNED":
-        return _tell(study, trial, state=TrialState.PRUNED)
-    if outcome.state == "INTERRUPTED":
-        trial.set_user_attr("interrupted", True)
-    exhausted = _tell(study, trial, state=TrialState.FAIL)
-    frozen = optuna_adapter.stored_trial(study, trial)
-    if outcome.state == "INTERRUPTED":
-        # Requeue the same parameters; the retry resumes from the checkpoint just saved.
-        RetryHeartbeatStaleTrialCallback(max_retry=optuna_attrs.MAX_RETRIES)(study, frozen)
-    elif outcome.oom and spec.budget.oom_retry_smaller_batch and not overrides:
-        optuna_recovery.enqueue_smaller_batch(spec, study, frozen)
-    return exhausted
-
-
-def _tell(study: optuna.Study, trial: optuna.Trial, **kwargs) -> bool:
-    """``study.tell``; True when the sampler says the search space is exhausted.
-
-    GridSampler calls ``study.stop()`` after the last grid point, which Optuna only allows
-    inside ``optimize``; the trial's state is stored before that (in a ``finally``)."""
-    try:
-        study.tell(trial, **kwargs)
-    except RuntimeError as exc:
-        if "Study.stop" not in str(exc):
-            raise
-        return True
-    return False
 
 
 def spec_of(go: WorkerGo) -> StudySpec:
