@@ -14,6 +14,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+import torch
+
 from core.pack_rules import config_problem
 from core.population import MemberRun, PackError
 from core.results import TrainResult
@@ -82,7 +84,7 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
             for reporter in reporters:
                 if reporter.extras is not None:
                     reporter.extras.watch_datasets(task)
-            refused = config_problem(cfgs)
+            refused = config_problem(cfgs) or auto_problem(spec, task, cfgs[0])
             try:
                 if refused:
                     raise PackError(refused)
@@ -102,6 +104,27 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
         for reporter, run in zip(reporters, runs, strict=True):
             reporter.tracker.log(run, tags={"sweeps.traceback": traceback.format_exc()[-4000:]})
         return [TrialOutcome("FAIL", None, reason, run) for run in runs]
+
+
+def auto_problem(spec: StudySpec, task, cfg) -> str | None:
+    """Why ``resources.pack: auto`` leaves these trials unpacked, or None. Auto packs where packing
+    is measured to help (benchmarks/RESULTS.md, packed trials): not convolutional models on a CPU,
+    which train slower as one population (vmap runs the members' convolutions as one grouped
+    convolution, which CPU kernels run no faster than one after another). A number packs as told."""
+    if spec.resources.pack != "auto" or not _on_cpu(cfg.device):
+        return None
+    if any(isinstance(m, _CONVOLUTIONS) for m in task.build_model().modules()):
+        return ("resources.pack: auto leaves a convolutional model unpacked on a CPU, where its population "
+                "trains slower than its members one after another; set a number to pack it anyway")
+    return None
+
+
+def _on_cpu(device: str) -> bool:
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+_CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                 torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
 
 
 def _one_by_one(spec: StudySpec, trials: list[TrialSpec], members: list[MemberRun], reporters: list[TrialReporter],

@@ -27,6 +27,23 @@ def test_pack_sizes():
     assert _spec(resources={"pack": "auto"}).resources.pack_size() == 16
 
 
+_DIGITS = {"task": {"name": "digits", "model": "cnn", "args": {}},
+           "objective": {"metric": "val_acc", "direction": "maximize"}}
+
+
+@pytest.mark.parametrize("study, pack, unpacked", [(_DIGITS, "auto", True), (_DIGITS, 4, False), ({}, "auto", False)])
+def test_auto_packs_no_convolutional_model_on_a_cpu(study, pack, unpacked):
+    from sweeps.trial import trial_config
+    from sweeps.trial_population import auto_problem
+
+    spec = _spec(**study, resources={"pack": pack, "devices": "cpu"})
+    cfg = trial_config(spec, {"lr": 0.01, "weight_decay": 1e-4})
+    problem = auto_problem(spec, spec.make_task({}), cfg)
+    assert (problem is not None) == unpacked
+    if unpacked:
+        assert "convolutional model unpacked on a CPU" in problem and "set a number" in problem
+
+
 def test_pack_leaves_the_hash_of_a_spec_without_it():
     plain = _spec()
     assert plain.spec_hash() == _spec(resources={"pack": None}).spec_hash()
