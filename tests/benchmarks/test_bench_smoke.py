@@ -122,7 +122,7 @@ def test_stats_and_unknown_benchmark():
     assert s["q1"] <= s["median"] <= s["q3"]
     assert set(BENCHMARKS) == {"trainer_overhead", "tracking_overhead", "orchestration", "parallel",
                                "search_efficiency", "lr_finder", "onnx_latency", "gpu", "peers",
-                               "thousand_trials"}
+                               "thousand_trials", "packed"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--only", "nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown benchmark" in proc.stderr
