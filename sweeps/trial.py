@@ -179,7 +179,7 @@ def run_trial(spec: StudySpec, trial: TrialSpec, control: TrialControl, tracker:
                 tracker.log(run, tags={"sweeps.moved_aside": str(moved)})
             outcome = _train_trial(spec, trial, reporter, run)
     except Exception as exc:  # noqa: BLE001 - the folder cannot be had: the trial fails, saying why
-        outcome = TrialOutcome("FAIL", None, f"{type(exc).__name__}: {_first_line(exc)}", run)
+        outcome = TrialOutcome("FAIL", None, f"{type(exc).__name__}: {first_line(exc)}", run)
     finally:
         extras.system.stop()  # also when a BaseException leaves: no sampler outlives its trial
     extras.finish(trial.number, trial.params, outcome.result)
@@ -236,8 +236,8 @@ def _train_trial(spec: StudySpec, trial: TrialSpec, reporter: TrialReporter, run
     except Exception as exc:  # noqa: BLE001 - a failing trial is data, not a crash of the study
         oom = _is_oom(exc)
         full = describe_disk_full(exc, trial.out_dir)  # torch words a full disk as "unexpected pos"
-        reason = ("out of memory: " + _first_line(exc) if oom else full if full
-                  else f"{type(exc).__name__}: {_first_line(exc)}")
+        reason = ("out of memory: " + first_line(exc) if oom else full if full
+                  else f"{type(exc).__name__}: {first_line(exc)}")
         reporter.tracker.log(run, tags={"sweeps.traceback": traceback.format_exc()[-4000:]})
         if oom:
             _release_cuda_memory()
@@ -312,7 +312,8 @@ def _release_cuda_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An error's first line, at most 500 characters (its type when it says nothing)."""
     text = str(exc).strip()
     return text.splitlines()[0][:500] if text else type(exc).__name__
 

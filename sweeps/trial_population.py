@@ -29,6 +29,7 @@ from sweeps.trial import (
     TrialReporter,
     TrialSpec,
     finish_trial_run,
+    first_line,
     outcome_of,
     start_trial_run,
     trial_config,
@@ -60,7 +61,7 @@ def run_population(spec: StudySpec, trials: list[TrialSpec], controls: list[Tria
                     tracker.log(run, tags={"sweeps.moved_aside": str(moved)})
             outcomes = _train(spec, trials, reporters, runs, on_pack or (lambda _k, _note: None))
     except Exception as exc:  # noqa: BLE001 - a folder cannot be had: the trials fail, saying why
-        outcomes = [TrialOutcome("FAIL", None, f"{type(exc).__name__}: {_first_line(exc)}", run) for run in runs]
+        outcomes = [TrialOutcome("FAIL", None, f"{type(exc).__name__}: {first_line(exc)}", run) for run in runs]
     finally:
         for extra in extras:
             extra.system.stop()
@@ -100,7 +101,7 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
         reason = f"stopped by a signal ({exc.signum}) while the trials were setting up, before their first step"
         return [TrialOutcome("INTERRUPTED", None, reason, run) for run in runs]
     except Exception as exc:  # noqa: BLE001 - failing trials are data, not a crash of the study
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
         for reporter, run in zip(reporters, runs, strict=True):
             reporter.tracker.log(run, tags={"sweeps.traceback": traceback.format_exc()[-4000:]})
         return [TrialOutcome("FAIL", None, reason, run) for run in runs]
@@ -145,8 +146,3 @@ def _outcome(spec: StudySpec, result: TrainResult, run: RunHandle) -> TrialOutco
             missing = deploy_check.missing_objectives(spec, result.history, result.best_epoch, {})
             outcome.state, outcome.reason = "FAIL", f"no value of the objective {', '.join(missing)}"
     return outcome
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:500] if text else type(exc).__name__
