@@ -79,7 +79,8 @@ def peer_study(spec: dict, folder: Path) -> dict:
             "lr": {"low": search["lr"]["low"], "high": search["lr"]["high"]},
             "batch_sizes": search["batch_size"]["choices"],
             "pruner": {"name": spec["pruner"]["name"], "warmup_epochs": spec["pruner"].get("warmup_epochs", 0)},
-            "seed": spec["sampler"]["seed"], "n_startup_trials": spec["sampler"]["n_startup_trials"],
+            "sampler": spec["sampler"]["name"], "seed": spec["sampler"]["seed"],
+            "n_startup_trials": spec["sampler"]["n_startup_trials"],
             "momentum": train["momentum"], "weight_decay": train["weight_decay"], "grad_clip": train["grad_clip"],
             "val_fraction": spec["task"]["args"]["val_fraction"],
             "tracking_uri": f"sqlite:///{folder / 'mlflow.db'}", "out_dir": str(folder)}

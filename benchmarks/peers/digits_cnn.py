@@ -1,5 +1,5 @@
 """What every peer script shares, written once as a user would: the digits data in memory, the
-digits CNN, one epoch of SGD with OneCycle and gradient clipping, validation.
+digits CNN, the spec's sampler, one epoch of SGD with OneCycle and gradient clipping, validation.
 
 The model and the split are the project's own (``core.tasks.digits``: same architecture, same
 stratified split, read from the same cache ``sweeps`` uses), so every arm trains the same thing.
@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import optuna
 import torch
 from torch import nn
 
@@ -22,6 +23,15 @@ from core.tasks.digits_models import DigitsCNN
 def study_config(path: str) -> dict:
     """The study the peer runs: the JSON file bench_peers writes (see its ``peer_study``)."""
     return json.loads(Path(path).read_text())
+
+
+def sampler(study: dict, constant_liar: bool = False) -> optuna.samplers.BaseSampler:
+    """The spec's sampler (TPE or Optuna's GP), its seed and start-up trials: every arm searches
+    alike. Optuna's GP sampler has no constant-liar option (it fits completed trials only)."""
+    if study["sampler"] == "gp":
+        return optuna.samplers.GPSampler(seed=study["seed"], n_startup_trials=study["n_startup_trials"])
+    return optuna.samplers.TPESampler(seed=study["seed"], n_startup_trials=study["n_startup_trials"],
+                                      constant_liar=constant_liar)
 
 
 def load_data(val_fraction: float) -> tuple[torch.Tensor, ...]:

@@ -20,7 +20,7 @@ import torch
 from mlflow.entities import Metric
 from optuna_integration.mlflow import MLflowCallback
 
-from benchmarks.peers.digits_cnn import Training, load_data, study_config
+from benchmarks.peers.digits_cnn import Training, load_data, sampler, study_config
 
 
 def main() -> None:
@@ -65,8 +65,8 @@ def main() -> None:
 
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=study_cfg["pruner"]["warmup_epochs"])
               if study_cfg["pruner"]["name"] == "median" else optuna.pruners.NopPruner())
-    sampler = optuna.samplers.TPESampler(seed=study_cfg["seed"], n_startup_trials=study_cfg["n_startup_trials"])
-    study = optuna.create_study(study_name=study_cfg["name"], direction="maximize", sampler=sampler, pruner=pruner)
+    study = optuna.create_study(study_name=study_cfg["name"], direction="maximize", sampler=sampler(study_cfg),
+                                pruner=pruner)
     with mlflow.start_run(run_name=study_cfg["name"]):
         study.optimize(objective, n_trials=study_cfg["n_trials"], callbacks=[callback])
         mlflow.log_metric("best_val_acc", study.best_value)

@@ -1,8 +1,8 @@
 """Peer (b): the study as a competent user writes it with plain Optuna and ``MlflowClient``.
 
 A parent run for the study, a nested run per trial with its parameters, per-epoch metrics and
-per-step loss (one ``log_batch`` per epoch), the best checkpoint saved and logged; TPE with the
-spec's seed and start-up trials, the spec's pruner; ``--n-jobs N`` trials at once in threads,
+per-step loss (one ``log_batch`` per epoch), the best checkpoint saved and logged; the spec's
+sampler (TPE or GP) with its seed and start-up trials, the spec's pruner; ``--n-jobs N`` trials at once in threads,
 each with ``cpu_count // N`` torch threads.
 
     python -m benchmarks.peers.optuna_mlflow_script STUDY.json --n-jobs 2
@@ -19,7 +19,7 @@ import torch
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from benchmarks.peers.digits_cnn import Training, load_data, study_config
+from benchmarks.peers.digits_cnn import Training, load_data, sampler, study_config
 
 
 def main() -> None:
@@ -72,9 +72,8 @@ def main() -> None:
 
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=study_cfg["pruner"]["warmup_epochs"])
               if study_cfg["pruner"]["name"] == "median" else optuna.pruners.NopPruner())
-    sampler = optuna.samplers.TPESampler(seed=study_cfg["seed"], n_startup_trials=study_cfg["n_startup_trials"],
-                                         constant_liar=args.n_jobs > 1)
-    study = optuna.create_study(direction="maximize", sampler=sampler, pruner=pruner)
+    study = optuna.create_study(direction="maximize", sampler=sampler(study_cfg, constant_liar=args.n_jobs > 1),
+                                pruner=pruner)
     study.optimize(objective, n_trials=study_cfg["n_trials"], n_jobs=args.n_jobs)
     client.log_metric(parent, "best_val_acc", study.best_value)
     client.set_terminated(parent)

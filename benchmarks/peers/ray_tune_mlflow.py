@@ -1,7 +1,7 @@
 """Peer (d): the study with Ray Tune and MLflow (``ray.air.integrations.mlflow.setup_mlflow``).
 
-Ray Tune's Optuna searcher with the spec's TPE seed and start-up trials, Ray's median stopping
-rule for the median pruner (its stopped trials' runs are closed as KILLED by the driver), one
+Ray Tune's Optuna searcher with the spec's sampler (TPE or GP), seed and start-up trials, Ray's
+median stopping rule for the median pruner (its stopped trials' runs are closed as KILLED by the driver), one
 trial per CPU at a time (each with one torch thread). The rule pauses a trial while too few others
 have reached its epoch, so each epoch reports a Tune checkpoint (weights, optimizer, schedule, the
 MLflow run id) and a resumed trial continues in its run. Each trial calls ``setup_mlflow``, which
@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import mlflow
-import optuna
 import ray
 import torch
 from mlflow.entities import Metric
@@ -29,7 +28,7 @@ from ray.air.integrations.mlflow import setup_mlflow
 from ray.tune.schedulers import FIFOScheduler, MedianStoppingRule
 from ray.tune.search.optuna import OptunaSearch
 
-from benchmarks.peers.digits_cnn import Training, load_data, study_config
+from benchmarks.peers.digits_cnn import Training, load_data, sampler, study_config
 
 
 def trainable(config: dict, study_cfg: dict, parent: str) -> None:
@@ -83,8 +82,6 @@ def main() -> None:
     parent = client.create_run(exp_id, run_name=study_cfg["name"]).info.run_id
     cpus = os.cpu_count() or 1
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    sampler = optuna.samplers.TPESampler(seed=study_cfg["seed"], n_startup_trials=study_cfg["n_startup_trials"],
-                                         constant_liar=cpus > 1)
     space = {"lr": tune.loguniform(study_cfg["lr"]["low"], study_cfg["lr"]["high"]),
              "batch_size": tune.choice(study_cfg["batch_sizes"])}
     scheduler = (MedianStoppingRule(time_attr="training_iteration", grace_period=study_cfg["pruner"]["warmup_epochs"],
@@ -94,7 +91,8 @@ def main() -> None:
         tune.with_resources(tune.with_parameters(trainable, study_cfg=study_cfg, parent=parent), {"cpu": 1}),
         param_space=space,
         tune_config=tune.TuneConfig(metric="val_acc", mode="max", num_samples=study_cfg["n_trials"],
-                                    search_alg=OptunaSearch(sampler=sampler), scheduler=scheduler,
+                                    search_alg=OptunaSearch(sampler=sampler(study_cfg, constant_liar=cpus > 1)),
+                                    scheduler=scheduler,
                                     max_concurrent_trials=cpus),
         run_config=tune.RunConfig(name=study_cfg["name"], storage_path=str(out / "ray_results"), verbose=0),
     )
