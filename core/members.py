@@ -3,6 +3,7 @@
 and the batches each member's data order gives it."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,17 +52,26 @@ class Member:
     improved: bool = False  # its last epoch set a new best of the monitored metric
 
 
-def save_checkpoints(members: list[Member], epoch: int) -> None:
-    """Each member's checkpoint after ``epoch`` (``best.pt`` too where it improved). A population's
+class CheckpointWriter:
+    """Each member's checkpoint after an epoch (``best.pt`` too where it improved). A population's
     are written in threads: each file is fsynced, and a member's write waits on the disk, not on
     Python, so K members' writes overlap (16 small checkpoints in a third of the time one after
-    another, on this project's 2-core VM)."""
-    if len(members) <= 1:
-        for m in members:
-            m.checkpoints.save(m.run, epoch, best=m.improved)
-        return
-    with ThreadPoolExecutor(max_workers=min(len(members), 16)) as pool:
-        list(pool.map(lambda m: m.checkpoints.save(m.run, epoch, best=m.improved), members))
+    another, on this project's 2-core VM). The threads are started once for the run: starting 16
+    every epoch made the training thread wait for each to be scheduled, on a busy machine longer
+    than the writes."""
+
+    def __init__(self, n_members: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=min(n_members, 16), thread_name_prefix="checkpoints") \
+            if n_members > 1 else None
+        if self._pool is not None:  # the run's end (or its failure) lets the threads go
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+
+    def save(self, members: list[Member], epoch: int) -> None:
+        if self._pool is None or len(members) <= 1:
+            for m in members:
+                m.checkpoints.save(m.run, epoch, best=m.improved)
+            return
+        list(self._pool.map(lambda m: m.checkpoints.save(m.run, epoch, best=m.improved), members))
 
 
 class MemberBatches:

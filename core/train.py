@@ -24,7 +24,7 @@ from core.faults import Fault, stop_here
 from core.finalize import finalize_run
 from core.forensics import record_divergence
 from core.io_utils import save_json_atomic
-from core.members import Member, MemberBatches, build_members, save_checkpoints
+from core.members import CheckpointWriter, Member, MemberBatches, build_members
 from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.pack_rules import config_problem
@@ -147,6 +147,7 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
         members.append(Member(k, run.cfg, reporter, out, member_model, optimizer, scheduler, interval, checkpoints,
                               state, steps, ValidationMeter(task, device)))
 
+    writer = CheckpointWriter(len(members))
     if profiler is not None:
         profiler.start()
     batch: tuple = ()
@@ -247,7 +248,7 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
             elif m.interval == "plateau":
                 assert isinstance(m.scheduler, lr_scheduler.ReduceLROnPlateau)  # build_scheduler pairs them
                 m.scheduler.step(metrics[cfg.monitor])
-        save_checkpoints(validating, epoch)  # a population's members at once: each to its own folder
+        writer.save(validating, epoch)  # a population's members at once: each to its own folder
         for m, metrics in zip(validating, epoch_metrics, strict=True):
             decision = ctx.agree(m.reporter.report_epoch(epoch, m.run.step, metrics), device)
             if decision is Decision.PRUNE:
