@@ -161,7 +161,7 @@ def next_trials(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int) 
     could leave its retry WAITING."""
     rdb = optuna_adapter.heartbeat_enabled(study)
     if rdb:
-        optuna_recovery.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
+        optuna_recovery.fail_stale_trials(study, lambda: ask_lock(spec))  # a dead worker's trial is requeued
     with ask_lock(spec):
         left, running = optuna_study.budget_and_running(study, n_trials)
         if left <= 0:
