@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import optuna
 from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
@@ -43,8 +45,14 @@ class StaleTrialCallback:
         self._retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.close_runs(study, trial)
+        self.requeue(study, trial)
+
+    def close_runs(self, study: optuna.Study, trial: FrozenTrial) -> None:
         reason = trial.user_attrs.get(ATTR_REASON) or "worker heartbeat lost (the worker died); requeued"
         close_trial_runs(self._get_tracker(), study, trial, reason)
+
+    def requeue(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._retry(study, trial)
 
     def _get_tracker(self):
@@ -125,28 +133,41 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     return True
 
 
-def fail_stale_trials(study: optuna.Study) -> list[int]:
+def fail_stale_trials(study: optuna.Study, lock: Callable[[], AbstractContextManager] = nullcontext) -> list[int]:
     """``optuna.storages.fail_stale_trials``, with the reason recorded on each trial first:
     RUNNING trials whose worker has been silent for longer than the grace period are failed
     (once, whichever worker gets there first), then StaleTrialCallback closes their MLflow
-    runs and requeues them. Returns the numbers of the trials this call failed."""
+    runs and requeues them. Returns the numbers of the trials this call failed.
+
+    ``lock`` is the study's ask lock (``optuna_storage.ask_lock``), held from the FAILs to the
+    requeues: a worker that counted the budget in between would find a trial owed, take a new one
+    in the retry's place, and leave the retry WAITING past the budget."""
     if not optuna_adapter.heartbeat_enabled(study):
+        return []
+    stale = optuna_adapter.stale_trial_ids(study)
+    if not stale:
         return []
     storage = optuna_adapter.storage_of(study)
     grace = optuna_adapter.heartbeat_grace_seconds(study)
-    failed = []
-    for trial_id in optuna_adapter.stale_trial_ids(study):
-        worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
-        reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or cut "
-                  f"off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its last "
-                  "checkpoint")
-        if _set_failed(storage, trial_id, reason, interrupted=True):  # False: another worker failed it first
-            failed.append(trial_id)
     callback = optuna_adapter.stale_trial_callback(study)
-    for trial_id in failed:
-        if callback is not None:
-            callback(study, copy.deepcopy(storage.get_trial(trial_id)))
-    return [storage.get_trial(t).number for t in failed]
+    failed = []
+    with lock():
+        for trial_id in stale:
+            worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
+            reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or "
+                      f"cut off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its "
+                      "last checkpoint")
+            if _set_failed(storage, trial_id, reason, interrupted=True):  # False: another worker failed it first
+                failed.append(copy.deepcopy(storage.get_trial(trial_id)))
+        if isinstance(callback, StaleTrialCallback):
+            for trial in failed:
+                callback.requeue(study, trial)
+    for trial in failed:  # the MLflow store (away, perhaps) is not waited for with the lock held
+        if isinstance(callback, StaleTrialCallback):
+            callback.close_runs(study, trial)
+        elif callback is not None:
+            callback(study, trial)
+    return [t.number for t in failed]
 
 
 def enqueue_smaller_batch(spec: StudySpec, study: optuna.Study, failed: FrozenTrial) -> None:

@@ -216,8 +216,15 @@ def failures_in_a_row(study: optuna.Study, since: float) -> int:
 def budget_left(study: optuna.Study, n_trials: int) -> int:
     """Trials still to start: the total counts finished (COMPLETE, PRUNED) and running ones;
     FAIL does not count (its parameters are retried or replaced)."""
+    return budget_and_running(study, n_trials)[0]
+
+
+def budget_and_running(study: optuna.Study, n_trials: int) -> tuple[int, bool]:
+    """:func:`budget_left`, and whether a trial is RUNNING, from one read of the study: a running
+    trial failed and requeued between two reads would be counted in neither."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-    return n_trials - len(study.get_trials(deepcopy=False, states=states))
+    counted = study.get_trials(deepcopy=False, states=states)
+    return n_trials - len(counted), any(t.state == TrialState.RUNNING for t in counted)
 
 
 # ---- warm start and more budget ---------------------------------------------------------

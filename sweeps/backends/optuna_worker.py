@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import IO
 
 import optuna
-from optuna.trial import TrialState
 
 from core import faults
 from sweeps.backends import optuna_adapter, optuna_attrs, optuna_pack, optuna_recovery, optuna_storage, optuna_study
@@ -138,30 +137,39 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
             log.error("stopping: %d trials failed in a row (budget.max_failures=%d); see the reasons with "
                       "sweeps status %s", spec.budget.max_failures, spec.budget.max_failures, spec.path)
             return EXIT_MAX_FAILURES
-        rdb = optuna_adapter.heartbeat_enabled(study)
-        if rdb:
-            optuna_recovery.fail_stale_trials(study)  # a dead worker's trial is failed and requeued
-        with ask_lock(spec):
-            trial = study.ask() if optuna_study.budget_left(study, n_trials) > 0 else None
-            if trial is not None:  # named at once: if this process dies, its supervisor finds the trial
-                trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker_name())
-            # resources.pack: more trials asked at once, to train as populations (optuna_pack)
-            more = optuna_pack.ask_more(spec, study, n_trials, go.pool if go else 1) if trial is not None else []
-        if trial is None:
-            # The budget is taken. On RDB storage another machine's trial may still die and be
-            # requeued: stay until no trial runs, so someone is there to retry it (and so
-            # `sweeps run` summarises the study only once every trial has ended).
-            if rdb and study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        trials, stay = next_trials(spec, study, n_trials, go.pool if go else 1)
+        if not trials:
+            if stay:
                 signals.event.wait(_poll_seconds(study))
                 continue
             break
-        jobs = [prepare_trial(spec, study, t, tracker, parent, worker_index, signals, beat_file)
-                for t in [trial, *more]]
-        code = (optuna_pack.run_packed(spec, study, jobs, tracker, signals, _run_job, finish_trial) if more
+        jobs = [prepare_trial(spec, study, t, tracker, parent, worker_index, signals, beat_file) for t in trials]
+        code = (optuna_pack.run_packed(spec, study, jobs, tracker, signals, _run_job, finish_trial) if len(jobs) > 1
                 else _run_job(spec, study, jobs[0], tracker, signals))
         if code is not None:
             return code
     return signals.exit_code()
+
+
+def next_trials(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int) -> tuple[list[optuna.Trial], bool]:
+    """The trials this worker runs next, asked under the ask lock (more than one with
+    resources.pack, to train as a population: optuna_pack); none once the budget is taken, with
+    whether to stay. On RDB storage a trial still running on another machine may die and be
+    requeued: the worker stays while one runs, so someone is there to retry it (and `sweeps run`
+    summarises the study only once every trial has ended). The budget and the running trials are
+    one read: a trial failed and requeued between two reads would be neither, and every worker
+    could leave its retry WAITING."""
+    rdb = optuna_adapter.heartbeat_enabled(study)
+    if rdb:
+        optuna_recovery.fail_stale_trials(study, lambda: ask_lock(spec))  # a dead worker's trial is requeued
+    with ask_lock(spec):
+        left, running = optuna_study.budget_and_running(study, n_trials)
+        if left <= 0:
+            return [], rdb and running
+        trial = study.ask()
+        # Named at once: if this process dies, its supervisor finds the trial.
+        trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker_name())
+        return [trial, *optuna_pack.ask_more(spec, study, n_trials, pool)], True
 
 
 def _poll_seconds(study: optuna.Study) -> float:

@@ -239,7 +239,7 @@ class Supervisor:
                         "; requeued to resume from its last checkpoint" if w.requeue_on_kill else "")
         if self.stopping:
             return
-        if not orphans and code == 0:
+        if not orphans and code == 0 and not self._retry_waiting():
             return  # a clean end: the budget is taken, or the grid exhausted
         if not w.began_a_trial():
             self.early_deaths += 1
@@ -254,6 +254,14 @@ class Supervisor:
         if optuna_study.budget_left(self.study, self.spec.budget.n_trials) > 0:
             log.warning("a fresh worker takes slot %d", w.slot.index)
             self._start(w.slot)
+
+    def _retry_waiting(self) -> bool:
+        """A requeued trial WAITING that the budget has room for: a worker that left cleanly may
+        have looked between a dead trial's FAIL and its retry's enqueue (Optuna's stale-trial
+        check writes them one after the other), as may every other worker; its slot gets a
+        fresh worker, so the retry runs."""
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))) and (
+            optuna_study.budget_left(self.study, self.spec.budget.n_trials) > 0)
 
     def _fail_orphans(self) -> None:
         """Every worker has exited: on a journal study (this process holds its run lock) a trial

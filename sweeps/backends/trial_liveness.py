@@ -125,7 +125,7 @@ class StaleTrialMonitor:
         if self._study is None:
             storage = optuna_storage.open_storage(self.spec, create=False, pooled=False)
             self._study = optuna.load_study(study_name=self.study_name, storage=storage)
-        failed = fail_stale_trials(self._study)
+        failed = fail_stale_trials(self._study, lambda: optuna_storage.ask_lock(self.spec))
         for number in failed:
             log.warning("trial %d: its worker stopped sending heartbeats for more than %s s; failed as stale "
                         "and requeued", number, optuna_adapter.heartbeat_grace_seconds(self._study))

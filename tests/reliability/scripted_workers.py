@@ -17,7 +17,8 @@ from pathlib import Path
 import optuna
 from mlflow.tracking import MlflowClient
 
-from sweeps.backends import optuna_attrs, optuna_study
+from sweeps.backends import optuna_adapter, optuna_attrs, optuna_study
+from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.supervisor import Supervisor
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.slot_plan import WorkerSlot
@@ -31,6 +32,9 @@ from tests.sweeps.study_helpers import migrated_store, tiny_spec
 _PIDS = itertools.count(5_000_000)
 COMPLETE = "complete"  # takes trials until the budget is met, each COMPLETE; exits 0
 HANG = "hang"  # takes a trial and makes no progress until it is killed (SIGTERM included)
+# Takes a trial, which another worker's stale-trial check fails and requeues, and exits 0 with its
+# retry WAITING: a worker that looked for trials between the FAIL and the enqueue.
+LEAVES_A_RETRY = "leaves_a_retry"
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,11 @@ class ScriptedWorkers:
                 trial = self._begin(worker, beat)
                 MlflowClient(self.spec.tracking_store_uri()).set_terminated(trial.user_attrs[optuna_attrs.ATTR_RUN_ID])
                 self.study.tell(trial, 0.5)
+            return 0
+        if act == LEAVES_A_RETRY:
+            trial = self._begin(worker, beat)
+            recovery.fail_trial(self.study, optuna_adapter.stored_trial(self.study, trial), "heartbeat lost",
+                                requeue=True, tracking_uri=self.spec.tracking_store_uri(), interrupted=True)
             return 0
         if act == HANG:
             self._begin(worker, beat)

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from sweeps.backends.optuna_attrs import ATTR_REASON, ATTR_RUN_ID
 from sweeps.backends.supervisor import CRASH_LOOP
-from tests.reliability.scripted_workers import COMPLETE, HANG, ONE_SLOT, Dies, supervised
+from tests.reliability.scripted_workers import COMPLETE, HANG, LEAVES_A_RETRY, ONE_SLOT, Dies, supervised
 
 
 def _runs(spec) -> dict:
@@ -64,6 +64,19 @@ def test_a_worker_that_exits_between_the_supervisors_looks_is_handled_and_replac
     assert failed.user_attrs[ATTR_REASON] == "its worker process exited with code 3 in the middle of the trial"
     assert sum(t.state.name == "COMPLETE" for t in supervisor.study.trials) == 2
     assert len(workers.started) == 2
+    _assert_nothing_running(supervisor)
+
+
+def test_a_worker_that_exits_cleanly_with_a_retry_waiting_is_replaced_and_the_retry_runs(tmp_path):
+    """A worker exits 0 while a requeued trial waits and the budget has room for it (it looked for
+    trials between the dead trial's FAIL and its retry's enqueue, as every worker may have): its
+    slot gets a fresh worker, which runs the retry, instead of the study ending short of its budget."""
+    supervisor, workers = supervised(tmp_path, [LEAVES_A_RETRY], budget={"n_trials": 1, "max_failures": 3})
+    assert supervisor.run(ONE_SLOT) == ("", 0)
+    assert len(workers.started) == 2
+    [failed, retry] = supervisor.study.trials
+    assert failed.state.name == "FAIL" and retry.state.name == "COMPLETE"
+    assert retry.system_attrs["failed_trial"] == failed.number and retry.params == failed.params
     _assert_nothing_running(supervisor)
 
 
