@@ -67,6 +67,23 @@ def save_last(state: dict[str, Any], out_dir: Path) -> Path:
     return last
 
 
+def same_checkpoint(src: Path, path: Path, state: dict[str, Any]) -> None:
+    """``path`` holding what ``src`` (just written from ``state``) holds: a hard link to it, made
+    under a temporary name and renamed into place, so ``best.pt`` costs no second serialisation
+    and fsync each epoch it improves. Checkpoint files are only ever replaced, never rewritten in
+    place, so the two names cannot see each other's later writes. Where the filesystem has no
+    hard links, ``state`` is written again."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.link"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(src, tmp)
+    except OSError:
+        save_checkpoint(state, path)
+        return
+    os.replace(tmp, path)
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load with ``weights_only=True``: tensors and plain containers only. A file that
     carries a pickled Python object is refused, and its payload never runs."""

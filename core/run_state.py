@@ -118,9 +118,9 @@ class RunCheckpoints:
             "config_json": json.dumps(self.cfg.to_dict()), "task_json": json.dumps(self.task.describe()),
             "owner": self.owner, "steps": run.step_log.state_dict(),
         }
-        ckpt.save_last(state, self.out)
+        last = ckpt.save_last(state, self.out)
         if best:
-            ckpt.save_checkpoint(state, self.out / ckpt.BEST)
+            ckpt.same_checkpoint(last, self.out / ckpt.BEST, state)
 
     def _rng_state(self) -> dict:
         state = rng_state()

@@ -106,3 +106,29 @@ def test_a_kill_mid_checkpoint_leaves_the_previous_last_pt_intact_and_loadable(t
     env.pop("SWEEPS_FAULT")
     subprocess.run([sys.executable, "-c", _SAVE_EPOCH_2, str(tmp_path)], env=env, timeout=120, check=True)
     assert ckpt.load_checkpoint(tmp_path / ckpt.LAST)["epoch"] == 2
+
+
+def test_best_is_the_last_checkpoint_linked_and_keeps_its_epoch_after_later_saves(tmp_path):
+    first = {"epoch": 1, "w": torch.ones(3)}
+    last = ckpt.save_last(first, tmp_path)
+    ckpt.same_checkpoint(last, tmp_path / ckpt.BEST, first)
+    assert os.stat(tmp_path / ckpt.BEST).st_ino == os.stat(last).st_ino  # no second serialisation
+    ckpt.save_last({"epoch": 2, "w": torch.zeros(3)}, tmp_path)  # last.pt replaced, last.prev.pt rotated
+    ckpt.save_last({"epoch": 3, "w": torch.zeros(3)}, tmp_path)
+    best = ckpt.load_checkpoint(tmp_path / ckpt.BEST)
+    assert best["epoch"] == 1 and torch.equal(best["w"], torch.ones(3))
+    assert ckpt.load_checkpoint(tmp_path / ckpt.LAST)["epoch"] == 3
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary names left
+
+
+def test_best_is_written_again_where_the_filesystem_has_no_hard_links(tmp_path, monkeypatch):
+    state = {"epoch": 4, "w": torch.ones(2)}
+    last = ckpt.save_last(state, tmp_path)
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    ckpt.same_checkpoint(last, tmp_path / ckpt.BEST, state)
+    assert os.stat(tmp_path / ckpt.BEST).st_ino != os.stat(last).st_ino
+    assert ckpt.load_checkpoint(tmp_path / ckpt.BEST)["epoch"] == 4
