@@ -45,6 +45,9 @@ class Fault(_Point):
                           "sweeps.backends.journal_file: half a journal record on disk, then SIGKILL, the lock held")
     TRIAL_RUN_MADE = ("trial_run_made",
                       "sweeps.trial: SIGKILL once the trial's MLflow run is made, before the study records its id")
+    TRIAL_EPOCH_REPORTED = ("trial_epoch_reported",
+                            "sweeps.backends.optuna_worker: SIGKILL a worker once its trial's first epoch is "
+                            "checkpointed and reported to the study")
     CLI_UNEXPECTED_ERROR = ("cli_unexpected_error",
                             "sweeps.cli.main: raise a RuntimeError no command handles (the last-resort handler)")
     # A study's driver (``sweeps run``) hits itself, at the same moment on both backends: a trial has

@@ -275,6 +275,8 @@ def _trial_parts(parent, trial, params, out_dir, tags, overrides, uid, signals, 
             return False
         try:
             trial.report(value, epoch)
+            # tests: a worker dead mid-trial, its first epoch's checkpoint and report made
+            faults.stop_here(faults.Fault.TRIAL_EPOCH_REPORTED)
             control.hold_mid_trial()
             return trial.should_prune()
         except StorageUnavailable as exc:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sweeps.worker_identity import worker_identity
-from tests.scaleout.scaleout_helpers import Output, pg_study, running_trials, wait_for
+from tests.scaleout.scaleout_helpers import Output, pg_study, wait_for
 from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, run_cli, start_cli, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
@@ -23,7 +23,7 @@ ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
 
 def _spec(tmp_path: Path, url: str, name: str, **overrides) -> Path:
     shutil.copyfile(empty_mlflow_db(), tmp_path / "mlflow.db")  # already migrated: saves seconds per process
-    # Which worker draws which trial depends on timing: keep lr where even the wide MLP never diverges
+    # Which worker draws which trial depends on timing: keep lr where the MLP never diverges
     # (a diverged trial is PRUNED), so every trial completes whatever is sampled.
     search = {"lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}}
     return write_spec(tmp_path, name=name, storage=url, tracking={"uri": f"sqlite:///{tmp_path}/mlflow.db"},
@@ -84,33 +84,32 @@ def test_two_workers_and_sweeps_run_share_one_budget(tmp_path, fresh_db, spawned
 def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_resumed_by_another(tmp_path, fresh_db, spawned):
     url = fresh_db()
     beat = {"SWEEPS_HEARTBEAT_S": "2", "SWEEPS_GRACE_S": "5"}
-    # A wide MLP for 4 epochs: long enough to be killed after its first checkpoint.
-    spec = _spec(tmp_path, url, "dies", task={"args": {"width": 1024}}, train={"epochs": 4, "batch_size": 32},
-                 budget={"n_trials": 3})
-    victim = _start_waiting_worker(tmp_path, spec, spawned, **beat)
+    spec = _spec(tmp_path, url, "dies", budget={"n_trials": 3})  # 2 epochs: the retry has one left to train
+    # The victim SIGKILLs itself once its trial's first epoch is checkpointed and reported.
+    victim = _start_waiting_worker(tmp_path, spec, spawned, SWEEPS_FAULT="trial_epoch_reported", **beat)
     wait_for(lambda: "waiting up to" in victim.text(), timeout=120,
              what=lambda: f"the worker waiting for the study: {victim.text()}")
-    run_proc = start_cli(tmp_path, "run", str(spec), "--quiet", **ENV, **beat)
+    # `sweeps run`'s worker waits at the start of its first trial until the victim's trial is
+    # failed and requeued: the victim surely draws a trial, whichever process asks first, and the
+    # retry is there before the worker asks again.
+    gate = tmp_path / "run.go"
+    run_proc = start_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_HOLD_TRIAL=str(gate), **ENV, **beat)
     spawned.append(run_proc)
     run = Output(run_proc)
-
-    def victim_trial_with_checkpoint():
-        for t in running_trials(url):
-            if t.get("worker") == _worker_id(victim.proc) and (tmp_path / t.get("out_dir", "-") / "last.pt").exists():
-                return t
-        return None
-
-    killed = wait_for(victim_trial_with_checkpoint, timeout=240, every=0.05,
-                      what=lambda: f"a checkpointed trial of the worker: {victim.text()} {run.text()}")
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.finish(timeout=30)
+    code, out = victim.finish(timeout=400)
+    assert code == -signal.SIGKILL, out
+    wait_for(lambda: any(t.state.name == "WAITING" for t in pg_study(url, "dies").trials), timeout=300, every=0.2,
+             what=lambda: f"the dead trial failed and requeued: {run.text()}")
+    gate.touch()
     code, out = run.finish(timeout=400)
     assert code == 0, out
 
     study = pg_study(url, "dies")
-    trials = {t.number: t for t in study.trials}
-    dead = trials[killed["number"]]
-    assert dead.state.name == "FAIL" and "heartbeat" in dead.user_attrs["fail_reason"], dead.user_attrs
+    # (A retry inherits its failed attempt's user attributes until a worker takes it.)
+    [dead] = [t for t in study.trials if t.user_attrs.get("worker") == _worker_id(victim.proc)
+              and t.state.name == "FAIL"]
+    assert "heartbeat" in dead.user_attrs["fail_reason"], dead.user_attrs
+    assert list(dead.intermediate_values) == [1]  # killed mid-trial, its first epoch reported
     retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == dead.number]
     assert len(retries) == 1, [(t.number, t.state.name, t.system_attrs) for t in study.trials]
     retry = retries[0]
@@ -129,8 +128,8 @@ def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_resumed_by_another(tm
     assert dead_run.info.status == "FAILED" and "heartbeat" in dead_run.data.tags["sweeps.error"]
     [retry_run] = by_number[retry.number]
     steps = [m.step for m in client.get_metric_history(retry_run.info.run_id, "val_acc")]
-    assert steps == [1, 2, 3, 4], steps  # every epoch: those of its checkpoint are logged into the retry's run
-    assert int(retry_run.data.tags["sweeps.resumed_from_epoch"]) >= 1  # resumed, not trained from scratch
+    assert steps == [1, 2], steps  # every epoch: those of its checkpoint are logged into the retry's run
+    assert int(retry_run.data.tags["sweeps.resumed_from_epoch"]) == 1  # resumed, not trained from scratch
 
 
 def test_worker_without_a_study_says_what_to_run(tmp_path, fresh_db):
