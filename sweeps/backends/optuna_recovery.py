@@ -115,21 +115,30 @@ def _set_failed(storage: BaseStorage, trial_id: int, reason: str, interrupted: b
 
 
 def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, tracker=None,
-               tracking_uri: str | None = None, interrupted: bool = False) -> bool:
+               tracking_uri: str | None = None, interrupted: bool = False,
+               lock: Callable[[], AbstractContextManager] = nullcontext) -> bool:
     """Fail another process's RUNNING trial with a reason, close its MLflow run, and
     optionally requeue its parameters. ``interrupted``: stopped by the user or the timeout,
     not the trial's fault (it does not count toward budget.max_failures). Returns False,
     doing nothing, when the trial has already finished: on RDB storage a stale-trial check
-    (this process's monitor, or another machine's) may have failed and requeued it first."""
+    (this process's monitor, or another machine's) may have failed and requeued it first.
+
+    ``lock`` is the study's ask lock (``optuna_storage.ask_lock``), held from the FAIL to the
+    requeue, as :func:`fail_stale_trials` holds it: a worker that counted the budget in between
+    would take a new trial in the retry's place. The MLflow run is closed after it."""
     # Through the storage: the trial is another process's, so there is no Trial object to set it on.
     storage, trial_id = optuna_adapter.storage_of(study), optuna_adapter.trial_id_of(t)
-    if not _set_failed(storage, trial_id, reason, interrupted):
-        return False
-    frozen = storage.get_trial(trial_id)
+    callback = StaleTrialCallback(tracking_uri or "", tracker)
+    with lock():
+        if not _set_failed(storage, trial_id, reason, interrupted):
+            return False
+        frozen = storage.get_trial(trial_id)
+        if requeue:
+            callback.requeue(study, frozen)
     if requeue:
-        StaleTrialCallback(tracking_uri or "", tracker)(study, frozen)
+        callback.close_runs(study, frozen)
     elif tracker is not None or tracking_uri:
-        close_trial_runs(tracker or StaleTrialCallback(tracking_uri or "")._get_tracker(), study, frozen, reason)
+        close_trial_runs(tracker or callback._get_tracker(), study, frozen, reason)
     return True
 
 

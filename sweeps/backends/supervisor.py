@@ -23,7 +23,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from sweeps.backends import optuna_attrs, optuna_study, worker_forkserver
+from sweeps.backends import optuna_attrs, optuna_storage, optuna_study, worker_forkserver
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.driver import DriverSignals, max_failures_stop
 from sweeps.backends.trial_liveness import StaleTrialMonitor
@@ -233,7 +233,8 @@ class Supervisor:
         for t in orphans:
             interrupted = bool(self.stopping)  # stopped by the user or the timeout: not the trial's fault
             if not recovery.fail_trial(self.study, t, cause, requeue=w.requeue_on_kill,
-                                       tracking_uri=self.spec.tracking_store_uri(), interrupted=interrupted):
+                                       tracking_uri=self.spec.tracking_store_uri(), interrupted=interrupted,
+                                       lock=lambda: optuna_storage.ask_lock(self.spec)):
                 continue  # the stale-trial check failed and requeued it first
             log.warning("trial %d failed: %s%s", t.number, cause,
                         "; requeued to resume from its last checkpoint" if w.requeue_on_kill else "")

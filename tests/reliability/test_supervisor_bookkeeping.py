@@ -7,6 +7,7 @@ tested is what the supervisor does about their exit codes, not how a process get
 test_worker_lifecycle's, end to end)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -14,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from sweeps.backends import optuna_storage
 from sweeps.backends.optuna_attrs import ATTR_REASON, ATTR_RUN_ID
 from sweeps.backends.supervisor import CRASH_LOOP
 from tests.reliability.scripted_workers import COMPLETE, HANG, LEAVES_A_RETRY, ONE_SLOT, Dies, supervised
@@ -51,6 +53,25 @@ def test_a_worker_that_dies_in_a_trial_fails_it_with_the_true_cause_and_the_stud
     assert dead_run.info.status == "FAILED" and dead_run.data.tags["sweeps.error"] == cause
     assert len(workers.started) == 2  # a fresh worker took the slot
     _assert_nothing_running(supervisor)
+
+
+def test_a_dead_workers_trial_is_failed_and_requeued_under_the_ask_lock(tmp_path, monkeypatch):
+    """No worker can count the budget between the dead trial's FAIL and its retry's enqueue (it
+    would take a new trial in the retry's place and leave the retry WAITING): both happen while
+    the supervisor holds the study's ask lock, the one workers ask under."""
+    supervisor, _ = supervised(tmp_path, [Dies(-signal.SIGKILL)], budget={"n_trials": 2, "max_failures": 3})
+    real_lock, seen = optuna_storage.ask_lock, []
+
+    @contextlib.contextmanager
+    def watched(spec):
+        with real_lock(spec):
+            seen.append(("taken", sorted(t.state.name for t in supervisor.study.trials)))
+            yield
+            seen.append(("released", sorted(t.state.name for t in supervisor.study.trials)))
+
+    monkeypatch.setattr(optuna_storage, "ask_lock", watched)
+    assert supervisor.run(ONE_SLOT) == ("", 0)
+    assert seen == [("taken", ["RUNNING"]), ("released", ["FAIL", "WAITING"])]
 
 
 def test_a_worker_that_exits_between_the_supervisors_looks_is_handled_and_replaced(tmp_path):
