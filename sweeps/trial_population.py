@@ -59,7 +59,7 @@ def run_population(spec: StudySpec, trials: list[TrialSpec], controls: list[Tria
                     if trial.owner is not None else None
                 if moved is not None:
                     tracker.log(run, tags={"sweeps.moved_aside": str(moved)})
-            outcomes = _train(spec, trials, reporters, runs, on_pack or (lambda _k, _note: None))
+            outcomes = _train(spec, trials, reporters, runs, extras, on_pack or (lambda _k, _note: None))
     except Exception as exc:  # noqa: BLE001 - a folder cannot be had: the trials fail, saying why
         outcomes = [TrialOutcome("FAIL", None, f"{type(exc).__name__}: {first_line(exc)}", run) for run in runs]
     finally:
@@ -73,7 +73,7 @@ def run_population(spec: StudySpec, trials: list[TrialSpec], controls: list[Tria
 
 
 def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReporter], runs: list[RunHandle],
-           on_pack: Callable[[int, str], None]) -> list[TrialOutcome]:
+           extras: list[TrialExtras], on_pack: Callable[[int, str], None]) -> list[TrialOutcome]:
     """Build the task once and train the members together (or, refused, one after another)."""
     numbers = [t.number for t in trials]
     try:
@@ -82,9 +82,7 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
             cfgs = [trial_config(spec, t.params, t.overrides) for t in trials]
             members = [MemberRun(cfg, reporter, t.out_dir, t.owner)
                        for cfg, reporter, t in zip(cfgs, reporters, trials, strict=True)]
-            for reporter in reporters:
-                if reporter.extras is not None:
-                    reporter.extras.watch_datasets(task)
+            extras[0].watch_datasets(task, also=extras[1:])  # described once, logged to every member's run
             refused = config_problem(cfgs) or auto_problem(spec, task, cfgs[0])
             try:
                 if refused:

@@ -9,7 +9,7 @@ on the run (and logged as a warning), and the trial goes on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,42 +50,53 @@ class TrialExtras:
             pass
 
     # -- dataset inputs ----------------------------------------------------------------------
-    def watch_datasets(self, task: Any) -> None:
+    def watch_datasets(self, task: Any, also: Sequence[TrialExtras] = ()) -> None:
         """Log the datasets ``task.datasets()`` returns, when training asks for them: described
-        from the objects already built (``Task.describe_dataset``), so nothing is loaded twice."""
+        from the objects already built (``Task.describe_dataset``), so nothing is loaded twice.
+        ``also``: the other members of a population that trains on this task, whose runs get the
+        same description (made once, not once per member)."""
         original = task.datasets
 
         def datasets() -> Any:
             built = original()
             task.datasets = original  # once: the run's own data, not an LR finder's second look
-            self._log_datasets(task, built)
+            self._log_datasets(task, built, [self, *also])
             return built
 
         try:
             task.datasets = datasets  # an instance attribute: only this task object, this run
         except (AttributeError, TypeError) as exc:  # a task with __slots__ or a frozen dataclass
-            self._warn(TAG_DATASET_ERROR, "datasets not logged (the task object takes no attributes)", exc)
+            for extras in (self, *also):
+                extras._warn(TAG_DATASET_ERROR, "datasets not logged (the task object takes no attributes)", exc)
 
     def not_watched(self, why: str) -> None:
         """The datasets are built elsewhere (DDP ranks): said on the run instead of logged."""
         self.tracker.log(self.run, tags={TAG_DATASET_ERROR: f"datasets not logged: {why}"})
 
-    def _log_datasets(self, task: Any, built: Any) -> None:
+    def _log_datasets(self, task: Any, built: Any, runs: list[TrialExtras]) -> None:
         try:
-            described = []
+            described, missing = [], []
             for split, dataset in zip(("train", "val"), built, strict=True):
                 d = dict(task.describe_dataset(dataset, split))
                 if not d.get("digest"):
-                    self.tracker.log(self.run, tags={f"{TAG_DATASET_ERROR}.{split}": (
-                        f"no digest for the {split} dataset ({type(dataset).__name__}): the task's "
-                        "describe_dataset cannot tell its content cheaply; logged without one")})
+                    missing.append((split, type(dataset).__name__))
                     d["digest"] = "unknown"
                 d["context"] = CONTEXTS[split]
-                self.datasets[split] = d
                 described.append(d)
-            self.tracker.log_inputs(self.run, described)
         except Exception as exc:  # noqa: BLE001 - describing data is optional; training is not
-            self._warn(TAG_DATASET_ERROR, "datasets not logged", exc)
+            for extras in runs:
+                extras._warn(TAG_DATASET_ERROR, "datasets not logged", exc)
+            return
+        for extras in runs:
+            try:
+                for split, kind in missing:
+                    extras.tracker.log(extras.run, tags={f"{TAG_DATASET_ERROR}.{split}": (
+                        f"no digest for the {split} dataset ({kind}): the task's describe_dataset cannot tell "
+                        "its content cheaply; logged without one")})
+                extras.datasets.update({split: dict(d) for split, d in zip(("train", "val"), described, strict=True)})
+                extras.tracker.log_inputs(extras.run, [dict(d) for d in described])
+            except Exception as exc:  # noqa: BLE001 - describing data is optional; training is not
+                extras._warn(TAG_DATASET_ERROR, "datasets not logged", exc)
 
     # -- confusion matrix image --------------------------------------------------------------
     def confusion_image(self, matrix_json: Path, artifact_dir: str) -> None:

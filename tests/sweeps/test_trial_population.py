@@ -83,6 +83,19 @@ def test_members_are_whole_trials_in_their_own_runs(tmp_path):
     assert len({o.value for o in outcomes}) == 3
 
 
+def test_the_datasets_are_described_once_and_logged_to_every_members_run(tmp_path, monkeypatch):
+    described = []
+    real = DiabetesTask.describe_dataset
+    monkeypatch.setattr(DiabetesTask, "describe_dataset",
+                        lambda self, ds, split: described.append(split) or real(self, ds, split))
+    tracker, _, outcomes = _run(_spec(), tmp_path)
+    assert [o.state for o in outcomes] == ["COMPLETE"] * 3
+    assert described == ["train", "val"]  # once for the population, not once per member
+    inputs = [tracker.runs[f"trial-{n}"].tags["datasets"] for n in range(3)]
+    assert [[d["context"] for d in logged] for logged in inputs] == [["training", "validation"]] * 3
+    assert inputs[0] == inputs[1] == inputs[2]
+
+
 def test_a_model_vmap_refuses_trains_its_members_one_by_one(tmp_path):
     tracker, notes, outcomes = _run(_spec(f"{__name__}:BranchingDiabetes"), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
