@@ -13,11 +13,14 @@ methods) with them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import optuna
+import sqlalchemy
 from optuna.storages import BaseStorage, RDBStorage, _CachedStorage
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+from optuna.storages._rdb import models
 from optuna.storages.journal._file import LOCK_FILE_SUFFIX
 from optuna.storages.journal._storage import JournalOperation
 from optuna.trial import FrozenTrial
@@ -93,6 +96,33 @@ def stale_trial_ids(study: optuna.Study) -> list[int]:
     it was not the trial's fault) before the callback copies the trial into its retry, and must
     know which trials this process failed. Only heartbeat-enabled storages answer."""
     return _heartbeat_storage(study)._get_stale_trial_ids(study._study_id)
+
+
+def unbeaten_trial_ids(study: optuna.Study) -> list[int]:
+    """Storage ids of the study's RUNNING trials that never recorded a heartbeat and started more
+    than the grace period ago, by this machine's clock (the asking machine's wrote the start; Optuna
+    keeps it in UTC, in a column its model exposes only under a private name).
+
+    Optuna's stale check skips a trial without a heartbeat, so a worker that dies between asking a
+    trial and its first beat (a storage outage there stops it) leaves the trial RUNNING forever and
+    the study one trial short. The heartbeat table is not in Optuna's public API."""
+    storage, rdb = storage_of(study), rdb_of(storage_of(study))
+    if rdb is None or rdb.heartbeat_interval is None:
+        return []
+    cutoff = datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=heartbeat_grace_seconds(study))
+    if isinstance(storage, OutageTolerantStorage):
+        return storage.unbeaten_trial_ids(study._study_id, cutoff)
+    return _unbeaten(rdb, study._study_id, cutoff)
+
+
+def _unbeaten(rdb: RDBStorage, study_id: int, started_before: datetime) -> list[int]:
+    trial, beat = models.TrialModel, models.TrialHeartbeatModel
+    query = (sqlalchemy.select(trial.trial_id)
+             .outerjoin(beat, beat.trial_id == trial.trial_id)
+             .where(trial.study_id == study_id, trial.state == optuna.trial.TrialState.RUNNING,
+                    beat.trial_heartbeat_id.is_(None), trial._datetime_start_utc < started_before))
+    with rdb.engine.connect() as conn:
+        return [row[0] for row in conn.execute(query)]
 
 
 def stale_trial_callback(study: optuna.Study) -> Callable[[optuna.Study, FrozenTrial], None] | None:
@@ -197,6 +227,12 @@ class OutageTolerantStorage(BaseStorage, BaseHeartbeat):
         if self.outage.quiet_for(grace):
             return []
         return self._call("_get_stale_trial_ids", study_id)
+
+    def unbeaten_trial_ids(self, study_id: int, started_before: datetime) -> list[int]:
+        grace = self.rdb.grace_period or 2 * (self.rdb.heartbeat_interval or 1)
+        if self.outage.quiet_for(grace):  # as for stale trials: an outage kept first beats from being written
+            return []
+        return self.outage.call(_unbeaten, self.rdb, study_id, started_before)
 
     def remove_session(self) -> None:
         self.cached.remove_session()

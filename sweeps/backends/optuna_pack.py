@@ -16,9 +16,9 @@ import optuna
 
 from core.config import ConfigError
 from core.pack_rules import MEMBER_FIELDS, config_problem
-from sweeps.backends import optuna_adapter, optuna_attrs, optuna_study
+from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.backends.optuna_attrs import ATTR_PACK
-from sweeps.backends.trial_liveness import TrialAlive
+from sweeps.backends.trial_liveness import TrialAlive, ask_alive
 from sweeps.spec.model import StudySpec
 from sweeps.tracking.base import Tracker
 from sweeps.trial import TrialOutcome, TrialSpec, trial_config, worker_name
@@ -35,9 +35,7 @@ def ask_more(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int = 1)
     for _ in range(min(spec.resources.pack_size(), -(-n_trials // max(pool, 1))) - 1):
         if optuna_study.budget_left(study, n_trials) <= 0:
             break
-        trial = study.ask()
-        trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker_name())
-        more.append(trial)
+        more.append(ask_alive(study, worker_name()))
     return more
 
 

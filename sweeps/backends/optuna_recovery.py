@@ -146,26 +146,32 @@ def fail_stale_trials(study: optuna.Study, lock: Callable[[], AbstractContextMan
     """``optuna.storages.fail_stale_trials``, with the reason recorded on each trial first:
     RUNNING trials whose worker has been silent for longer than the grace period are failed
     (once, whichever worker gets there first), then StaleTrialCallback closes their MLflow
-    runs and requeues them. Returns the numbers of the trials this call failed.
+    runs and requeues them. Returns the numbers of the trials this call failed. So are trials
+    that never beat and started more than the grace period ago (their worker died between the
+    ask and the first beat), read again under the lock: a worker records a trial's first beat
+    before it releases the lock it asked under (``trial_liveness.ask_alive``).
 
     ``lock`` is the study's ask lock (``optuna_storage.ask_lock``), held from the FAILs to the
     requeues: a worker that counted the budget in between would find a trial owed, take a new one
     in the retry's place, and leave the retry WAITING past the budget."""
     if not optuna_adapter.heartbeat_enabled(study):
         return []
-    stale = optuna_adapter.stale_trial_ids(study)
-    if not stale:
+    stale, unbeaten = optuna_adapter.stale_trial_ids(study), optuna_adapter.unbeaten_trial_ids(study)
+    if not stale and not unbeaten:
         return []
     storage = optuna_adapter.storage_of(study)
     grace = optuna_adapter.heartbeat_grace_seconds(study)
     callback = optuna_adapter.stale_trial_callback(study)
     failed = []
     with lock():
-        for trial_id in stale:
+        if unbeaten:
+            unbeaten = [i for i in optuna_adapter.unbeaten_trial_ids(study) if i in unbeaten and i not in stale]
+        for trial_id in stale + unbeaten:
             worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
-            reason = (f"heartbeat lost: worker {worker} was silent for more than {grace} s (killed, crashed or "
-                      f"cut off); failed as stale and requeued (at most {MAX_RETRIES} times) to resume from its "
-                      "last checkpoint")
+            silence = (f"was silent for more than {grace} s" if trial_id in stale
+                       else f"recorded no heartbeat in the {grace} s after it asked for the trial")
+            reason = (f"heartbeat lost: worker {worker} {silence} (killed, crashed or cut off); failed as stale "
+                      f"and requeued (at most {MAX_RETRIES} times) to resume from its last checkpoint")
             if _set_failed(storage, trial_id, reason, interrupted=True):  # False: another worker failed it first
                 failed.append(copy.deepcopy(storage.get_trial(trial_id)))
         if isinstance(callback, StaleTrialCallback):

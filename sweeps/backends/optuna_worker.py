@@ -26,7 +26,7 @@ from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
 from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.optuna_storage import ask_lock
 from sweeps.backends.optuna_study import check_tracking_before_trials, join_study
-from sweeps.backends.trial_liveness import StaleTrialMonitor, TrialAlive, progress_beat
+from sweeps.backends.trial_liveness import StaleTrialMonitor, TrialAlive, ask_alive, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StoreGone, StudyStateError, SweepsError, TrackingError
 from sweeps.parent_run import reader_for, tracker_for
@@ -166,9 +166,7 @@ def next_trials(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int) 
         left, running = optuna_study.budget_and_running(study, n_trials)
         if left <= 0:
             return [], rdb and running
-        trial = study.ask()
-        # Named at once: if this process dies, its supervisor finds the trial.
-        trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker_name())
+        trial = ask_alive(study, worker_name())  # named at once: if this process dies, its supervisor finds it
         return [trial, *optuna_pack.ask_more(spec, study, n_trials, pool)], True
 
 

@@ -28,12 +28,24 @@ from pathlib import Path
 
 import optuna
 
-from sweeps.backends import optuna_adapter, optuna_storage
+from sweeps.backends import optuna_adapter, optuna_attrs, optuna_storage
 from sweeps.backends.optuna_recovery import fail_stale_trials
 from sweeps.spec.model import StudySpec
 
 log = logging.getLogger("sweeps")
 MIN_INTERVAL_S = 0.5  # never poll the database faster than this, whatever the settings say
+
+
+def ask_alive(study: optuna.Study, worker: str) -> optuna.Trial:
+    """A new trial, asked under the ask lock: named for ``worker`` (its supervisor finds it if the
+    process dies) and alive (its first heartbeat, on RDB storage) before the lock is released. A
+    stale-trial check looks for trials that never beat under the same lock, so it never takes one
+    still being asked for one whose worker died before its first beat."""
+    trial = study.ask()
+    trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker)
+    if optuna_adapter.heartbeat_enabled(study):
+        optuna_adapter.record_heartbeat(study, optuna_adapter.trial_id_of(trial))
+    return trial
 
 
 class TrialAlive:

@@ -15,7 +15,7 @@ from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.optuna_storage import ask_lock, sqlalchemy_url
 from sweeps.backends.optuna_worker import next_trials
-from sweeps.backends.trial_liveness import StaleTrialMonitor
+from sweeps.backends.trial_liveness import StaleTrialMonitor, ask_alive
 from sweeps.spec.load import spec_from_dict
 from tests.sweeps.study_helpers import migrated_store, tiny_spec
 
@@ -98,3 +98,29 @@ def test_no_trial_is_asked_between_a_stale_trials_fail_and_its_requeue(tmp_path,
     assert retry.state.name == ("RUNNING" if who == "worker" else "WAITING")  # the worker asked it
     if who == "worker":
         assert [t.number for t in taken[0][0]] == [retry.number]
+
+
+def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_requeued(tmp_path, fresh_db):
+    """A worker that asked for a trial and died before its first beat (a storage outage stopped it
+    there) leaves a RUNNING trial with no heartbeat, which Optuna's stale check never takes: it is
+    failed and requeued once older than the grace period. A trial asked through ``ask_alive`` beats
+    at once, and one asked less than the grace period ago is left alone."""
+    url = fresh_db()
+    spec = spec_from_dict(tiny_spec("unbeaten", storage=url, tracking={"uri": migrated_store(tmp_path)},
+                                    budget={"n_trials": 3}))
+    study = optuna_study.open_study(spec)
+    dead, young = study.ask(), study.ask()  # neither records a heartbeat
+    alive = ask_alive(study, "another machine")
+    db = sqlalchemy.create_engine(sqlalchemy_url(url))
+    try:
+        with db.begin() as conn:  # dead and alive were asked an hour ago
+            conn.execute(sqlalchemy.text("UPDATE trials SET datetime_start = datetime_start - interval '1 hour' "
+                                         f"WHERE number IN ({dead.number}, {alive.number})"))
+    finally:
+        db.dispose()
+    assert recovery.fail_stale_trials(study, lambda: ask_lock(spec)) == [dead.number]
+    trials = optuna_study.open_study(spec, create=False).trials
+    assert [t.state.name for t in trials[:3]] == ["FAIL", "RUNNING", "RUNNING"]
+    assert "recorded no heartbeat in the" in trials[dead.number].user_attrs["fail_reason"]
+    [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert retry.state.name == "WAITING"
