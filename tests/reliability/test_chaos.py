@@ -1,5 +1,5 @@
 """Chaos: a study of 40 tiny trials with 3 workers on PostgreSQL storage and an ``mlflow server``,
-hit by 10 faults drawn at random from: SIGKILL of a worker, the MLflow server killed for 10-60 s,
+hit by 10 faults drawn at random from: SIGKILL of a worker, the MLflow server killed for 4-20 s,
 PostgreSQL restarted, SIGHUP or SIGTERM to the driver followed by the same command. At the end:
 exactly ``n_trials`` finished, every finished trial's run FINISHED with each of its points once,
 its logged model and its dataset inputs, nothing RUNNING, nothing left to sync, no process left.
@@ -52,7 +52,7 @@ def _free_port() -> int:
 def _plan(seed: int) -> list[tuple[int, str, int]]:
     """(after how many finished trials, which fault, seconds down) for each fault."""
     rng = random.Random(seed)
-    return [(EVERY * (i + 1), rng.choice(KINDS), rng.randint(10, 60)) for i in range(FAULTS)]
+    return [(EVERY * (i + 1), rng.choice(KINDS), rng.randint(4, 20)) for i in range(FAULTS)]
 
 
 class Chaos:

@@ -71,7 +71,7 @@ def token_head(tmp_path_factory):
         _wait_started(head, log)
         yield port, home, temp_dir
     finally:
-        stop_group(head, grace=60)
+        stop_group(head, grace=0)  # a graceful `ray stop` takes about 30 s and is not what is tested
         kill_ray_processes(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -119,7 +119,7 @@ def test_a_second_node_with_the_token_joins_and_a_study_runs_on_both(tmp_path, t
         out = proc.stdout[-3000:] + proc.stderr[-3000:]
         assert proc.returncode == 0, out
     finally:
-        stop_group(node, grace=60)
+        stop_group(node, grace=0)
         kill_ray_processes(node_dir)
         shutil.rmtree(node_dir, ignore_errors=True)
     parents, trials = study_runs(tmp_path, "token")
