@@ -16,9 +16,9 @@ import optuna
 
 from core.config import ConfigError
 from core.pack_rules import MEMBER_FIELDS, config_problem
-from sweeps.backends import optuna_adapter, optuna_study
+from sweeps.backends import optuna_study
 from sweeps.backends.optuna_attrs import ATTR_PACK
-from sweeps.backends.trial_liveness import TrialAlive, ask_alive
+from sweeps.backends.trial_liveness import HeldTrials
 from sweeps.spec.model import StudySpec
 from sweeps.tracking.base import Tracker
 from sweeps.trial import TrialOutcome, TrialSpec, trial_config, worker_name
@@ -26,7 +26,8 @@ from sweeps.trial_control import TrialControl
 from sweeps.trial_population import run_population
 
 
-def ask_more(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int = 1) -> list[optuna.Trial]:
+def ask_more(spec: StudySpec, study: optuna.Study, held: HeldTrials, n_trials: int,
+             pool: int = 1) -> list[optuna.Trial]:
     """Called under the ask lock after the worker's first trial: up to ``pack - 1`` more, within
     the budget and this worker's share of it (``pool`` workers started together: 16 trials on 2
     workers are two populations of 8, not one of 16 and an idle worker), each named for this
@@ -35,7 +36,7 @@ def ask_more(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int = 1)
     for _ in range(min(spec.resources.pack_size(), -(-n_trials // max(pool, 1))) - 1):
         if optuna_study.budget_left(study, n_trials) <= 0:
             break
-        more.append(ask_alive(study, worker_name()))
+        more.append(held.ask(worker_name()))
     return more
 
 
@@ -74,18 +75,12 @@ def _shape_key(spec: StudySpec, trial: TrialSpec) -> str | None:
 
 def run_group(spec: StudySpec, study: optuna.Study, trials: list[optuna.Trial], specs: list[TrialSpec],
               controls: list[TrialControl], tracker: Tracker) -> list[TrialOutcome]:
-    """Train a group as one population, each trial kept alive in the storage while it trains."""
-    alive = [TrialAlive.start(study, optuna_adapter.trial_id_of(t)) for t in trials]
+    """Train a group as one population (the worker keeps its trials alive in the storage)."""
 
     def note(k: int, text: str) -> None:
         trials[k].set_user_attr(ATTR_PACK, text)
 
-    try:
-        return run_population(spec, specs, controls, tracker, on_pack=note)
-    finally:
-        for a in alive:
-            if a is not None:
-                a.stop()
+    return run_population(spec, specs, controls, tracker, on_pack=note)
 
 
 def run_packed(spec: StudySpec, study: optuna.Study, jobs: list[Any], tracker: Tracker, signals: Any,

@@ -149,7 +149,7 @@ def fail_stale_trials(study: optuna.Study, lock: Callable[[], AbstractContextMan
     runs and requeues them. Returns the numbers of the trials this call failed. So are trials
     that never beat and started more than the grace period ago (their worker died between the
     ask and the first beat), read again under the lock: a worker records a trial's first beat
-    before it releases the lock it asked under (``trial_liveness.ask_alive``).
+    before it releases the lock it asked under (``trial_liveness.HeldTrials.ask``).
 
     ``lock`` is the study's ask lock (``optuna_storage.ask_lock``), held from the FAILs to the
     requeues: a worker that counted the budget in between would find a trial owed, take a new one

@@ -26,7 +26,7 @@ from sweeps.backends.optuna_attrs import ATTR_OUT_DIR
 from sweeps.backends.optuna_outage import StorageUnavailable
 from sweeps.backends.optuna_storage import ask_lock
 from sweeps.backends.optuna_study import check_tracking_before_trials, join_study
-from sweeps.backends.trial_liveness import StaleTrialMonitor, TrialAlive, ask_alive, progress_beat
+from sweeps.backends.trial_liveness import HeldTrials, StaleTrialMonitor, progress_beat
 from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StoreGone, StudyStateError, SweepsError, TrackingError
 from sweeps.parent_run import reader_for, tracker_for
@@ -130,28 +130,34 @@ def _take_trials(spec: StudySpec, worker_index: int, go: WorkerGo | None, study:
     parent = go.parent() if go is not None else reader_for(spec).handle(study.user_attrs[optuna_attrs.ATTR_PARENT_RUN])
     n_trials = spec.budget.n_trials
 
-    while not signals.event.is_set():
-        if deadline is not None and time.time() >= deadline:
-            break
-        if optuna_study.failures_in_a_row(study, since) >= spec.budget.max_failures:
-            log.error("stopping: %d trials failed in a row (budget.max_failures=%d); see the reasons with "
-                      "sweeps status %s", spec.budget.max_failures, spec.budget.max_failures, spec.path)
-            return EXIT_MAX_FAILURES
-        trials, stay = next_trials(spec, study, n_trials, go.pool if go else 1)
-        if not trials:
-            if stay:
-                signals.event.wait(_poll_seconds(study))
-                continue
-            break
-        jobs = [prepare_trial(spec, study, t, tracker, parent, worker_index, signals, beat_file) for t in trials]
-        code = (optuna_pack.run_packed(spec, study, jobs, tracker, signals, _run_job, finish_trial) if len(jobs) > 1
-                else _run_job(spec, study, jobs[0], tracker, signals))
-        if code is not None:
-            return code
+    held = HeldTrials(study)
+    try:
+        while not signals.event.is_set():
+            if deadline is not None and time.time() >= deadline:
+                break
+            if optuna_study.failures_in_a_row(study, since) >= spec.budget.max_failures:
+                log.error("stopping: %d trials failed in a row (budget.max_failures=%d); see the reasons with "
+                          "sweeps status %s", spec.budget.max_failures, spec.budget.max_failures, spec.path)
+                return EXIT_MAX_FAILURES
+            trials, stay = next_trials(spec, study, held, n_trials, go.pool if go else 1)
+            if not trials:
+                if stay:
+                    signals.event.wait(_poll_seconds(study))
+                    continue
+                break
+            jobs = [prepare_trial(spec, study, t, held, tracker, parent, worker_index, signals, beat_file)
+                    for t in trials]
+            code = (optuna_pack.run_packed(spec, study, jobs, tracker, signals, _run_job, finish_trial)
+                    if len(jobs) > 1 else _run_job(spec, study, jobs[0], tracker, signals))
+            if code is not None:
+                return code
+    finally:
+        held.stop()
     return signals.exit_code()
 
 
-def next_trials(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int) -> tuple[list[optuna.Trial], bool]:
+def next_trials(spec: StudySpec, study: optuna.Study, held: HeldTrials, n_trials: int,
+                pool: int) -> tuple[list[optuna.Trial], bool]:
     """The trials this worker runs next, asked under the ask lock (more than one with
     resources.pack, to train as a population: optuna_pack); none once the budget is taken, with
     whether to stay. On RDB storage a trial still running on another machine may die and be
@@ -166,8 +172,8 @@ def next_trials(spec: StudySpec, study: optuna.Study, n_trials: int, pool: int) 
         left, running = optuna_study.budget_and_running(study, n_trials)
         if left <= 0:
             return [], rdb and running
-        trial = ask_alive(study, worker_name())  # named at once: if this process dies, its supervisor finds it
-        return [trial, *optuna_pack.ask_more(spec, study, n_trials, pool)], True
+        trial = held.ask(worker_name())
+        return [trial, *optuna_pack.ask_more(spec, study, held, n_trials, pool)], True
 
 
 def _poll_seconds(study: optuna.Study) -> float:
@@ -176,12 +182,7 @@ def _poll_seconds(study: optuna.Study) -> float:
 
 
 def _run_job(spec, study, job: TrialJob, tracker, signals) -> int | None:
-    alive = TrialAlive.start(study, optuna_adapter.trial_id_of(job.trial))
-    try:
-        outcome = run_trial(spec, job.spec_trial, job.control, tracker)
-    finally:
-        if alive is not None:
-            alive.stop()
+    outcome = run_trial(spec, job.spec_trial, job.control, tracker)
     return finish_trial(spec, study, job, outcome, tracker, signals)
 
 
@@ -195,9 +196,10 @@ class TrialJob:
     control: TrialControl
     overrides: dict
     beat: Callable[[], None]
+    held: HeldTrials  # keeps the trial alive in the storage until its outcome is told
 
 
-def prepare_trial(spec, study, trial, tracker, parent, worker_index, signals, beat_file) -> TrialJob:
+def prepare_trial(spec, study, trial, held, tracker, parent, worker_index, signals, beat_file) -> TrialJob:
     """The trial's parameters, folder, tags and control (its pruning asks the study)."""
     params = ss.suggest(trial, optuna_study.effective_search(spec, study))
     retry_of = optuna_adapter.stored_trial(study, trial).system_attrs.get("failed_trial")
@@ -218,12 +220,13 @@ def prepare_trial(spec, study, trial, tracker, parent, worker_index, signals, be
     if beat_file is None:  # on its own (`sweeps worker`): no supervisor watches the MLflow store for it
         beat = _watching_tracking(beat, tracker, signals)
     spec_trial, control = _trial_parts(parent, trial, params, out_dir, tags, overrides, uid, signals, beat)
-    return TrialJob(trial, spec_trial, control, overrides, beat)
+    return TrialJob(trial, spec_trial, control, overrides, beat, held)
 
 
 def finish_trial(spec, study, job: TrialJob, outcome, tracker, signals) -> int | None:
     """Tell the study the trial's outcome; the worker's exit code when it must stop, else None."""
     trial, overrides = job.trial, job.overrides
+    job.held.release(trial)
     job.beat()
     try:
         if outcome.run is not None and tracker.store_run_id(outcome.run.run_id) != outcome.run.run_id:

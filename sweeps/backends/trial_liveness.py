@@ -3,10 +3,11 @@
 Two signs, kept apart because they answer different questions:
 
 * **Alive** (Optuna's heartbeat on RDB storage, read by every machine's stale-trial check):
-  the worker process is there. :class:`TrialAlive` records it from a thread every heartbeat
-  interval for as long as the trial runs, as ``Study.optimize``'s heartbeat thread does, whatever
-  the trial is doing (loading its data, a long step, the ONNX export of a large model): a set-up
-  or an export longer than the grace period must not have a live trial failed as stale.
+  the worker process is there. :class:`HeldTrials` records it from a thread every heartbeat
+  interval from the ask until the trial's outcome is known, as ``Study.optimize``'s heartbeat
+  thread does, whatever the trial is doing (waiting in a pack, loading its data, a long step, the
+  ONNX export of a large model): a set-up or an export longer than the grace period must not have
+  a live trial failed as stale.
 * **Progressing** (the worker's beat file, read by the local supervisor for
   ``budget.trial_timeout``): the trial moved. Touched by the trial itself at each step and
   report (:func:`progress_beat`), so a deadlocked trial is still caught while its process stays
@@ -36,48 +37,58 @@ log = logging.getLogger("sweeps")
 MIN_INTERVAL_S = 0.5  # never poll the database faster than this, whatever the settings say
 
 
-def ask_alive(study: optuna.Study, worker: str) -> optuna.Trial:
-    """A new trial, asked under the ask lock: named for ``worker`` (its supervisor finds it if the
-    process dies) and alive (its first heartbeat, on RDB storage) before the lock is released. A
-    stale-trial check looks for trials that never beat under the same lock, so it never takes one
-    still being asked for one whose worker died before its first beat."""
-    trial = study.ask()
-    trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker)
-    if optuna_adapter.heartbeat_enabled(study):
-        optuna_adapter.record_heartbeat(study, optuna_adapter.trial_id_of(trial))
-    return trial
+class HeldTrials:
+    """The trials a worker has asked for and not yet told the study the outcome of, kept alive in
+    the storage (Optuna's heartbeat, RDB storage) from the ask to the outcome: one thread records a
+    beat for each every half interval, as ``Study.optimize``'s heartbeat thread does for its trial,
+    whatever the trial is doing (waiting in a pack while another population trains, loading its
+    data, a long step, the ONNX export). Without heartbeats (a journal) it only asks."""
 
-
-class TrialAlive:
-    """Records the trial's heartbeat every interval from a daemon thread until :meth:`stop`."""
-
-    def __init__(self, study: optuna.Study, trial_id: int) -> None:
-        self._study, self._trial_id = study, trial_id
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+        self._enabled = optuna_adapter.heartbeat_enabled(study)
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()  # guards the set; never held across a database call
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="sweeps-trial-alive", daemon=True)
 
-    @classmethod
-    def start(cls, study: optuna.Study, trial_id: int) -> TrialAlive | None:
-        """Called when the worker has taken a trial; ``None`` where the storage keeps no heartbeats."""
-        if not optuna_adapter.heartbeat_enabled(study):
-            return None
-        alive = cls(study, trial_id)
-        optuna_adapter.record_heartbeat(study, trial_id)  # at once: the trial is alive from its first moment
-        alive.thread.start()
-        return alive
+    def ask(self, worker: str) -> optuna.Trial:
+        """A new trial, asked under the ask lock: named for ``worker`` (its supervisor finds it if the
+        process dies) and alive (its first beat) before the lock is released. The stale-trial check
+        looks for trials that never beat under the same lock, so it never takes one being asked for
+        one whose worker died before its first beat."""
+        trial = self._study.ask()
+        trial.set_user_attr(optuna_attrs.ATTR_WORKER, worker)
+        if self._enabled:
+            trial_id = optuna_adapter.trial_id_of(trial)
+            optuna_adapter.record_heartbeat(self._study, trial_id)
+            with self._lock:
+                self._ids.add(trial_id)
+                if self.thread.ident is None:  # not started yet
+                    self.thread.start()
+        return trial
+
+    def release(self, trial: optuna.Trial) -> None:
+        """Called when the trial's outcome is known, before it is told to the study."""
+        with self._lock:
+            self._ids.discard(optuna_adapter.trial_id_of(trial))
 
     def stop(self) -> None:
-        """Called when the trial's outcome is known, before it is told to the study."""
+        """When the worker is done asking: no more beats for anything."""
         self._stop.set()
-        self.thread.join(timeout=30)  # a beat stuck on an unreachable database: the thread is a daemon
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)  # a beat stuck on an unreachable database: the thread is a daemon
 
     def _loop(self) -> None:
         interval = optuna_adapter.heartbeat_interval_seconds(self._study)
         while not self._stop.wait(interval / 2):  # twice per interval: a late beat stays inside it
-            try:
-                optuna_adapter.record_heartbeat(self._study, self._trial_id)
-            except Exception:  # noqa: BLE001 - a database blip; the next beat retries, the grace covers it
-                continue
+            with self._lock:
+                held = sorted(self._ids)
+            for trial_id in held:
+                try:
+                    optuna_adapter.record_heartbeat(self._study, trial_id)
+                except Exception:  # noqa: BLE001 - a database blip; the next beat retries, the grace covers it
+                    continue
 
 
 def progress_beat(beat_file: Path | None):

@@ -15,7 +15,7 @@ from sweeps.backends import optuna_adapter, optuna_study
 from sweeps.backends import optuna_recovery as recovery
 from sweeps.backends.optuna_storage import ask_lock, sqlalchemy_url
 from sweeps.backends.optuna_worker import next_trials
-from sweeps.backends.trial_liveness import StaleTrialMonitor, ask_alive
+from sweeps.backends.trial_liveness import HeldTrials, StaleTrialMonitor
 from sweeps.spec.load import spec_from_dict
 from tests.sweeps.study_helpers import migrated_store, tiny_spec
 
@@ -53,9 +53,13 @@ def _one_trial_study(tmp_path, url: str, name: str):
 def test_a_worker_out_of_budget_stays_for_a_trial_requeued_while_it_looks(tmp_path, fresh_db):
     spec, study, other = _one_trial_study(tmp_path, fresh_db(), "stays")
     looking = _RequeuedAfterTheFirstRead(study, other, spec.tracking_store_uri())
-    assert next_trials(spec, looking, 1, 1) == ([], True)  # the budget is taken and a trial runs: it stays
-    assert looking._read  # the trial was failed and requeued while the worker looked
-    [retry], _ = next_trials(spec, study, 1, 1)  # its next round
+    held = HeldTrials(study)
+    try:
+        assert next_trials(spec, looking, held, 1, 1) == ([], True)  # the budget is taken and a trial runs: it stays
+        assert looking._read  # the trial was failed and requeued while the worker looked
+        [retry], _ = next_trials(spec, study, held, 1, 1)  # its next round
+    finally:
+        held.stop()
     assert optuna_adapter.stored_trial(study, retry).system_attrs["failed_trial"] == other.number
 
 
@@ -74,7 +78,8 @@ def test_no_trial_is_asked_between_a_stale_trials_fail_and_its_requeue(tmp_path,
         conn.execute(sqlalchemy.text("UPDATE trial_heartbeats SET heartbeat = heartbeat - interval '1 hour'"))
     monitor = StaleTrialMonitor(spec, study.study_name)
     taken: list = []
-    check = {"worker": lambda: taken.append(next_trials(spec, study, 1, 1)), "monitor": monitor.check_now}[who]
+    held = HeldTrials(study)
+    check = {"worker": lambda: taken.append(next_trials(spec, study, held, 1, 1)), "monitor": monitor.check_now}[who]
     checking = threading.Thread(target=check, daemon=True)
 
     def state(sql: str):
@@ -91,6 +96,7 @@ def test_no_trial_is_asked_between_a_stale_trials_fail_and_its_requeue(tmp_path,
         checking.join()
     finally:
         monitor.stop()
+        held.stop()
         db.dispose()
     trials = optuna_study.open_study(spec, create=False).trials
     assert trials[dead.number].state.name == "FAIL"
@@ -103,14 +109,15 @@ def test_no_trial_is_asked_between_a_stale_trials_fail_and_its_requeue(tmp_path,
 def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_requeued(tmp_path, fresh_db):
     """A worker that asked for a trial and died before its first beat (a storage outage stopped it
     there) leaves a RUNNING trial with no heartbeat, which Optuna's stale check never takes: it is
-    failed and requeued once older than the grace period. A trial asked through ``ask_alive`` beats
-    at once, and one asked less than the grace period ago is left alone."""
+    failed and requeued once older than the grace period. A trial a worker holds (``HeldTrials``) beats
+    from its ask, and one asked less than the grace period ago is left alone."""
     url = fresh_db()
     spec = spec_from_dict(tiny_spec("unbeaten", storage=url, tracking={"uri": migrated_store(tmp_path)},
                                     budget={"n_trials": 3}))
     study = optuna_study.open_study(spec)
-    dead, young = study.ask(), study.ask()  # neither records a heartbeat
-    alive = ask_alive(study, "another machine")
+    dead, _young = study.ask(), study.ask()  # neither records a heartbeat
+    held = HeldTrials(study)
+    alive = held.ask("another machine")
     db = sqlalchemy.create_engine(sqlalchemy_url(url))
     try:
         with db.begin() as conn:  # dead and alive were asked an hour ago
@@ -119,6 +126,7 @@ def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_requ
     finally:
         db.dispose()
     assert recovery.fail_stale_trials(study, lambda: ask_lock(spec)) == [dead.number]
+    held.stop()
     trials = optuna_study.open_study(spec, create=False).trials
     assert [t.state.name for t in trials[:3]] == ["FAIL", "RUNNING", "RUNNING"]
     assert "recorded no heartbeat in the" in trials[dead.number].user_attrs["fail_reason"]

@@ -147,9 +147,10 @@ def test_a_worker_asks_its_share_of_the_budget(n_trials, pool, asked):
     import optuna
 
     from sweeps.backends.optuna_pack import ask_more
+    from sweeps.backends.trial_liveness import HeldTrials
 
     study = optuna.create_study()
     study.ask()  # the worker's first trial
-    more = ask_more(_spec(resources={"pack": 16}), study, n_trials, pool)
+    more = ask_more(_spec(resources={"pack": 16}), study, HeldTrials(study), n_trials, pool)
     assert 1 + len(more) == asked
     assert all(t.user_attrs["worker"] for t in more)

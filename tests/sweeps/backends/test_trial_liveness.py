@@ -1,6 +1,7 @@
-"""A trial is alive while its worker process is (Optuna's heartbeat, from a thread), whatever
-the trial is doing between its steps: a set-up or an ONNX export longer than the grace period
-no longer gets a live trial failed as stale (and its result dropped)."""
+"""A trial is alive while its worker process holds it (Optuna's heartbeat, from a thread), from its
+ask to its outcome, whatever the trial is doing: a set-up or an ONNX export longer than the grace
+period, or a wait in a pack while another population trains, does not get a live trial failed as
+stale (and its result dropped)."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import optuna
 import pytest
 
 from sweeps.backends import optuna_adapter, optuna_recovery, optuna_study
-from sweeps.backends.trial_liveness import TrialAlive, progress_beat
+from sweeps.backends.trial_liveness import HeldTrials, progress_beat
 from tests.sweeps.study_helpers import sqlite_rdb_spec
 
 
@@ -25,26 +26,32 @@ def _wait_past_the_grace(study: optuna.Study) -> None:
 
 
 @pytest.mark.slow  # waits out the grace period twice: about 10 s of real time
-def test_a_trial_silent_in_its_own_code_stays_alive_while_its_worker_is(tmp_path, monkeypatch):
+def test_a_held_trial_stays_alive_until_released_and_then_goes_stale(tmp_path, monkeypatch):
     study = _study(tmp_path, monkeypatch)
-    trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 0.1)})
-    alive = TrialAlive.start(study, optuna_adapter.trial_id_of(trial))
-    assert alive is not None
+    held = HeldTrials(study)
+    trial, waiting = held.ask("here"), held.ask("here")  # the second waits (in a pack, say)
     try:
-        _wait_past_the_grace(study)  # the trial itself beats no more (a long set-up, a long export)
+        _wait_past_the_grace(study)  # neither trial beats itself (a long set-up, a long export, a wait)
         assert optuna_recovery.fail_stale_trials(study) == []
-        assert study.trials[trial.number].state.name == "RUNNING"
+        assert [t.state.name for t in study.trials] == ["RUNNING", "RUNNING"]
+        held.release(trial)  # its outcome is known: beaten no more
+        _wait_past_the_grace(study)
+        assert optuna_recovery.fail_stale_trials(study) == [trial.number]
+        assert study.trials[waiting.number].state.name == "RUNNING"
     finally:
-        alive.stop()
-    assert not alive.thread.is_alive()
+        held.stop()
+    assert not held.thread.is_alive()
     _wait_past_the_grace(study)  # the worker is gone (no more beats): now it is stale
-    assert optuna_recovery.fail_stale_trials(study) == [trial.number]
+    assert optuna_recovery.fail_stale_trials(study) == [waiting.number]
 
 
 def test_no_thread_where_the_storage_keeps_no_heartbeats(tmp_path):
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/plain.db")
-    trial = study.ask()
-    assert TrialAlive.start(study, optuna_adapter.trial_id_of(trial)) is None
+    held = HeldTrials(study)
+    trial = held.ask("here")
+    assert trial.user_attrs["worker"] == "here" and held.thread.ident is None
+    held.release(trial)
+    held.stop()
 
 
 def test_the_progress_beat_touches_the_beat_file(tmp_path):
