@@ -13,7 +13,6 @@ methods) with them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import optuna
@@ -98,29 +97,26 @@ def stale_trial_ids(study: optuna.Study) -> list[int]:
     return _heartbeat_storage(study)._get_stale_trial_ids(study._study_id)
 
 
-def unbeaten_trial_ids(study: optuna.Study) -> list[int]:
-    """Storage ids of the study's RUNNING trials that never recorded a heartbeat and started more
-    than the grace period ago, by this machine's clock (the asking machine's wrote the start; Optuna
-    keeps it in UTC, in a column its model exposes only under a private name).
+def never_beaten_trial_ids(study: optuna.Study) -> list[int]:
+    """Storage ids of the study's RUNNING trials that have never recorded a heartbeat.
 
-    Optuna's stale check skips a trial without a heartbeat, so a worker that dies between asking a
-    trial and its first beat (a storage outage there stops it) leaves the trial RUNNING forever and
-    the study one trial short. The heartbeat table is not in Optuna's public API."""
+    Optuna's stale check skips them, so a worker that dies between asking for a trial and its
+    first beat (a storage outage there stops it) leaves the trial RUNNING for good and the study
+    one trial short. The heartbeat table is not in Optuna's public API."""
     storage, rdb = storage_of(study), rdb_of(storage_of(study))
     if rdb is None or rdb.heartbeat_interval is None:
         return []
-    cutoff = datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=heartbeat_grace_seconds(study))
     if isinstance(storage, OutageTolerantStorage):
-        return storage.unbeaten_trial_ids(study._study_id, cutoff)
-    return _unbeaten(rdb, study._study_id, cutoff)
+        return storage.never_beaten_trial_ids(study._study_id)
+    return _never_beaten(rdb, study._study_id)
 
 
-def _unbeaten(rdb: RDBStorage, study_id: int, started_before: datetime) -> list[int]:
+def _never_beaten(rdb: RDBStorage, study_id: int) -> list[int]:
     trial, beat = models.TrialModel, models.TrialHeartbeatModel
     query = (sqlalchemy.select(trial.trial_id)
              .outerjoin(beat, beat.trial_id == trial.trial_id)
              .where(trial.study_id == study_id, trial.state == optuna.trial.TrialState.RUNNING,
-                    beat.trial_heartbeat_id.is_(None), trial._datetime_start_utc < started_before))
+                    beat.trial_heartbeat_id.is_(None)))
     with rdb.engine.connect() as conn:
         return [row[0] for row in conn.execute(query)]
 
@@ -181,8 +177,11 @@ class OutageTolerantStorage(BaseStorage, BaseHeartbeat):
         self.cached, self.rdb, self.outage = cached, rdb, outage
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded(getattr(self.cached, name), *args, **kwargs)
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.outage.call(getattr(self.cached, name), *args, **kwargs)
+            return self.outage.call(fn, *args, **kwargs)
         except StorageUnavailable:
             raise
         except Exception as exc:
@@ -228,11 +227,11 @@ class OutageTolerantStorage(BaseStorage, BaseHeartbeat):
             return []
         return self._call("_get_stale_trial_ids", study_id)
 
-    def unbeaten_trial_ids(self, study_id: int, started_before: datetime) -> list[int]:
+    def never_beaten_trial_ids(self, study_id: int) -> list[int]:
         grace = self.rdb.grace_period or 2 * (self.rdb.heartbeat_interval or 1)
         if self.outage.quiet_for(grace):  # as for stale trials: an outage kept first beats from being written
             return []
-        return self.outage.call(_unbeaten, self.rdb, study_id, started_before)
+        return self._guarded(_never_beaten, self.rdb, study_id)
 
     def remove_session(self) -> None:
         self.cached.remove_session()

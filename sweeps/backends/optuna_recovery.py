@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -142,34 +144,55 @@ def fail_trial(study: optuna.Study, t: FrozenTrial, reason: str, requeue: bool, 
     return True
 
 
+# RUNNING trials without a heartbeat, by (storage URL, study name, trial id): when this process first
+# saw each so. A worker records a trial's first beat right after asking for it, so one still without
+# a beat a whole grace period later, by this process's clock, lost its worker in between; whatever
+# the machines' clocks say, and whether or not the storage has an ask lock (PostgreSQL's only).
+_NEVER_BEATEN_SINCE: dict[tuple[str, str, int], float] = {}
+_NEVER_BEATEN_LOCK = threading.Lock()
+
+
+def _never_beaten_for(study: optuna.Study, grace: float) -> list[int]:
+    """The study's trials that have had no heartbeat for as long as this process has looked, and it
+    has looked for at least ``grace`` seconds."""
+    found = optuna_adapter.never_beaten_trial_ids(study)
+    rdb = optuna_adapter.rdb_of(optuna_adapter.storage_of(study))
+    where = (rdb.url if rdb is not None else "", study.study_name)
+    now = time.monotonic()
+    with _NEVER_BEATEN_LOCK:
+        for key in [k for k in _NEVER_BEATEN_SINCE if k[:2] == where and k[2] not in found]:
+            del _NEVER_BEATEN_SINCE[key]  # it beat, or it ended
+        since = [_NEVER_BEATEN_SINCE.setdefault((*where, trial_id), now) for trial_id in found]
+    return [trial_id for trial_id, first in zip(found, since, strict=True) if now - first >= grace]
+
+
 def fail_stale_trials(study: optuna.Study, lock: Callable[[], AbstractContextManager] = nullcontext) -> list[int]:
     """``optuna.storages.fail_stale_trials``, with the reason recorded on each trial first:
     RUNNING trials whose worker has been silent for longer than the grace period are failed
     (once, whichever worker gets there first), then StaleTrialCallback closes their MLflow
     runs and requeues them. Returns the numbers of the trials this call failed. So are trials
-    that never beat and started more than the grace period ago (their worker died between the
-    ask and the first beat), read again under the lock: a worker records a trial's first beat
-    before it releases the lock it asked under (``trial_liveness.HeldTrials.ask``).
+    that have never beaten while this process looked for a grace period (their worker died
+    between the ask and the first beat: :func:`_never_beaten_for`), read again under the lock.
 
     ``lock`` is the study's ask lock (``optuna_storage.ask_lock``), held from the FAILs to the
     requeues: a worker that counted the budget in between would find a trial owed, take a new one
     in the retry's place, and leave the retry WAITING past the budget."""
     if not optuna_adapter.heartbeat_enabled(study):
         return []
-    stale, unbeaten = optuna_adapter.stale_trial_ids(study), optuna_adapter.unbeaten_trial_ids(study)
+    grace = optuna_adapter.heartbeat_grace_seconds(study)
+    stale, unbeaten = optuna_adapter.stale_trial_ids(study), _never_beaten_for(study, grace)
     if not stale and not unbeaten:
         return []
     storage = optuna_adapter.storage_of(study)
-    grace = optuna_adapter.heartbeat_grace_seconds(study)
     callback = optuna_adapter.stale_trial_callback(study)
     failed = []
     with lock():
         if unbeaten:
-            unbeaten = [i for i in optuna_adapter.unbeaten_trial_ids(study) if i in unbeaten and i not in stale]
+            unbeaten = [i for i in _never_beaten_for(study, grace) if i in unbeaten and i not in stale]
         for trial_id in stale + unbeaten:
             worker = storage.get_trial(trial_id).user_attrs.get(ATTR_WORKER, "?")
             silence = (f"was silent for more than {grace} s" if trial_id in stale
-                       else f"recorded no heartbeat in the {grace} s after it asked for the trial")
+                       else f"recorded no heartbeat for the trial in more than {grace} s")
             reason = (f"heartbeat lost: worker {worker} {silence} (killed, crashed or cut off); failed as stale "
                       f"and requeued (at most {MAX_RETRIES} times) to resume from its last checkpoint")
             if _set_failed(storage, trial_id, reason, interrupted=True):  # False: another worker failed it first

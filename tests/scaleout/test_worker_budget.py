@@ -106,29 +106,30 @@ def test_no_trial_is_asked_between_a_stale_trials_fail_and_its_requeue(tmp_path,
         assert [t.number for t in taken[0][0]] == [retry.number]
 
 
-def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_requeued(tmp_path, fresh_db):
+def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_requeued(tmp_path, fresh_db,
+                                                                                     monkeypatch):
     """A worker that asked for a trial and died before its first beat (a storage outage stopped it
     there) leaves a RUNNING trial with no heartbeat, which Optuna's stale check never takes: it is
-    failed and requeued once older than the grace period. A trial a worker holds (``HeldTrials``) beats
-    from its ask, and one asked less than the grace period ago is left alone."""
-    url = fresh_db()
-    spec = spec_from_dict(tiny_spec("unbeaten", storage=url, tracking={"uri": migrated_store(tmp_path)},
+    failed and requeued once this process has seen it without a beat for a grace period, by its own
+    clock. One whose asker beats late, within that period, and one a worker holds stay RUNNING."""
+    monkeypatch.setenv("SWEEPS_HEARTBEAT_S", "1")
+    monkeypatch.setenv("SWEEPS_GRACE_S", "3")
+    spec = spec_from_dict(tiny_spec("unbeaten", storage=fresh_db(), tracking={"uri": migrated_store(tmp_path)},
                                     budget={"n_trials": 3}))
     study = optuna_study.open_study(spec)
-    dead, _young = study.ask(), study.ask()  # neither records a heartbeat
+    dead, late = study.ask(), study.ask()  # neither records a heartbeat yet
     held = HeldTrials(study)
-    alive = held.ask("another machine")
-    db = sqlalchemy.create_engine(sqlalchemy_url(url))
     try:
-        with db.begin() as conn:  # dead and alive were asked an hour ago
-            conn.execute(sqlalchemy.text("UPDATE trials SET datetime_start = datetime_start - interval '1 hour' "
-                                         f"WHERE number IN ({dead.number}, {alive.number})"))
+        alive = held.ask("another machine")
+        check = lambda: recovery.fail_stale_trials(study, lambda: ask_lock(spec))  # noqa: E731
+        assert check() == []  # seen without a beat: not for a grace period yet
+        time.sleep(optuna_adapter.heartbeat_grace_seconds(study))  # a lower bound: any longer wait is the same
+        optuna_adapter.record_heartbeat(study, optuna_adapter.trial_id_of(late))  # its asker beat, late
+        assert check() == [dead.number]
     finally:
-        db.dispose()
-    assert recovery.fail_stale_trials(study, lambda: ask_lock(spec)) == [dead.number]
-    held.stop()
+        held.stop()
     trials = optuna_study.open_study(spec, create=False).trials
-    assert [t.state.name for t in trials[:3]] == ["FAIL", "RUNNING", "RUNNING"]
-    assert "recorded no heartbeat in the" in trials[dead.number].user_attrs["fail_reason"]
+    assert [trials[t.number].state.name for t in (dead, late, alive)] == ["FAIL", "RUNNING", "RUNNING"]
+    assert "recorded no heartbeat for the trial in more than 3 s" in trials[dead.number].user_attrs["fail_reason"]
     [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
     assert retry.state.name == "WAITING"
