@@ -219,19 +219,17 @@ class OutageTolerantStorage(BaseStorage, BaseHeartbeat):
     check_trial_is_updatable = _forwarded("check_trial_is_updatable")
     record_heartbeat = _forwarded("record_heartbeat")
 
+    def _beats_missed_lately(self) -> bool:
+        """No heartbeat could be recorded during an outage or just after it: silence then is no
+        sign of a dead worker, so no trial counts as stale (or never beaten) until a grace period
+        has passed."""
+        return self.outage.quiet_for(self.rdb.grace_period or 2 * (self.rdb.heartbeat_interval or 1))
+
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        # No heartbeat could be recorded during an outage or just after it: silence then is no
-        # sign of a dead worker, so no trial counts as stale until a grace period has passed.
-        grace = self.rdb.grace_period or 2 * (self.rdb.heartbeat_interval or 1)
-        if self.outage.quiet_for(grace):
-            return []
-        return self._call("_get_stale_trial_ids", study_id)
+        return [] if self._beats_missed_lately() else self._call("_get_stale_trial_ids", study_id)
 
     def never_beaten_trial_ids(self, study_id: int) -> list[int]:
-        grace = self.rdb.grace_period or 2 * (self.rdb.heartbeat_interval or 1)
-        if self.outage.quiet_for(grace):  # as for stale trials: an outage kept first beats from being written
-            return []
-        return self._guarded(_never_beaten, self.rdb, study_id)
+        return [] if self._beats_missed_lately() else self._guarded(_never_beaten, self.rdb, study_id)
 
     def remove_session(self) -> None:
         self.cached.remove_session()
