@@ -15,6 +15,7 @@ from typing import Any
 
 from sweeps.errors import TrackingError
 from sweeps.tracking.local_runs import TAG_CLIENT_ID, is_local, store_id_for
+from sweeps.tracking.mlflow_adapter import sql_metric_writer
 from sweeps.tracking.spool import Spool
 from sweeps.tracking.store_errors import is_transient, permanent_reason, stops_sending
 from sweeps.tracking.trial_model import TAG_MODEL_ERROR, make_trial_model
@@ -224,11 +225,21 @@ def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
         "tags": [RunTag(r[1], r[2]) for r in chunk if r[0] == "t"],
     }
 
+    write_metrics = sql_metric_writer(client) if groups["metrics"] else None
+
     def log(kind: str, items: list) -> None:
-        client.log_batch(run_id, synchronous=True, **{kind: items})
+        if kind == "metrics" and write_metrics is not None:
+            write_metrics(run_id, items)
+        else:
+            client.log_batch(run_id, synchronous=True, **{kind: items})
 
     try:
-        client.log_batch(run_id, synchronous=True, **groups)
+        if write_metrics is not None:  # MLflow's own SQL store: the points without an ORM object each
+            write_metrics(run_id, groups["metrics"])
+            counts["metrics"] += len(groups["metrics"])
+            groups["metrics"] = []
+        if groups["params"] or groups["tags"] or groups["metrics"]:
+            client.log_batch(run_id, synchronous=True, **groups)
         for kind, items in groups.items():
             counts[kind] += len(items)
         return
