@@ -78,6 +78,9 @@ class RunCheckpoints:
         self.out, self.owner, self.cfg, self.task, self.generator = out, owner, cfg, task, generator
         self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
         self.saving = out is not None and is_main and cfg.save_checkpoints
+        # The same in every checkpoint of the run: serialised once, not at every epoch.
+        self._config_json = json.dumps(cfg.to_dict())
+        self._task_json = json.dumps(task.describe())
 
     def restore(self, world_size: int) -> RunState | None:
         """Load ``last.pt`` (or ``last.prev.pt``, see ``checkpoint.load_resume_state``) into the
@@ -115,7 +118,7 @@ class RunCheckpoints:
             "precision": self.precision.state_dict(), "rng": self._rng_state(),
             "epoch": epoch, "step": run.step, "best": run.best, "best_epoch": run.best_epoch,
             "history_json": json.dumps(run.history), "progress": progress,
-            "config_json": json.dumps(self.cfg.to_dict()), "task_json": json.dumps(self.task.describe()),
+            "config_json": self._config_json, "task_json": self._task_json,
             "owner": self.owner, "steps": run.step_log.state_dict(),
         }
         last = ckpt.save_last(state, self.out)

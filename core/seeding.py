@@ -88,9 +88,12 @@ def rng_state() -> dict:
     """All RNG states as tensors and plain lists, loadable with ``torch.load(weights_only=True)``."""
     # The legacy tuple (the default); numpy's stub types a call without arguments as the dict form.
     np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    py = random.getstate()
     state = {
-        "python": list(random.getstate()[1]) + [random.getstate()[0]],
-        "python_gauss": random.getstate()[2],
+        # One tensor, not a list of 625 ints: torch.save pickles a list item by item, and this
+        # was half the objects of a small model's checkpoint.
+        "python": torch.tensor([*py[1], py[0]], dtype=torch.int64),
+        "python_gauss": py[2],
         "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                   "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
         "torch": torch.get_rng_state(),
@@ -102,6 +105,7 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     py = state["python"]
+    py = py.tolist() if isinstance(py, torch.Tensor) else py  # a list in checkpoints written before
     random.setstate((py[-1], tuple(py[:-1]), state["python_gauss"]))
     npst = state["numpy"]
     np.random.set_state(("MT19937", npst["keys"].numpy().astype(np.uint32), npst["pos"],
