@@ -6,6 +6,7 @@ Layout in a run's output folder: ``last.pt`` (latest epoch or interruption point
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import tempfile
@@ -31,19 +32,11 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     a crash or a full disk never leaves a half-written file under the final name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = _write_synced(state, path.parent, f".{path.name}.")
     try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            stop_here(Fault.MID_CHECKPOINT)  # tests: a kill while the new file is not yet in place
-            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -53,18 +46,31 @@ def save_last(state: dict[str, Any], out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     last = out_dir / LAST
     # Write first so a failure (ENOSPC) leaves last.pt untouched.
-    fd, tmp = tempfile.mkstemp(prefix=".last.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
+    tmp = _write_synced(state, out_dir, ".last.")
     try:
-        save_checkpoint(state, Path(tmp))
         if last.exists():
             os.replace(last, out_dir / PREV)
         os.replace(tmp, last)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return last
+
+
+def _write_synced(state: dict[str, Any], folder: Path, prefix: str) -> Path:
+    """``state`` in a new temporary file in ``folder``, fsynced; removed again if that fails."""
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            stop_here(Fault.MID_CHECKPOINT)  # tests: a kill while the new file is not yet in place
+            os.fsync(fh.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+        raise
+    return Path(name)
 
 
 def same_checkpoint(src: Path, path: Path, state: dict[str, Any]) -> None:
