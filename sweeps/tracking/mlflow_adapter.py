@@ -55,15 +55,24 @@ def sql_metric_writer(client: Any) -> Callable[[str, Sequence[Metric]], None] | 
     ``sanitize_metric_value`` does and retries a deadlock as ``_log_metrics`` does
     (``_run_with_deadlock_retry``). tests/scaleout/test_mlflow_sql_metrics.py compares its rows
     with ``log_batch``'s."""
+    import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking import MlflowClient
 
-    if type(client) is not MlflowClient:
-        return None
+    if type(client) is not MlflowClient or mlflow.get_active_model_id() is not None:
+        return None  # an active model: log_batch also writes the points as that logged model's metrics
     store = client._tracking_client.store
     if not isinstance(store, SqlAlchemyStore) or store.engine.dialect.name not in _UPSERT_DIALECTS:
         return None
+    # Another MLflow than the one read (pyproject allows any 3.x): without the store's names this
+    # uses, its points go through log_batch rather than fail as refused.
+    if not all(hasattr(store, name) for name in _STORE_NAMES):
+        return None
     return functools.partial(_write_metrics, store)
+
+
+_STORE_NAMES = ("ManagedSessionMaker", "_get_run", "_check_run_is_active", "_run_with_deadlock_retry",
+                "sanitize_metric_value")
 
 
 def _write_metrics(store: Any, run_id: str, metrics: Sequence[Metric]) -> None:
@@ -76,8 +85,8 @@ def _write_metrics(store: Any, run_id: str, metrics: Sequence[Metric]) -> None:
     _validate_run_id(run_id)
     rows: list[dict[str, Any]] = []
     latest: dict[str, dict[str, Any]] = {}
-    for m in metrics:
-        _validate_metric(m.key, m.value, m.timestamp, m.step)
+    for i, m in enumerate(metrics):  # refusals name the point as log_batch's do
+        _validate_metric(m.key, m.value, m.timestamp, m.step, path="" if len(metrics) == 1 else f"metrics[{i}]")
         is_nan, value = store.sanitize_metric_value(m.value)
         row = {"run_uuid": run_id, "key": m.key, "value": value, "timestamp": m.timestamp, "step": m.step,
                "is_nan": is_nan}

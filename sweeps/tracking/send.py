@@ -213,7 +213,8 @@ def _delete_tag(client: Any, run_id: str, key: str) -> None:
 
 def _send_batch(client: Any, run_id: str, chunk: Sequence[Sequence[Any]],
                 counts: dict[str, int], refusals: list[str]) -> None:
-    """One log_batch call; if the store refuses it, find what it refuses so the rest
+    """One log_batch call (its metric points written directly on MLflow's own SQL store:
+    ``mlflow_adapter.sql_metric_writer``); if the store refuses it, find what it refuses so the rest
     still gets in. Metrics are refused as a group (their keys and values are checked
     when logged, so a refusal means the run itself takes no writes); params and tags one
     by one (a param whose value changed on resume must not take the others with it)."""

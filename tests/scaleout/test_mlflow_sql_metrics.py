@@ -74,9 +74,13 @@ def test_a_deleted_run_refuses_the_points_as_log_batch_does(client):
 def test_a_bad_metric_is_refused_before_anything_is_written(tmp_path):
     client = MlflowClient(migrated_store(tmp_path))
     run_id = client.create_run(client.create_experiment("bad")).info.run_id
-    with pytest.raises(MlflowException) as refused:
-        sql_metric_writer(client)(run_id, [Metric("fine", 1.0, TS, 0), Metric("../up", 1.0, TS, 0)])
-    assert refused.value.error_code == "INVALID_PARAMETER_VALUE"
+    points = [Metric("fine", 1.0, TS, 0), Metric("../up", 1.0, TS, 0)]
+    with pytest.raises(MlflowException) as by_mlflow:
+        client.log_batch(run_id, metrics=points, synchronous=True)
+    with pytest.raises(MlflowException) as by_writer:
+        sql_metric_writer(client)(run_id, points)
+    assert by_writer.value.error_code == "INVALID_PARAMETER_VALUE"
+    assert "metrics[1]" in by_writer.value.message and "metrics[1]" in by_mlflow.value.message  # names the point
     assert client.get_run(run_id).data.metrics == {}
 
 
@@ -86,5 +90,23 @@ def test_only_mlflows_own_client_on_an_sql_store_gets_the_writer(tmp_path):
             self.inner = inner
 
     client = MlflowClient(migrated_store(tmp_path))
+    assert sql_metric_writer(client) is not None
     assert sql_metric_writer(Wrapper(client)) is None
     assert sql_metric_writer(MlflowClient("http://127.0.0.1:9")) is None
+
+
+def test_log_batch_keeps_what_the_writer_would_not_write_as_it_does(tmp_path, monkeypatch):
+    """An active logged model (log_batch also records the points as its metrics), and an MLflow
+    whose store lacks a name the writer uses (it would fail where log_batch stores the points)."""
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    client = MlflowClient(migrated_store(tmp_path))
+    # What MlflowClient.log_batch asks (mlflow.set_active_model, or MLFLOW_ACTIVE_MODEL_ID, which
+    # MLflow reads once per thread and keeps: set for real it would outlive this test).
+    monkeypatch.setattr(mlflow, "get_active_model_id", lambda: "m-0123456789abcdef")
+    assert sql_metric_writer(client) is None
+    monkeypatch.undo()
+    assert sql_metric_writer(client) is not None
+    monkeypatch.delattr(SqlAlchemyStore, "_run_with_deadlock_retry")
+    assert sql_metric_writer(client) is None
