@@ -79,8 +79,8 @@ class RunCheckpoints:
         self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
         self.saving = out is not None and is_main and cfg.save_checkpoints
         # The same in every checkpoint of the run: serialised once, not at every epoch.
-        self._config_json = json.dumps(cfg.to_dict())
-        self._task_json = json.dumps(task.describe())
+        self._config_json = json.dumps(cfg.to_dict()) if self.saving else ""
+        self._task_json = json.dumps(task.describe()) if self.saving else ""
 
     def restore(self, world_size: int) -> RunState | None:
         """Load ``last.pt`` (or ``last.prev.pt``, see ``checkpoint.load_resume_state``) into the
