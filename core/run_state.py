@@ -75,7 +75,7 @@ class RunCheckpoints:
     def __init__(self, out: Path | None, owner: str | None, cfg: TrainConfig, task: Task, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, precision: Precision, is_main: bool,
                  generator: torch.Generator | None = None) -> None:
-        self.out, self.owner, self.cfg, self.task, self.generator = out, owner, cfg, task, generator
+        self.out, self.owner, self.generator = out, owner, generator
         self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
         self.saving = out is not None and is_main and cfg.save_checkpoints
         # The same in every checkpoint of the run: serialised once, not at every epoch.

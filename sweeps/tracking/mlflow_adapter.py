@@ -55,7 +55,7 @@ def sql_metric_writer(client: Any) -> Callable[[str, Sequence[Metric]], None] | 
     ``sanitize_metric_value`` does and retries a deadlock as ``_log_metrics`` does
     (``_run_with_deadlock_retry``). tests/scaleout/test_mlflow_sql_metrics.py compares its rows
     with ``log_batch``'s."""
-    import mlflow
+    import mlflow  # lazy, as in every function here: MLflow loads where a store is used, not at import
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking import MlflowClient
 
