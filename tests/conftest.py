@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from sweeps.backends import worker_forkserver
 from sweeps.backends.worker_forkserver import AUDIT_START
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_fork_server_per_test_process():
+    """The studies a test process runs in-process fork their workers from one fork server, which
+    imports torch, MLflow and the trainer once (seconds of CPU) instead of once per study."""
+    with worker_forkserver.kept_between_studies():
+        yield
 
 
 @pytest.fixture

@@ -24,8 +24,16 @@ What a forked worker keeps of a worker process of its own:
   -PGID``, a scheduler's SIGTERM) is for the workers, which checkpoint, and the server leaves
   with the driver. A worker unblocks them first thing; one that came meanwhile is delivered then;
 * its exit code, read by the server and passed to the driver; ``ps`` (``ps -o comm``, ``top``,
-  psutil's ``name()``) shows ``sweeps-worker-N``, the server ``sweeps-forksrv``; its standard
-  output and error are the driver's.
+  psutil's ``name()``) shows ``sweeps-worker-N``, the server ``sweeps-forksrv``;
+* its working directory, ``sys.path`` and standard output and error: the driver's when it is
+  forked (multiprocessing sends the first two with each fork, and here the driver's descriptors 1
+  and 2 go with them), not the server's, which works in ``/`` once it has imported, so that it
+  keeps no study folder busy.
+
+A process that runs several studies one after another (a notebook, a script looping over specs, a
+test suite) can keep one server for all of them (:func:`kept_between_studies`): each study's
+workers are forked from the same imported server instead of one importing anew per study. Only a
+server started from the main thread is kept (its PR_SET_PDEATHSIG follows that thread).
 
 Everything that reaches into :mod:`multiprocessing` is here, its private parts included
 (:func:`stop`). Stdlib only at import: the driver imports this before anything heavy.
@@ -38,10 +46,12 @@ import importlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -63,6 +73,7 @@ _SERVER_EXIT_S = 5.0  # how long a server that closed a worker's pipe unanswered
 _CONTEXT = multiprocessing.get_context("forkserver")
 _server_pid: int | None = None  # in the server and the workers it forks: the server's pid
 _forked_any = False  # in the driver: whether a server has forked a worker
+_kept = 0  # in the driver: how many kept_between_studies() scopes are open
 
 
 class ServerGone(BackendError):
@@ -132,6 +143,7 @@ def _boot_server() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     sys.stdout.flush()  # what the imports printed is written once, not again by every forked worker
     sys.stderr.flush()
+    os.chdir("/")  # each worker works in the driver's folder at its fork (multiprocessing moves it)
 
 
 def start() -> None:
@@ -165,20 +177,58 @@ def stop() -> None:
 
 @contextlib.contextmanager
 def running() -> Iterator[None]:
-    """The server from :func:`start` (now, or already) to :func:`stop` on leaving."""
+    """The server from :func:`start` (now, or already) to :func:`stop` on leaving, unless a
+    :func:`kept_between_studies` scope keeps it and this is the main thread."""
     start()
     try:
         yield
     finally:
-        stop()
+        if not (_kept and threading.current_thread() is threading.main_thread()):
+            stop()
 
 
-def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str], slot: int) -> None:
-    """A forked worker, before its go: it takes the driver's environment and its slot's, names
-    itself, unblocks the stop signals (its quiet handlers are the server's), then runs the worker."""
+@contextlib.contextmanager
+def kept_between_studies() -> Iterator[None]:
+    """Keep the server that a study started from the main thread for the studies that follow, to
+    :func:`stop` it when the outermost such scope ends. Starts nothing by itself."""
+    global _kept
+    _kept += 1
+    try:
+        yield
+    finally:
+        _kept -= 1
+        if not _kept:
+            stop()
+
+
+class _DriverFd:
+    """A file descriptor of the driver, pickled as the forked worker's copy of it: the fork server
+    sends it with the fork as it sends the go pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str], slot: int, out: int,
+                 err: int) -> None:
+    """A forked worker, before its go (multiprocessing has moved it to the driver's folder and
+    ``sys.path``): it takes the driver's environment and its slot's and standard output and error,
+    names itself, unblocks the stop signals (its quiet handlers are the server's), then runs the
+    worker."""
     die_with_parent()
     if _server_pid is not None and os.getppid() != _server_pid:
         os._exit(128 + signal.SIGKILL)  # the server (so the driver) died before the line above
+    for fd, target in ((out, 1), (err, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     multiprocessing.set_start_method(None, force=True)  # a trial's DataLoader forks as in a process of its own
@@ -270,7 +320,10 @@ def fork_worker(env: dict[str, str], slot: int) -> ForkedWorker:
 def _fork(env: dict[str, str], slot: int) -> ForkedWorker:
     start()
     go_r, go_w = _CONTEXT.Pipe(duplex=False)
-    process = _CONTEXT.Process(target=_worker_main, args=(go_r, env, slot), name=f"sweeps-worker-{slot}")
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # what the driver printed before, ahead of what the worker prints
+    process = _CONTEXT.Process(target=_worker_main, args=(go_r, env, slot, _DriverFd(1), _DriverFd(2)),
+                               name=f"sweeps-worker-{slot}")
     try:
         process.start()
     except (EOFError, OSError) as exc:  # no pid came back, or nothing listens any more

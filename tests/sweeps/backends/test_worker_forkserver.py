@@ -216,3 +216,32 @@ def test_the_server_starts_without_waiting_for_its_imports():
         say(before=torch_before, after=torch_after, code=w.wait(600))
     """, SWEEPS_PAUSE="worker_importing")
     assert seen == {"before": False, "after": True, "code": 0}
+
+
+def test_a_kept_server_forks_the_workers_of_each_study_with_that_drivers_output(tmp_path):
+    """Kept between two studies (kept_between_studies), one server forks the workers of both, each
+    writing where the driver's standard output and error point at its fork (a notebook or a test
+    that redirects them between studies); the server ends with the scope."""
+    (seen,), _ = _drive(f"""
+        servers, outputs = set(), []
+        with worker_forkserver.kept_between_studies():
+            for i in range(2):
+                with worker_forkserver.running(), open(os.path.join({str(tmp_path)!r}, f"out{{i}}"), "w") as out:
+                    saved = os.dup(1), os.dup(2)
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(out.fileno(), 2)
+                    try:
+                        w = worker_forkserver.fork_worker({{**os.environ, "SWEEPS_PAUSE": "worker_before_go"}}, i)
+                    finally:
+                        os.dup2(saved[0], 1)
+                        os.dup2(saved[1], 2)
+                    stopped(psutil.Process(w.pid))  # ready for its go
+                    servers.add(psutil.Process(w.pid).ppid())
+                    outputs.append([os.readlink(f"/proc/{{w.pid}}/fd/{{fd}}") for fd in (1, 2)])
+                    w.stdin.close()
+                    os.kill(w.pid, signal.SIGCONT)
+                    assert w.wait(600) == 0
+        (server,) = servers
+        say(outputs=outputs, server_gone=not psutil.pid_exists(server))
+    """)
+    assert seen == {"outputs": [[str(tmp_path / f"out{i}")] * 2 for i in range(2)], "server_gone": True}
