@@ -14,7 +14,8 @@ What a forked worker keeps of a worker process of its own:
   (``ForkedWorker.stdin``, as a process's stdin), EOF meaning stop;
 * it dies with the driver: the server sets PR_SET_PDEATHSIG first thing (SIGKILL when the driver
   dies, SIGKILL included), and each worker the same towards the server; the driver kills and
-  reaps the server when its run ends (:func:`running`);
+  reaps the server when its run ends (:func:`running`), or when the last study it keeps the
+  server for has (:func:`kept_between_studies`);
 * its environment: the driver's when it is forked plus its slot's (``CUDA_VISIBLE_DEVICES``,
   thread counts), set before anything touches CUDA (importing torch does not initialise it); the
   thread pools the server loaded (torch's, numpy's OpenBLAS) are sized to the slot at the go;
@@ -32,8 +33,11 @@ What a forked worker keeps of a worker process of its own:
 
 A process that runs several studies one after another (a notebook, a script looping over specs, a
 test suite) can keep one server for all of them (:func:`kept_between_studies`): each study's
-workers are forked from the same imported server instead of one importing anew per study. Only a
-server started from the main thread is kept (its PR_SET_PDEATHSIG follows that thread).
+workers are forked from the same imported server instead of one importing anew per study. A study
+run from another thread stops the server when it ends (PR_SET_PDEATHSIG follows the thread that
+started the server). What no fork receives stays as the first study left it: the server's own
+standard streams (where it reports a failed import), its umask, limits and CPU affinity, and what
+libraries read from the environment as the server imported them (``TORCH_LOGS``, say).
 
 Everything that reaches into :mod:`multiprocessing` is here, its private parts included
 (:func:`stop`). Stdlib only at import: the driver imports this before anything heavy.
@@ -216,8 +220,16 @@ def _received_fd(dup: Any) -> int:
     return dup.detach()
 
 
-def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str], slot: int, out: int,
-                 err: int) -> None:
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False  # a driver started with it closed: the worker keeps the server's
+    return True
+
+
+def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str], slot: int, out: int | None,
+                 err: int | None) -> None:
     """A forked worker, before its go (multiprocessing has moved it to the driver's folder and
     ``sys.path``): it takes the driver's environment and its slot's and standard output and error,
     names itself, unblocks the stop signals (its quiet handlers are the server's), then runs the
@@ -226,7 +238,7 @@ def _worker_main(go: multiprocessing.connection.Connection, env: dict[str, str],
     if _server_pid is not None and os.getppid() != _server_pid:
         os._exit(128 + signal.SIGKILL)  # the server (so the driver) died before the line above
     for fd, target in ((out, 1), (err, 2)):
-        if fd != target:
+        if fd is not None and fd != target:
             os.dup2(fd, target)
             os.close(fd)
     os.environ.clear()
@@ -321,8 +333,10 @@ def _fork(env: dict[str, str], slot: int) -> ForkedWorker:
     start()
     go_r, go_w = _CONTEXT.Pipe(duplex=False)
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()  # what the driver printed before, ahead of what the worker prints
-    process = _CONTEXT.Process(target=_worker_main, args=(go_r, env, slot, _DriverFd(1), _DriverFd(2)),
+        if stream is not None:
+            stream.flush()  # what the driver printed before, ahead of what the worker prints
+    fds = [_DriverFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+    process = _CONTEXT.Process(target=_worker_main, args=(go_r, env, slot, *fds),
                                name=f"sweeps-worker-{slot}")
     try:
         process.start()
