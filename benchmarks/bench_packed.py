@@ -7,7 +7,9 @@ Arms, each one whole study end to end (start-up included), on the same trials:
 * the plain script (``benchmarks/peers/task_script.py``): the task's own model, data, loss and
   metrics in a hand loop, TPE and ``MlflowClient``, one trial at a time (1 torch thread).
 
-Cases: (a) the diabetes MLP (width 64, 40 epochs, lr x weight decay, 64 trials), (b) the digits
+Cases: (a) the diabetes MLP (width 64, 40 epochs, lr x weight decay, 64 trials; both ``sweeps``
+arms checkpoint every 10 epochs, ``train.checkpoint_every``, as studies/diabetes_pack.yaml does;
+the script saves its best weights without fsync, as a plain script does), (b) the digits
 CNN, (c) the shapes U-Net; on a GPU also (d) ResNet-18 at CIFAR size on synthetic data, with the
 GPU's utilisation sampled during each arm (``nvidia-smi``). Every arm's records are counted (a
 trial run with its whole epoch curve) and its best objective kept, so speed is never bought with
@@ -35,7 +37,7 @@ CASES: dict[str, dict] = {
     "diabetes_mlp": {"task": {"name": "diabetes", "model": "mlp", "args": {"width": 64, "depth": 2}},
                      "epochs": 40, "batch_size": 32, "optimizer": "adamw", "n_trials": 64,
                      "lr": [1e-4, 1e-1], "weight_decay": [1e-5, 1.0], "objective": "val_rmse",
-                     "direction": "minimize"},
+                     "direction": "minimize", "checkpoint_every": 10},
     "digits_cnn": {"task": {"name": "digits", "model": "cnn", "args": {"val_fraction": 0.2}},
                    "epochs": 3, "batch_size": 32, "optimizer": "sgd", "n_trials": 16,
                    "lr": [1e-3, 0.3], "weight_decay": [1e-5, 1e-2], "objective": "val_acc", "direction": "maximize"},
@@ -67,7 +69,8 @@ def _spec(name: str, case: dict, pack: int | None, device: str) -> dict:
     return tiny_spec(name, task=case["task"],
                      train={"epochs": case["epochs"], "batch_size": case["batch_size"], "optimizer": case["optimizer"],
                             "scheduler": "cosine", "precision": "fp32", "num_workers": 0, "seed": 0,
-                            "export_onnx": True, "save_checkpoints": True},
+                            "export_onnx": True, "save_checkpoints": True,
+                            "checkpoint_every": case.get("checkpoint_every", 1)},
                      search={"lr": {"type": "float", "low": case["lr"][0], "high": case["lr"][1], "log": True},
                              "weight_decay": {"type": "float", "low": case["weight_decay"][0],
                                               "high": case["weight_decay"][1], "log": True}},

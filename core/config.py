@@ -98,6 +98,10 @@ class TrainConfig:
     monitor: str = "val_loss"  # metric that decides the best checkpoint and the plateau scheduler
     monitor_mode: Literal["min", "max"] = "min"
     save_checkpoints: bool = True
+    # Epochs between resumable checkpoints (last.pt): 1 writes one after every epoch. A run killed
+    # between two resumes from the earlier one and trains the epochs after it again. The final
+    # epoch and any stop that says "checkpoint saved" (a signal, a stop at an epoch's end) write one.
+    checkpoint_every: int = 1
     export_onnx: bool = False
     onnx_tolerance: float = 1.0e-4  # also the TorchScript check's
     # model.ts beside model.onnx (core/torchscript_export.py)
@@ -208,6 +212,7 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.batch_size >= 1, "batch_size", cfg.batch_size, "use 1 or more"),
         (cfg.lr > 0, "lr", cfg.lr, "use a positive learning rate"),
         (cfg.grad_accum_steps >= 1, "grad_accum_steps", cfg.grad_accum_steps, "use 1 or more"),
+        (cfg.checkpoint_every >= 1, "checkpoint_every", cfg.checkpoint_every, "use 1 (every epoch) or more epochs"),
         (cfg.weight_decay >= 0, "weight_decay", cfg.weight_decay, "use 0 or more"),
         (0 <= cfg.label_smoothing < 1, "label_smoothing", cfg.label_smoothing, "use [0, 1)"),
         (cfg.mixup_alpha >= 0, "mixup_alpha", cfg.mixup_alpha, "use 0 (off) or more"),

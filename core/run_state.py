@@ -70,7 +70,12 @@ class RunCheckpoints:
     """The checkpoints of a run writing to ``out``: :meth:`restore` loads the latest into the
     training objects, :meth:`save` writes them (on rank 0, when ``cfg.save_checkpoints``).
     ``generator``: a population member's own random stream (core/population.py), saved and restored
-    where a run alone keeps the global one, so either can resume the other's checkpoint."""
+    where a run alone keeps the global one, so either can resume the other's checkpoint.
+
+    With ``cfg.checkpoint_every`` above 1, an epoch that sets a new best but writes no checkpoint
+    keeps a copy of its weights (:meth:`keep_best`), written as ``best.pt`` with the next
+    checkpoint: ``best.pt`` then always holds the weights of the best epoch that ``last.pt``'s
+    state records."""
 
     def __init__(self, out: Path | None, owner: str | None, cfg: TrainConfig, task: Task, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, precision: Precision, is_main: bool,
@@ -78,6 +83,8 @@ class RunCheckpoints:
         self.out, self.owner, self.generator = out, owner, generator
         self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
         self.saving = out is not None and is_main and cfg.save_checkpoints
+        self.every, self.last_epoch = cfg.checkpoint_every, cfg.epochs
+        self._best: dict | None = None  # the best epoch's weights, not yet in best.pt (keep_best)
         # The same in every checkpoint of the run: serialised once, not at every epoch.
         self._config_json = json.dumps(cfg.to_dict()) if self.saving else ""
         self._task_json = json.dumps(task.describe()) if self.saving else ""
@@ -106,9 +113,28 @@ class RunCheckpoints:
                         best_epoch=state["best_epoch"], history=json.loads(state["history_json"]),
                         step_log=step_log, progress=progress)
 
+    def due(self, epoch: int) -> bool:
+        """Whether the end of ``epoch`` writes a checkpoint: every ``checkpoint_every`` epochs, and the last."""
+        return epoch % self.every == 0 or epoch >= self.last_epoch
+
+    def keep_best(self, epoch: int) -> None:
+        """``epoch`` set a new best and writes no checkpoint: keep a copy of its weights."""
+        if self.saving:
+            weights = ckpt.strip_prefixes(ckpt.unwrap_model(self.model).state_dict())
+            self._best = {"model": {k: v.detach().clone() for k, v in weights.items()}, "epoch": epoch}
+
+    def write_kept_best(self) -> None:
+        """Write the weights :meth:`keep_best` kept, if any, as ``best.pt``: with the next
+        checkpoint, or when the run ends without one (pruned, diverged)."""
+        kept, self._best = self._best, None
+        if kept is not None and self.out is not None:
+            ckpt.save_checkpoint({**kept, "config_json": self._config_json, "task_json": self._task_json,
+                                  "owner": self.owner}, self.out / ckpt.BEST)
+
     def save(self, run: RunState, epoch: int, progress: dict | None = None, best: bool = False) -> None:
         """Write ``last.pt`` after ``epoch`` (``progress``: interrupted inside it), and ``best.pt``
-        too when ``best``: everything needed to continue bitwise-identically."""
+        too when ``best`` (or the weights :meth:`keep_best` kept): everything needed to continue
+        bitwise-identically."""
         if not self.saving:
             return
         assert self.out is not None  # saving implies a folder
@@ -121,6 +147,9 @@ class RunCheckpoints:
             "config_json": self._config_json, "task_json": self._task_json,
             "owner": self.owner, "steps": run.step_log.state_dict(),
         }
+        if best:
+            self._best = None
+        self.write_kept_best()  # before last.pt, which records that epoch as the best
         last = ckpt.save_last(state, self.out)
         if best:
             ckpt.same_checkpoint(last, self.out / ckpt.BEST, state)

@@ -248,19 +248,28 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
             elif m.interval == "plateau":
                 assert isinstance(m.scheduler, lr_scheduler.ReduceLROnPlateau)  # build_scheduler pairs them
                 m.scheduler.step(metrics[cfg.monitor])
-        writer.save(validating, epoch)  # a population's members at once: each to its own folder
+        due = [m for m in validating if m.checkpoints.due(epoch)]
+        for m in validating:
+            if m.improved and m not in due:
+                m.checkpoints.keep_best(epoch)
+        writer.save(due, epoch)  # a population's members at once: each to its own folder
+        stopped_between = []  # between checkpoints (train.checkpoint_every): the stop writes one
         for m, metrics in zip(validating, epoch_metrics, strict=True):
             decision = ctx.agree(m.reporter.report_epoch(epoch, m.run.step, metrics), device)
             if decision is Decision.PRUNE:
                 m.stop = Stop("pruned", f"pruned after epoch {epoch} ({cfg.monitor}={metrics[cfg.monitor]:.6g})")
             if decision is Decision.INTERRUPT:
                 m.stop = Stop("interrupted", f"interrupted after epoch {epoch}; checkpoint saved")
+                if m not in due:
+                    stopped_between.append(m)
+        writer.save(stopped_between, epoch)
 
     # ---- end of run: each result, then (completed runs) evaluation and ONNX export of the best weights
     results = []
     for m in members:
         result = _result(m.stop, m.run, cfg.batch_size * ctx.world_size * accum, precision.skipped_steps)
         result.diverged = m.diverged
+        m.checkpoints.write_kept_best()  # pruned or diverged between checkpoints: best.pt as recorded
         out = m.out
         if out is not None and ctx.is_main:
             result.checkpoint_last = out / ckpt.LAST if (out / ckpt.LAST).exists() else None

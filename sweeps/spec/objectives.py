@@ -197,7 +197,7 @@ def _multi_problems(s: dict[str, Any], fields_set: set[str], objectives: list[Ob
 # Train settings that change how a trial runs or what it writes, not the values it reaches:
 # changing them between runs of one study is fine (a loader's workers, the device, the exports).
 _OPERATIONAL_TRAIN_KEYS = frozenset({
-    "num_workers", "prefetch_factor", "pin_memory", "device", "save_checkpoints", "export_onnx",
+    "num_workers", "prefetch_factor", "pin_memory", "device", "save_checkpoints", "checkpoint_every", "export_onnx",
     "onnx_tolerance", "export_torchscript", "profile", "detect_anomaly", "compile"})
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from core import checkpoint as ckpt
 from core.config import apply_overrides
 from core.population import MemberRun, PackError
 from core.reporting import Decision, RecordingReporter
@@ -179,3 +180,36 @@ def test_models_of_other_shapes_are_refused():
     task = Varying()
     with pytest.raises(PackError, match="different parameter or buffer shapes"):
         train_population(task, [MemberRun(c) for c in _configs()])
+
+
+def test_members_checkpointing_every_few_epochs_keep_each_ones_best_and_final_weights(tmp_path):
+    """``checkpoint_every: 2`` of 3 epochs: each member writes at epochs 2 and 3 only, and its
+    last.pt and best.pt hold what a population checkpointing every epoch holds."""
+    every = {k: [apply_overrides(c, {"save_checkpoints": True, "checkpoint_every": k}) for c in _configs()]
+             for k in (1, 2)}
+    outs = {k: [tmp_path / f"every{k}" / f"m{i}" for i in range(len(cfgs))] for k, cfgs in every.items()}
+    written = {}
+
+    class Looks(RecordingReporter):
+        """Notes, as each epoch is reported, which epoch the member's last.pt holds (0: none)."""
+
+        def __init__(self, out):
+            super().__init__()
+            self.out = out
+
+        def report_epoch(self, epoch, step, metrics):
+            last = self.out / ckpt.LAST
+            written[(self.out, epoch)] = ckpt.load_checkpoint(last)["epoch"] if last.exists() else 0
+            return super().report_epoch(epoch, step, metrics)
+
+    for k, cfgs in every.items():
+        results = train_population(NormDropoutTask(), [MemberRun(c, Looks(o), o)
+                                                       for c, o in zip(cfgs, outs[k], strict=True)])
+        assert {r.status for r in results} == {"completed"}
+    for one, two in zip(outs[1], outs[2], strict=True):
+        assert [written[(two, e)] for e in (1, 2, 3)] == [0, 2, 3]
+        assert [written[(one, e)] for e in (1, 2, 3)] == [1, 2, 3]
+        for name in (ckpt.LAST, ckpt.BEST):
+            a, b = ckpt.load_checkpoint(one / name), ckpt.load_checkpoint(two / name)
+            assert a["model"].keys() == b["model"].keys()
+            assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"]), (two, name)

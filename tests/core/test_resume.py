@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core import checkpoint as ckpt
-from core.reporting import RecordingReporter
+from core.reporting import Decision, RecordingReporter
 from core.results import STEP_METRICS
 from core.tasks.digits import DigitsTask
 from core.tasks.synthetic import SyntheticTask
@@ -102,3 +102,86 @@ def test_a_checkpoint_of_another_owner_is_never_trained_on(tmp_path, written_by,
     text = str(info.value)
     assert str(tmp_path / ckpt.LAST) in text and message in text and "'this-study:trial-0003'" in text
     assert _files(tmp_path) == before  # no weights, config or checkpoint touched
+
+
+# ---- checkpoints every few epochs (train.checkpoint_every) -------------------------------------------
+class _Died(Exception):
+    """The process died as this epoch was reported: after its checkpoint, if one was due."""
+
+
+class DiesAt(RecordingReporter):
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def report_epoch(self, epoch, step, metrics):
+        if epoch == self.epoch:
+            raise _Died(epoch)
+        return super().report_epoch(epoch, step, metrics)
+
+
+def _weights(path):
+    return ckpt.load_checkpoint(path)["model"]
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoints_every_few_epochs_resume_a_killed_run_from_the_last_one_bitwise(tmp_path):
+    """Every 3 of 7 epochs: a run that dies at epoch 5 resumes from epoch 3, trains 4 to 7 again and
+    ends with the weights, best weights and curves of a run that checkpoints every epoch."""
+    task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)
+    every_epoch = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True)
+    every_third = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True, checkpoint_every=3)
+    straight = RecordingReporter()
+    done = train(task, every_epoch, straight, tmp_path / "straight")
+
+    with pytest.raises(_Died):
+        train(task, every_third, DiesAt(epoch=5), tmp_path / "killed")
+    assert ckpt.load_checkpoint(tmp_path / "killed" / ckpt.LAST)["epoch"] == 3  # none written at 4 or 5
+    again = RecordingReporter()
+    result = train(task, every_third, again, tmp_path / "killed", resume=True)
+    assert result.status == "completed" and result.best_metric == done.best_metric
+    assert [e for e, _ in again.resumed_epochs] == [1, 2, 3] and [e for e, _ in again.epochs] == [4, 5, 6, 7]
+    assert _without_timings(again.resumed_epochs + again.epochs) == _without_timings(straight.epochs)
+    assert again.resumed_steps + again.steps == straight.steps
+    for name in (ckpt.LAST, ckpt.BEST):
+        assert _same(_weights(tmp_path / "killed" / name), _weights(tmp_path / "straight" / name)), name
+
+
+class PruneAt(RecordingReporter):
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def report_epoch(self, epoch, step, metrics):
+        super().report_epoch(epoch, step, metrics)
+        return Decision.PRUNE if epoch == self.epoch else Decision.CONTINUE
+
+
+def test_a_stop_between_checkpoints_writes_one_with_that_epochs_best_weights(tmp_path):
+    """Interrupted after epoch 5 of a run that checkpoints every 3: the stop writes last.pt at epoch 5,
+    and best.pt holds the weights of the best epoch it records (kept in memory since that epoch)."""
+    task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)
+    cfg = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True, checkpoint_every=3)
+    every_epoch = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True)
+    assert train(task, cfg, StopAt(epoch=5), tmp_path / "third").status == "interrupted"
+    assert train(task, every_epoch, StopAt(epoch=5), tmp_path / "each").status == "interrupted"
+    last = ckpt.load_checkpoint(tmp_path / "third" / ckpt.LAST)
+    assert last["epoch"] == 5 and last["best_epoch"] not in (3, 6)  # a best between checkpoints
+    assert _same(_weights(tmp_path / "third" / ckpt.BEST), _weights(tmp_path / "each" / ckpt.BEST))
+    assert ckpt.load_checkpoint(tmp_path / "third" / ckpt.BEST)["epoch"] == last["best_epoch"]
+
+
+def test_a_run_pruned_between_checkpoints_keeps_its_best_weights(tmp_path):
+    """Pruned after epoch 5 of a run that checkpoints every 3: no checkpoint after epoch 3, yet best.pt
+    holds the weights of its best epoch, as in a run that checkpoints every epoch."""
+    task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)
+    cfg = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True, checkpoint_every=3)
+    every_epoch = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True)
+    pruned = train(task, cfg, PruneAt(epoch=5), tmp_path / "third")
+    assert pruned.status == "pruned" and pruned.best_epoch not in (3, 6)
+    assert train(task, every_epoch, PruneAt(epoch=5), tmp_path / "each").status == "pruned"
+    assert ckpt.load_checkpoint(tmp_path / "third" / ckpt.LAST)["epoch"] == 3
+    assert _same(_weights(tmp_path / "third" / ckpt.BEST), _weights(tmp_path / "each" / ckpt.BEST))

@@ -112,6 +112,14 @@ CASES = {
                      ["sampler.name: 'cmaes' does not run on backend ray", "random, grid, tpe"]),
     "pbt with tpe": (BASE + SEARCH_LR + "backend: ray\npruner: {name: pbt}\n",
                      ["sampler.name: 'tpe' cannot be combined with pruner pbt", "use random or grid"]),
+    "checkpoints every few epochs on ray": (BASE + SEARCH_LR + "backend: ray\ntrain: {checkpoint_every: 5}\n",
+                                            ["train.checkpoint_every: 5 is not supported on backend ray",
+                                             "use backend: optuna"]),
+    "checkpoints every few epochs searched on ray": (
+        BASE + "search:\n  checkpoint_every: {type: int, low: 1, high: 5}\nbackend: ray\n",
+        ["search.checkpoint_every: is not supported on backend ray"]),
+    "checkpoints every 0 epochs": (BASE + SEARCH_LR + "train: {checkpoint_every: 0}\n",
+                                   ["checkpoint_every", "use 1 (every epoch) or more epochs"]),
     "pbt without lr or momentum": (BASE + "search:\n  weight_decay: {type: float, low: 0.0, high: 0.1}\n"
                                    "backend: ray\nsampler: {name: random}\npruner: {name: pbt}\n",
                                    ["pruner.name: pbt perturbs lr or momentum", "add lr or momentum to search"]),
