@@ -13,11 +13,13 @@ def fast_config(**overrides) -> TrainConfig:
 
 
 class StopAt(RecordingReporter):
-    """Records like RecordingReporter; interrupts at optimizer step ``step`` or after epoch ``epoch``."""
+    """Records like RecordingReporter; interrupts at optimizer step ``step`` or after epoch ``epoch``
+    (there ``at_epoch``: INTERRUPT, or PRUNE)."""
 
-    def __init__(self, step: int | None = None, epoch: int | None = None) -> None:
+    def __init__(self, step: int | None = None, epoch: int | None = None,
+                 at_epoch: Decision = Decision.INTERRUPT) -> None:
         super().__init__()
-        self.stop_step, self.stop_epoch = step, epoch
+        self.stop_step, self.stop_epoch, self.at_epoch = step, epoch, at_epoch
 
     def report_step(self, step, metrics):
         super().report_step(step, metrics)
@@ -25,4 +27,4 @@ class StopAt(RecordingReporter):
 
     def report_epoch(self, epoch, step, metrics):
         super().report_epoch(epoch, step, metrics)
-        return Decision.INTERRUPT if epoch == self.stop_epoch else Decision.CONTINUE
+        return self.at_epoch if epoch == self.stop_epoch else Decision.CONTINUE

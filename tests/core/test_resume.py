@@ -150,16 +150,6 @@ def test_checkpoints_every_few_epochs_resume_a_killed_run_from_the_last_one_bitw
         assert _same(_weights(tmp_path / "killed" / name), _weights(tmp_path / "straight" / name)), name
 
 
-class PruneAt(RecordingReporter):
-    def __init__(self, epoch: int) -> None:
-        super().__init__()
-        self.epoch = epoch
-
-    def report_epoch(self, epoch, step, metrics):
-        super().report_epoch(epoch, step, metrics)
-        return Decision.PRUNE if epoch == self.epoch else Decision.CONTINUE
-
-
 def test_a_stop_between_checkpoints_writes_one_with_that_epochs_best_weights(tmp_path):
     """Interrupted after epoch 5 of a run that checkpoints every 3: the stop writes last.pt at epoch 5,
     and best.pt holds the weights of the best epoch it records (kept in memory since that epoch)."""
@@ -180,8 +170,8 @@ def test_a_run_pruned_between_checkpoints_keeps_its_best_weights(tmp_path):
     task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)
     cfg = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True, checkpoint_every=3)
     every_epoch = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True)
-    pruned = train(task, cfg, PruneAt(epoch=5), tmp_path / "third")
+    pruned = train(task, cfg, StopAt(epoch=5, at_epoch=Decision.PRUNE), tmp_path / "third")
     assert pruned.status == "pruned" and pruned.best_epoch not in (3, 6)
-    assert train(task, every_epoch, PruneAt(epoch=5), tmp_path / "each").status == "pruned"
+    assert train(task, every_epoch, StopAt(epoch=5, at_epoch=Decision.PRUNE), tmp_path / "each").status == "pruned"
     assert ckpt.load_checkpoint(tmp_path / "third" / ckpt.LAST)["epoch"] == 3
     assert _same(_weights(tmp_path / "third" / ckpt.BEST), _weights(tmp_path / "each" / ckpt.BEST))
