@@ -117,11 +117,15 @@ class RunCheckpoints:
         """Whether the end of ``epoch`` writes a checkpoint: every ``checkpoint_every`` epochs, and the last."""
         return epoch % self.every == 0 or epoch >= self.last_epoch
 
-    def keep_best(self, epoch: int) -> None:
-        """``epoch`` set a new best and writes no checkpoint: keep a copy of its weights."""
+    def keep_best(self, run: RunState) -> None:
+        """The epoch just recorded set a new best and writes no checkpoint: keep a copy of its
+        weights. Its ``best.pt`` holds them with the keys a reader of the best epoch looks for
+        (``model``, ``epoch``, ``best``, ``best_epoch``, config and owner), not the training state
+        that only ``last.pt`` needs."""
         if self.saving:
             weights = ckpt.strip_prefixes(ckpt.unwrap_model(self.model).state_dict())
-            self._best = {"model": {k: v.detach().clone() for k, v in weights.items()}, "epoch": epoch}
+            self._best = {"model": {k: v.detach().clone() for k, v in weights.items()}, "epoch": run.best_epoch,
+                          "best": run.best, "best_epoch": run.best_epoch}
 
     def write_kept_best(self) -> None:
         """Write the weights :meth:`keep_best` kept, if any, as ``best.pt``: with the next

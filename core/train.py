@@ -251,7 +251,7 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
         due = [m for m in validating if m.checkpoints.due(epoch)]
         for m in validating:
             if m.improved and m not in due:
-                m.checkpoints.keep_best(epoch)
+                m.checkpoints.keep_best(m.run)
         writer.save(due, epoch)  # a population's members at once: each to its own folder
         stopped_between = []  # between checkpoints (train.checkpoint_every): the stop writes one
         for m, metrics in zip(validating, epoch_metrics, strict=True):

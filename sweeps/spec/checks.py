@@ -197,9 +197,9 @@ def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Prob
                                                      f"{sampler.name} does not use it (it applies to tpe and gp); "
                                                      "remove it"))
     if backend == "ray" and "checkpoint_every" in (search or {}):
-        out.append((("search", "checkpoint_every"), "is not supported on backend ray (Ray Tune takes a trial's "
-                                                    "checkpoint at each epoch it reports, to restore, retry and "
-                                                    "exploit it); remove it or use backend: optuna"))
+        out.append((("search", "checkpoint_every"), "searched on backend ray, which does not support it (Ray Tune "
+                                                    "takes a trial's checkpoint at each epoch it reports, to restore, "
+                                                    "retry and exploit it); remove it or use backend: optuna"))
     if backend == "ray" and cfg is not None and cfg.checkpoint_every > 1:
         out.append((("train", "checkpoint_every"), f"{cfg.checkpoint_every} is not supported on backend ray (Ray Tune "
                                                    "takes a trial's checkpoint at each epoch it reports, to restore, "

@@ -161,7 +161,8 @@ def test_a_stop_between_checkpoints_writes_one_with_that_epochs_best_weights(tmp
     last = ckpt.load_checkpoint(tmp_path / "third" / ckpt.LAST)
     assert last["epoch"] == 5 and last["best_epoch"] not in (3, 6)  # a best between checkpoints
     assert _same(_weights(tmp_path / "third" / ckpt.BEST), _weights(tmp_path / "each" / ckpt.BEST))
-    assert ckpt.load_checkpoint(tmp_path / "third" / ckpt.BEST)["epoch"] == last["best_epoch"]
+    kept = ckpt.load_checkpoint(tmp_path / "third" / ckpt.BEST)
+    assert kept["epoch"] == kept["best_epoch"] == last["best_epoch"] and kept["best"] == last["best"]
 
 
 def test_a_run_pruned_between_checkpoints_keeps_its_best_weights(tmp_path):

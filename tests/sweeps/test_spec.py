@@ -117,7 +117,7 @@ CASES = {
                                              "use backend: optuna"]),
     "checkpoints every few epochs searched on ray": (
         BASE + "search:\n  checkpoint_every: {type: int, low: 1, high: 5}\nbackend: ray\n",
-        ["search.checkpoint_every: is not supported on backend ray"]),
+        ["search.checkpoint_every: searched on backend ray, which does not support it"]),
     "checkpoints every 0 epochs": (BASE + SEARCH_LR + "train: {checkpoint_every: 0}\n",
                                    ["checkpoint_every", "use 1 (every epoch) or more epochs"]),
     "pbt without lr or momentum": (BASE + "search:\n  weight_decay: {type: float, low: 0.0, high: 0.1}\n"
