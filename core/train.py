@@ -248,19 +248,19 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
             elif m.interval == "plateau":
                 assert isinstance(m.scheduler, lr_scheduler.ReduceLROnPlateau)  # build_scheduler pairs them
                 m.scheduler.step(metrics[cfg.monitor])
-        due = [m for m in validating if m.checkpoints.due(epoch)]
         for m in validating:
-            if m.improved and m not in due:
+            if m.improved and not m.checkpoints.due(epoch):
                 m.checkpoints.keep_best(m.run)
-        writer.save(due, epoch)  # a population's members at once: each to its own folder
-        stopped_between = []  # between checkpoints (train.checkpoint_every): the stop writes one
+        # A population's members at once, each to its own folder; train.checkpoint_every spaces them.
+        writer.save([m for m in validating if m.checkpoints.due(epoch)], epoch)
+        stopped_between = []  # between checkpoints: the stop writes one
         for m, metrics in zip(validating, epoch_metrics, strict=True):
             decision = ctx.agree(m.reporter.report_epoch(epoch, m.run.step, metrics), device)
             if decision is Decision.PRUNE:
                 m.stop = Stop("pruned", f"pruned after epoch {epoch} ({cfg.monitor}={metrics[cfg.monitor]:.6g})")
             if decision is Decision.INTERRUPT:
                 m.stop = Stop("interrupted", f"interrupted after epoch {epoch}; checkpoint saved")
-                if m not in due:
+                if not m.checkpoints.due(epoch):
                     stopped_between.append(m)
         writer.save(stopped_between, epoch)
 

@@ -196,14 +196,12 @@ def _backend_problems(s: dict[str, Any], cfg: TrainConfig | None, out: list[Prob
         out.append((("sampler", "n_startup_trials"), f"{sampler.n_startup_trials} is set but sampler "
                                                      f"{sampler.name} does not use it (it applies to tpe and gp); "
                                                      "remove it"))
+    why = ("(Ray Tune takes a trial's checkpoint at each epoch it reports, to restore, retry and exploit it); "
+           "remove it or use backend: optuna")
     if backend == "ray" and "checkpoint_every" in (search or {}):
-        out.append((("search", "checkpoint_every"), "searched on backend ray, which does not support it (Ray Tune "
-                                                    "takes a trial's checkpoint at each epoch it reports, to restore, "
-                                                    "retry and exploit it); remove it or use backend: optuna"))
+        out.append((("search", "checkpoint_every"), f"searched on backend ray, which does not support it {why}"))
     if backend == "ray" and cfg is not None and cfg.checkpoint_every > 1:
-        out.append((("train", "checkpoint_every"), f"{cfg.checkpoint_every} is not supported on backend ray (Ray Tune "
-                                                   "takes a trial's checkpoint at each epoch it reports, to restore, "
-                                                   "retry and exploit it); remove it or use backend: optuna"))
+        out.append((("train", "checkpoint_every"), f"{cfg.checkpoint_every} is not supported on backend ray {why}"))
     if pruner is None:
         return
     if pruner.name == "pbt" and backend == "ray":
