@@ -131,7 +131,7 @@ class RunCheckpoints:
         """Write the weights :meth:`keep_best` kept, if any, as ``best.pt``: with the next
         checkpoint, or when the run ends without one (pruned, diverged)."""
         kept, self._best = self._best, None
-        if kept is not None and self.out is not None:
+        if kept is not None and self.out is not None:  # kept only while saving, into a folder
             ckpt.save_checkpoint({**kept, "config_json": self._config_json, "task_json": self._task_json,
                                   "owner": self.owner}, self.out / ckpt.BEST)
 
@@ -152,8 +152,9 @@ class RunCheckpoints:
             "owner": self.owner, "steps": run.step_log.state_dict(),
         }
         if best:
-            self._best = None
-        self.write_kept_best()  # before last.pt, which records that epoch as the best
+            self._best = None  # this epoch is the best: best.pt links to its last.pt below
+        else:
+            self.write_kept_best()  # before last.pt, which records the kept epoch as the best
         last = ckpt.save_last(state, self.out)
         if best:
             ckpt.same_checkpoint(last, self.out / ckpt.BEST, state)
