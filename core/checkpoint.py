@@ -40,14 +40,21 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         raise
 
 
-def save_last(state: dict[str, Any], out_dir: Path) -> Path:
+def save_last(state: dict[str, Any], out_dir: Path, best: bool = False) -> Path:
     """Rotate ``last.pt`` to ``last.prev.pt``, then write the new ``last.pt``.
-    The rotation is a rename, so at every moment at least one good file exists."""
+    The rotation is a rename, so at every moment at least one good file exists.
+
+    ``best``: the state is the best epoch's, and ``best.pt`` holds the same file before ``last.pt``
+    names it, since ``last.pt`` records that epoch as the run's best and a resumed run never writes
+    an earlier epoch's ``best.pt`` again. A kill between the two names leaves ``best.pt`` one save
+    ahead of ``last.pt``, and the resumed run trains that epoch again, bitwise the same."""
     out_dir = Path(out_dir)
     last = out_dir / LAST
     # Write first so a failure (ENOSPC) leaves last.pt untouched.
     tmp = _write_synced(state, out_dir, ".last.")
     try:
+        if best:
+            _same_file(tmp, out_dir / BEST, state)
         if last.exists():
             os.replace(last, out_dir / PREV)
         os.replace(tmp, last)
@@ -73,7 +80,7 @@ def _write_synced(state: dict[str, Any], folder: Path, prefix: str) -> Path:
     return Path(name)
 
 
-def same_checkpoint(src: Path, path: Path, state: dict[str, Any]) -> None:
+def _same_file(src: Path, path: Path, state: dict[str, Any]) -> None:
     """``path`` holding what ``src`` (just written from ``state``) holds: a hard link to it, made
     under a temporary name and renamed into place, so ``best.pt`` costs no second serialisation
     and fsync each epoch it improves. Checkpoint files are only ever replaced, never rewritten in

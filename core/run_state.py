@@ -152,12 +152,10 @@ class RunCheckpoints:
             "owner": self.owner, "steps": run.step_log.state_dict(),
         }
         if best:
-            self._best = None  # this epoch is the best: best.pt links to its last.pt below
+            self._best = None  # this epoch is the best: save_last gives best.pt its file
         else:
             self.write_kept_best()  # before last.pt, which records the kept epoch as the best
-        last = ckpt.save_last(state, self.out)
-        if best:
-            ckpt.same_checkpoint(last, self.out / ckpt.BEST, state)
+        ckpt.save_last(state, self.out, best=best)
 
     def _rng_state(self) -> dict:
         state = rng_state()

@@ -2,6 +2,9 @@
 and it refuses another run's checkpoint."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -107,6 +110,40 @@ def test_a_checkpoint_of_another_owner_is_never_trained_on(tmp_path, written_by,
 # ---- checkpoints every few epochs (train.checkpoint_every) -------------------------------------------
 class _Died(Exception):
     """The process died as this epoch was reported: after its checkpoint, if one was due."""
+
+
+@pytest.mark.parametrize("death", [1, 2, 3])
+def test_a_kill_anywhere_in_a_best_epochs_save_leaves_the_resumed_run_that_epochs_best_pt(tmp_path, monkeypatch,
+                                                                                         death):
+    """A save of a new best makes two names (best.pt, last.pt) with a link and two renames: the
+    process dies before the ``death``-th of them. last.pt never records a best epoch whose weights
+    best.pt lacks, so the resumed run (here with no epoch left to train) ends with that epoch's
+    weights in best.pt, and so with a best checkpoint for its logged model."""
+    task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)
+    cfg = fast_config(epochs=1, lr=0.1, save_checkpoints=True)
+    train(task, cfg, RecordingReporter(), tmp_path / "straight")
+    folder, calls = tmp_path / "killed", []
+
+    def dies_before(real):
+        def call(src, dst, *args, **kwargs):
+            if Path(dst).parent == folder and ".pt" in Path(dst).name:
+                calls.append(Path(dst).name)
+                if len(calls) == death:
+                    raise _Died(1)
+            return real(src, dst, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "replace", dies_before(os.replace))
+    monkeypatch.setattr(os, "link", dies_before(os.link))
+    with pytest.raises(_Died):
+        train(task, cfg, RecordingReporter(), folder)
+    monkeypatch.undo()
+    result = train(task, cfg, RecordingReporter(), folder, resume=True)
+    assert result.status == "completed" and result.best_epoch == 1, calls
+    assert result.checkpoint_best == folder / ckpt.BEST, calls
+    best = ckpt.load_checkpoint(folder / ckpt.BEST)
+    assert best["epoch"] == best["best_epoch"] == 1
+    assert _same(best["model"], _weights(tmp_path / "straight" / ckpt.BEST))
 
 
 class DiesAt(RecordingReporter):
