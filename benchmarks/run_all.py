@@ -260,18 +260,19 @@ def _extra_section(r: dict) -> list[str]:
     if r["name"] == "peers":
         out += _peers_section(r)
     if r["name"] == "packed":
-        out += ["", "| case | arm | trials/min | wall s | whole records / trials | best objective | GPU util % |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["", "| case | arm | seed | trials/min | wall s | whole records / trials | best objective "
+                    "| GPU util % |", "|---|---|---|---|---|---|---|---|"]
         for case, arms in (r.get("details", {}).get("runs") or {}).items():
             for which, runs in arms.items():
                 for x in runs:
                     if "error" in x:
-                        out.append(f"| {case} | {which} | failed: {_cell(x['error'].splitlines()[0][:150])} | | | | |")
+                        failed = _cell(x["error"].splitlines()[0][:150])
+                        out.append(f"| {case} | {which} | | failed: {failed} | | | | |")
                         continue
                     util = "-" if x.get("gpu_util_pct") is None else f"{x['gpu_util_pct']:.0f}"
                     best = "-" if x.get("best") is None else f"{x['best']:.4g}"
-                    out.append(f"| {case} | {which} | {x['tpm']:.1f} | {x['wall_s']:.1f} | {x['records']} / "
-                               f"{x['trials']} | {best} | {util} |")
+                    out.append(f"| {case} | {which} | {x.get('seed', 0)} | {x['tpm']:.1f} | {x['wall_s']:.1f} | "
+                               f"{x['records']} / {x['trials']} | {best} | {util} |")
     if r["name"] == "orchestration":
         out += ["", "| backend | wall s | sum of trial_seconds | start-up s | extra in first trial s | "
                     "between trials s | shut-down s | overhead s/trial |", "|---|---|---|---|---|---|---|---|"]
