@@ -2,7 +2,8 @@
 
 Layout in a run's output folder: ``last.pt`` (latest epoch or interruption point),
 ``last.prev.pt`` (the one before, kept as a fall-back when ``last.pt`` is corrupt),
-``best.pt`` (best value of ``cfg.monitor``).
+``best.pt`` (best value of ``cfg.monitor``), and ``best.prev.pt`` only while a save replaces
+``best.pt`` (see :func:`save_last`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from core.faults import Fault, stop_here
 
-LAST, PREV, BEST = "last.pt", "last.prev.pt", "best.pt"
+LAST, PREV, BEST, BEST_PREV = "last.pt", "last.prev.pt", "best.pt", "best.prev.pt"
 _PREFIXES = ("module.", "_orig_mod.")
 
 
@@ -40,28 +41,69 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
         raise
 
 
-def save_last(state: dict[str, Any], out_dir: Path, best: bool = False) -> Path:
+def save_last(state: dict[str, Any], out_dir: Path, best: dict[str, Any] | None = None) -> Path:
     """Rotate ``last.pt`` to ``last.prev.pt``, then write the new ``last.pt``.
     The rotation is a rename, so at every moment at least one good file exists.
 
-    ``best``: the state is the best epoch's, and ``best.pt`` holds the same file before ``last.pt``
-    names it, since ``last.pt`` records that epoch as the run's best and a resumed run never writes
-    an earlier epoch's ``best.pt`` again. A kill between the two names leaves ``best.pt`` one save
-    ahead of ``last.pt``, and the resumed run trains that epoch again, bitwise the same."""
+    ``best``: what ``best.pt`` holds from now on, ``state`` itself (this epoch is the best: one
+    file, two names) or the weights of an earlier best epoch that wrote no checkpoint. ``best.pt``
+    is in place before ``last.pt`` records that best, and the ``best.pt`` it replaces stays as
+    ``best.prev.pt`` until ``last.pt`` is: after a kill in between, :func:`settle_best` keeps
+    whichever of the two ``last.pt`` records, so a resumed run never depends on training an epoch
+    again the same way to get its best weights back."""
     out_dir = Path(out_dir)
     last = out_dir / LAST
     # Write first so a failure (ENOSPC) leaves last.pt untouched.
     tmp = _write_synced(state, out_dir, ".last.")
     try:
-        if best:
-            _same_file(tmp, out_dir / BEST, state)
+        if best is not None:
+            _keep_previous_best(out_dir)
+            if best is state:
+                _same_file(tmp, out_dir / BEST, state)
+            else:
+                save_checkpoint(best, out_dir / BEST)
         if last.exists():
             os.replace(last, out_dir / PREV)
         os.replace(tmp, last)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        if (out_dir / BEST_PREV).exists():  # last.pt still records the best best.prev.pt holds
+            os.replace(out_dir / BEST_PREV, out_dir / BEST)
         raise
+    (out_dir / BEST_PREV).unlink(missing_ok=True)
     return last
+
+
+def _keep_previous_best(out_dir: Path) -> None:
+    """``best.prev.pt``: a second name for the current ``best.pt`` (moved there where the
+    filesystem has no hard links), until the save that replaces it has its ``last.pt`` in place."""
+    best, prev = out_dir / BEST, out_dir / BEST_PREV
+    prev.unlink(missing_ok=True)
+    if best.exists():
+        try:
+            os.link(best, prev)
+        except OSError:
+            os.replace(best, prev)
+
+
+def settle_best(out_dir: Path, best_epoch: int | None) -> None:
+    """Before a run resumes from a checkpoint that records ``best_epoch`` as its best: put back the
+    ``best.pt`` that a killed save had replaced before its ``last.pt`` was in place, and remove the
+    temporary files a kill leaves (a half-written checkpoint, a link not yet renamed)."""
+    out_dir = Path(out_dir)
+    prev = out_dir / BEST_PREV
+    if prev.exists():
+        try:
+            current = load_checkpoint(out_dir / BEST).get("best_epoch")
+        except CheckpointError:  # missing (moved aside without hard links) or unreadable
+            current = None
+        if current != best_epoch:
+            os.replace(prev, out_dir / BEST)
+        else:
+            prev.unlink()
+    for pattern in (".last.*.tmp", f".{BEST}.*.tmp", f".{BEST}.*.link"):
+        for leftover in out_dir.glob(pattern):
+            leftover.unlink(missing_ok=True)
 
 
 def _write_synced(state: dict[str, Any], folder: Path, prefix: str) -> Path:

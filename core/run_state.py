@@ -93,6 +93,9 @@ class RunCheckpoints:
         """Load ``last.pt`` (or ``last.prev.pt``, see ``checkpoint.load_resume_state``) into the
         model, optimizer, scheduler, scaler and RNG, and return its RunState; None without one."""
         found = ckpt.load_resume_state(self.out, self.owner) if self.out is not None else None
+        if self.saving:  # this process writes the folder's checkpoints: best.pt as last.pt records it
+            assert self.out is not None
+            ckpt.settle_best(self.out, found[0]["best_epoch"] if found is not None else None)
         if found is None:
             return None
         state, _ = found
@@ -128,12 +131,18 @@ class RunCheckpoints:
                           "best": run.best, "best_epoch": run.best_epoch}
 
     def write_kept_best(self) -> None:
-        """Write the weights :meth:`keep_best` kept, if any, as ``best.pt``: with the next
-        checkpoint, or when the run ends without one (pruned, diverged)."""
-        kept, self._best = self._best, None
+        """Write the weights :meth:`keep_best` kept, if any, as ``best.pt``, when the run ends
+        without another checkpoint (pruned, diverged)."""
+        kept = self._kept()
         if kept is not None and self.out is not None:  # kept only while saving, into a folder
-            ckpt.save_checkpoint({**kept, "config_json": self._config_json, "task_json": self._task_json,
-                                  "owner": self.owner}, self.out / ckpt.BEST)
+            ckpt.save_checkpoint(kept, self.out / ckpt.BEST)
+
+    def _kept(self) -> dict | None:
+        """The kept best epoch as ``best.pt``'s content (once), or None."""
+        kept, self._best = self._best, None
+        if kept is None:
+            return None
+        return {**kept, "config_json": self._config_json, "task_json": self._task_json, "owner": self.owner}
 
     def save(self, run: RunState, epoch: int, progress: dict | None = None, best: bool = False) -> None:
         """Write ``last.pt`` after ``epoch`` (``progress``: interrupted inside it), and ``best.pt``
@@ -151,11 +160,8 @@ class RunCheckpoints:
             "config_json": self._config_json, "task_json": self._task_json,
             "owner": self.owner, "steps": run.step_log.state_dict(),
         }
-        if best:
-            self._best = None  # this epoch is the best: save_last gives best.pt its file
-        else:
-            self.write_kept_best()  # before last.pt, which records the kept epoch as the best
-        ckpt.save_last(state, self.out, best=best)
+        kept = self._kept()  # this epoch's best supersedes a kept earlier one
+        ckpt.save_last(state, self.out, best=state if best else kept)
 
     def _rng_state(self) -> dict:
         state = rng_state()

@@ -110,7 +110,7 @@ def test_a_kill_mid_checkpoint_leaves_the_previous_last_pt_intact_and_loadable(t
 
 def test_best_is_the_last_checkpoint_linked_and_keeps_its_epoch_after_later_saves(tmp_path):
     first = {"epoch": 1, "w": torch.ones(3)}
-    last = ckpt.save_last(first, tmp_path, best=True)
+    last = ckpt.save_last(first, tmp_path, best=first)
     assert os.stat(tmp_path / ckpt.BEST).st_ino == os.stat(last).st_ino  # no second serialisation
     ckpt.save_last({"epoch": 2, "w": torch.zeros(3)}, tmp_path)  # last.pt replaced, last.prev.pt rotated
     ckpt.save_last({"epoch": 3, "w": torch.zeros(3)}, tmp_path)
@@ -127,7 +127,7 @@ def test_best_is_written_again_where_the_filesystem_has_no_hard_links(tmp_path, 
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    last = ckpt.save_last(state, tmp_path, best=True)
+    last = ckpt.save_last(state, tmp_path, best=state)
     assert os.stat(tmp_path / ckpt.BEST).st_ino != os.stat(last).st_ino
     assert ckpt.load_checkpoint(tmp_path / ckpt.BEST)["epoch"] == 4
 

@@ -112,38 +112,55 @@ class _Died(Exception):
     """The process died as this epoch was reported: after its checkpoint, if one was due."""
 
 
-@pytest.mark.parametrize("death", [1, 2, 3])
-def test_a_kill_anywhere_in_a_best_epochs_save_leaves_the_resumed_run_that_epochs_best_pt(tmp_path, monkeypatch,
-                                                                                         death):
-    """A save of a new best makes two names (best.pt, last.pt) with a link and two renames: the
-    process dies before the ``death``-th of them. last.pt never records a best epoch whose weights
-    best.pt lacks, so the resumed run (here with no epoch left to train) ends with that epoch's
-    weights in best.pt, and so with a best checkpoint for its logged model."""
-    task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)
-    cfg = fast_config(epochs=1, lr=0.1, save_checkpoints=True)
-    train(task, cfg, RecordingReporter(), tmp_path / "straight")
+def _dies_before(folder: Path, death: int, calls: list[str]):
+    """``os.link``, ``os.replace`` and ``os.unlink`` as they are, except that from the ``death``-th
+    call on a checkpoint name (``*.pt*``) in ``folder`` on, each raises :class:`_Died` instead of
+    running: a killed process cleans nothing up."""
+    def wrap(real):
+        def call(*args, **kwargs):
+            path = Path(args[-1] if real is not os.unlink else args[0])
+            if path.parent == folder and ".pt" in path.name:
+                calls.append(f"{real.__name__} {path.name}")
+                if len(calls) >= death:
+                    raise _Died(0)
+            return real(*args, **kwargs)
+        return call
+    return {name: wrap(getattr(os, name)) for name in ("link", "replace", "unlink")}
+
+
+@pytest.mark.parametrize("death", range(1, 9))
+def test_a_kill_anywhere_in_a_new_bests_save_leaves_best_pt_as_last_pt_records_it(tmp_path, monkeypatch, death):
+    """Epoch 2 sets a new best; its save (best.pt, then last.pt, with best.prev.pt between) dies
+    before its ``death``-th link, rename or unlink. Resumed and stopped at once, without training
+    epoch 2 again where last.pt says it is still to come, the folder's best.pt holds the weights of
+    the epoch last.pt records as the best; resumed to the end, those of a straight run."""
+    task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)  # 10 steps an epoch
+    cfg = fast_config(epochs=2, lr=0.1, save_checkpoints=True)
+    straight = train(task, cfg, RecordingReporter(), tmp_path / "straight")
+    assert straight.best_epoch == 2
+    epoch_weights = {1: _weights(tmp_path / "straight" / ckpt.PREV), 2: _weights(tmp_path / "straight" / ckpt.LAST)}
     folder, calls = tmp_path / "killed", []
 
-    def dies_before(real):
-        def call(src, dst, *args, **kwargs):
-            if Path(dst).parent == folder and ".pt" in Path(dst).name:
-                calls.append(Path(dst).name)
-                if len(calls) == death:
-                    raise _Died(1)
-            return real(src, dst, *args, **kwargs)
-        return call
+    class DiesInEpoch2Save(RecordingReporter):
+        def report_epoch(self, epoch, step, metrics):
+            if epoch == 1:  # epoch 1's save is done; count from epoch 2's
+                for name, wrapped in _dies_before(folder, death, calls).items():
+                    monkeypatch.setattr(os, name, wrapped)
+            return super().report_epoch(epoch, step, metrics)
 
-    monkeypatch.setattr(os, "replace", dies_before(os.replace))
-    monkeypatch.setattr(os, "link", dies_before(os.link))
     with pytest.raises(_Died):
-        train(task, cfg, RecordingReporter(), folder)
+        train(task, cfg, DiesInEpoch2Save(), folder)
     monkeypatch.undo()
-    result = train(task, cfg, RecordingReporter(), folder, resume=True)
-    assert result.status == "completed" and result.best_epoch == 1, calls
-    assert result.checkpoint_best == folder / ckpt.BEST, calls
+    assert len(calls) >= death, calls
+
+    train(task, cfg, StopAt(step=11), folder, resume=True)  # epoch 2's first step, if it is to come
+    recorded = ckpt.load_checkpoint(folder / ckpt.LAST)["best_epoch"]
     best = ckpt.load_checkpoint(folder / ckpt.BEST)
-    assert best["epoch"] == best["best_epoch"] == 1
-    assert _same(best["model"], _weights(tmp_path / "straight" / ckpt.BEST))
+    assert best["best_epoch"] == recorded and _same(best["model"], epoch_weights[recorded]), calls
+    result = train(task, cfg, RecordingReporter(), folder, resume=True)
+    assert result.status == "completed" and result.checkpoint_best == folder / ckpt.BEST
+    assert _same(_weights(folder / ckpt.BEST), epoch_weights[2])
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".") or "prev" in p.name) == [ckpt.PREV]
 
 
 class DiesAt(RecordingReporter):
