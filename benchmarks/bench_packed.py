@@ -21,6 +21,7 @@ compare seed by seed.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -258,17 +259,18 @@ def run(ctx: Context) -> dict:
 def _bests(case: dict, pairs: list[tuple[dict, dict]]) -> dict:
     """The best objective of each arm per seed (``pairs``: packed and baseline runs of the same
     seeds), their medians, and per seed how far packed is behind (percent of the baseline's best;
-    negative: ahead). ``as_good``: the packed median is no worse than the baseline's."""
+    negative: ahead). ``as_good``: every packed run recorded a best and the packed median is no
+    worse than the baseline's."""
     maximize = case["direction"] == "maximize"
     seeds = [(p["best"], b["best"]) for p, b in pairs if p["best"] is not None and b["best"] is not None]
     if not seeds:
         return {"packed": [], "base": [], "median": None, "behind_pct": [], "as_good": False}
     sign = -1 if maximize else 1
-    behind = [sign * 100 * (p - b) / abs(b) for p, b in seeds]
+    behind = [sign * 100 * (p - b) / abs(b) if b else math.nan for p, b in seeds]
     median = {"packed": statistics.median(p for p, _ in seeds), "base": statistics.median(b for _, b in seeds)}
-    as_good = median["packed"] >= median["base"] if maximize else median["packed"] <= median["base"]
+    no_worse = median["packed"] >= median["base"] if maximize else median["packed"] <= median["base"]
     return {"packed": [p for p, _ in seeds], "base": [b for _, b in seeds], "median": median,
-            "behind_pct": behind, "as_good": as_good}
+            "behind_pct": behind, "as_good": no_worse and all(p["best"] is not None for p, _ in pairs)}
 
 
 def _rows(case_name: str, case: dict, runs: dict[str, list[dict]]) -> list[dict]:
@@ -282,22 +284,27 @@ def _rows(case_name: str, case: dict, runs: dict[str, list[dict]]) -> list[dict]
             continue
         of_seed = {x.get("seed"): x for x in ok[base]}  # a round that failed in one arm drops out of both
         pairs = [(p, of_seed[p.get("seed")]) for p in ok["packed"] if p.get("seed") in of_seed]
+        if not pairs:
+            rows.append(error_row(what, "no seed finished in both arms"))
+            continue
         ratio = paired_ratio([p["tpm"] for p, _ in pairs], [b["tpm"] for _, b in pairs],
                              f"trials/min packed (pack {PACK}) / {base}")
         best = _bests(case, pairs)
         target, verdict = None, None
         if case_name == "diabetes_mlp" and base == "script":
             target = f">= {TARGET}x, every record, best as good"
-            verdict = (ratio["median"] >= TARGET and all(p["records"] == p["trials"] for p, _ in pairs)
+            verdict = (ratio["median"] >= TARGET and all(p["records"] == p["trials"] for p in ok["packed"])
                        and best["as_good"])
         if case_name == "digits_cnn" and base == "unpacked":
             target, verdict = ">= 1x", ratio["median"] >= 1.0
         util = {k: ok[k][0].get("gpu_util_pct") for k in ("packed", base)}
-        behind = best["behind_pct"]
+        behind = [d for d in best["behind_pct"] if not math.isnan(d)]  # NaN: a baseline best of 0
         shown = (f"best {case['objective']} {best['median']['packed']:.4g} vs {best['median']['base']:.4g} (medians "
-                 f"of {len(behind)} seed(s)); packed behind on {sum(d > 0 for d in behind)} of them, by "
-                 f"{statistics.median(behind):+.2f}% (median; {min(behind):+.2f}% to {max(behind):+.2f}%)"
-                 if behind else f"best {case['objective']}: an arm recorded none")
+                 f"of {len(best['packed'])} seed(s))" if best["median"] else
+                 f"best {case['objective']}: an arm recorded none")
+        if behind:
+            shown += (f"; packed behind on {sum(d > 0 for d in behind)} of {len(behind)}, by "
+                      f"{statistics.median(behind):+.2f}% (median; {min(behind):+.2f}% to {max(behind):+.2f}%)")
         rows.append(make_row(
             what, metric="trials per minute (end to end)",
             baseline=arm(f"{base}", [b["tpm"] for _, b in pairs]),
