@@ -55,6 +55,7 @@ def save_last(state: dict[str, Any], out_dir: Path, best: dict[str, Any] | None 
     last = out_dir / LAST
     # Write first so a failure (ENOSPC) leaves last.pt untouched.
     tmp = _write_synced(state, out_dir, ".last.")
+    had_best = (out_dir / BEST).exists()
     try:
         if best is not None:
             _keep_previous_best(out_dir)
@@ -69,6 +70,8 @@ def save_last(state: dict[str, Any], out_dir: Path, best: dict[str, Any] | None 
         tmp.unlink(missing_ok=True)
         if (out_dir / BEST_PREV).exists():  # last.pt still records the best best.prev.pt holds
             os.replace(out_dir / BEST_PREV, out_dir / BEST)
+        elif not had_best:  # nor any best at all
+            (out_dir / BEST).unlink(missing_ok=True)
         raise
     (out_dir / BEST_PREV).unlink(missing_ok=True)
     return last
@@ -87,22 +90,33 @@ def _keep_previous_best(out_dir: Path) -> None:
 
 
 def settle_best(out_dir: Path, best_epoch: int | None) -> None:
-    """Before a run resumes from a checkpoint that records ``best_epoch`` as its best: put back the
-    ``best.pt`` that a killed save had replaced before its ``last.pt`` was in place, and remove the
-    temporary files a kill leaves (a half-written checkpoint, a link not yet renamed)."""
+    """Before a run resumes from a checkpoint that records ``best_epoch`` as its best (None: no
+    checkpoint, or none with a best yet): make ``best.pt`` the one that checkpoint records. A
+    ``best.pt`` that a killed save had replaced before its ``last.pt`` was in place is put back;
+    a ``best.pt`` without a recorded best is a killed attempt's, and goes. Also removes what a kill
+    leaves (:func:`remove_leftovers`)."""
     out_dir = Path(out_dir)
-    prev = out_dir / BEST_PREV
-    if prev.exists():
+    best, prev = out_dir / BEST, out_dir / BEST_PREV
+    if best_epoch is None:
+        best.unlink(missing_ok=True)
+        prev.unlink(missing_ok=True)
+    elif prev.exists():
         try:
-            current = load_checkpoint(out_dir / BEST).get("best_epoch")
+            current = load_checkpoint(best).get("best_epoch")
         except CheckpointError:  # missing (moved aside without hard links) or unreadable
             current = None
         if current != best_epoch:
-            os.replace(prev, out_dir / BEST)
+            os.replace(prev, best)
         else:
             prev.unlink()
+    remove_leftovers(out_dir)
+
+
+def remove_leftovers(out_dir: Path) -> None:
+    """The temporary files a kill in a save leaves in ``out_dir``: a half-written or not yet renamed
+    checkpoint (a whole one's size each), a link not yet renamed."""
     for pattern in (".last.*.tmp", f".{BEST}.*.tmp", f".{BEST}.*.link"):
-        for leftover in out_dir.glob(pattern):
+        for leftover in Path(out_dir).glob(pattern):
             leftover.unlink(missing_ok=True)
 
 

@@ -82,6 +82,7 @@ class RunCheckpoints:
                  generator: torch.Generator | None = None) -> None:
         self.out, self.owner, self.generator = out, owner, generator
         self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
+        self.is_main = is_main
         self.saving = out is not None and is_main and cfg.save_checkpoints
         self.every, self.last_epoch = cfg.checkpoint_every, cfg.epochs
         self._best: dict | None = None  # the best epoch's weights, not yet in best.pt (keep_best)
@@ -93,8 +94,7 @@ class RunCheckpoints:
         """Load ``last.pt`` (or ``last.prev.pt``, see ``checkpoint.load_resume_state``) into the
         model, optimizer, scheduler, scaler and RNG, and return its RunState; None without one."""
         found = ckpt.load_resume_state(self.out, self.owner) if self.out is not None else None
-        if self.saving:  # this process writes the folder's checkpoints: best.pt as last.pt records it
-            assert self.out is not None
+        if self.out is not None and self.is_main:  # best.pt as last.pt records it, saving or not
             ckpt.settle_best(self.out, found[0]["best_epoch"] if found is not None else None)
         if found is None:
             return None

@@ -260,8 +260,8 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
                 m.stop = Stop("pruned", f"pruned after epoch {epoch} ({cfg.monitor}={metrics[cfg.monitor]:.6g})")
             if decision is Decision.INTERRUPT:
                 m.stop = Stop("interrupted", f"interrupted after epoch {epoch}; checkpoint saved")
-                if not m.checkpoints.due(epoch):
-                    stopped_between.append(m)
+            if m.stop is not None and not m.checkpoints.due(epoch):
+                stopped_between.append(m)  # last.pt records the best that best.pt then holds
         writer.save(stopped_between, epoch)
 
     # ---- end of run: each result, then (completed runs) evaluation and ONNX export of the best weights

@@ -59,8 +59,9 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 def clear_checkpoints(out_dir: Path) -> None:
     from core import checkpoint as ckpt  # lazy: the Ray driver loads no torch
 
-    for name in (ckpt.LAST, ckpt.PREV, ckpt.BEST):
+    for name in (ckpt.LAST, ckpt.PREV, ckpt.BEST, ckpt.BEST_PREV):
         (out_dir / name).unlink(missing_ok=True)
+    ckpt.remove_leftovers(out_dir)
 
 
 def restore_checkpoint(folder: Path, out_dir: Path, params: dict) -> dict | None:

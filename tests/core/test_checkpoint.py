@@ -151,3 +151,27 @@ def test_rng_states_round_trip_through_a_checkpoint_in_both_forms(tmp_path):
         random.seed(0), np.random.seed(0), torch.manual_seed(0)
         set_rng_state(saved)
         assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
+
+
+def test_a_first_best_save_that_fails_or_is_killed_leaves_no_best_pt_behind(tmp_path, monkeypatch):
+    """No earlier best.pt: a save that fails once its best.pt is in place removes it again, and a
+    resume with no recorded best (no last.pt, or none with a best yet) removes a killed attempt's
+    best.pt, best.prev.pt and temporary files, so a restarted run never reports them as its own."""
+    state = {"epoch": 1, "best_epoch": 1, "w": torch.ones(2)}
+    real_replace = os.replace
+
+    def no_last(src, dst):
+        if os.path.basename(dst) == ckpt.LAST:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", no_last)
+    with pytest.raises(OSError, match="No space"):
+        ckpt.save_last(state, tmp_path, best=state)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == []
+
+    for name in (ckpt.BEST, ckpt.BEST_PREV, ".last.x1.tmp", f".{ckpt.BEST}.x2.tmp", f".{ckpt.BEST}.7.link"):
+        (tmp_path / name).write_bytes(b"from a killed attempt")
+    ckpt.settle_best(tmp_path, None)
+    assert sorted(os.listdir(tmp_path)) == []

@@ -220,13 +220,17 @@ def test_a_stop_between_checkpoints_writes_one_with_that_epochs_best_weights(tmp
 
 
 def test_a_run_pruned_between_checkpoints_keeps_its_best_weights(tmp_path):
-    """Pruned after epoch 5 of a run that checkpoints every 3: no checkpoint after epoch 3, yet best.pt
-    holds the weights of its best epoch, as in a run that checkpoints every epoch."""
+    """Pruned after epoch 5 of a run that checkpoints every 3: the prune writes one, so best.pt holds
+    the weights of the best epoch last.pt records (kept since that epoch), as in a run that
+    checkpoints every epoch; a run resumed from it (a worker killed before the study recorded the
+    prune) finds the two agreeing."""
     task = SyntheticTask("mlp", shape=(16,), n_train=320, n_val=64)
     cfg = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True, checkpoint_every=3)
     every_epoch = fast_config(epochs=7, scheduler="cosine", lr=0.1, save_checkpoints=True)
     pruned = train(task, cfg, StopAt(epoch=5, at_epoch=Decision.PRUNE), tmp_path / "third")
     assert pruned.status == "pruned" and pruned.best_epoch not in (3, 6)
     assert train(task, every_epoch, StopAt(epoch=5, at_epoch=Decision.PRUNE), tmp_path / "each").status == "pruned"
-    assert ckpt.load_checkpoint(tmp_path / "third" / ckpt.LAST)["epoch"] == 3
+    last = ckpt.load_checkpoint(tmp_path / "third" / ckpt.LAST)
+    assert last["epoch"] == 5 and last["best_epoch"] == pruned.best_epoch
+    assert ckpt.load_checkpoint(tmp_path / "third" / ckpt.BEST)["best_epoch"] == pruned.best_epoch
     assert _same(_weights(tmp_path / "third" / ckpt.BEST), _weights(tmp_path / "each" / ckpt.BEST))
