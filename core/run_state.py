@@ -132,7 +132,8 @@ class RunCheckpoints:
 
     def write_kept_best(self) -> None:
         """Write the weights :meth:`keep_best` kept, if any, as ``best.pt``, when the run ends
-        without another checkpoint (pruned, diverged)."""
+        without another checkpoint: it diverged (a stop between checkpoints, a prune included,
+        writes one with them)."""
         kept = self._kept()
         if kept is not None and self.out is not None:  # kept only while saving, into a folder
             ckpt.save_checkpoint(kept, self.out / ckpt.BEST)
