@@ -12,7 +12,7 @@ import pytest
 
 from core.faults import Fault
 from tests.sweeps.backends.conftest import mlflow_client, study_runs
-from tests.sweeps.study_helpers import run_cli, sweeps_env, write_spec
+from tests.sweeps.study_helpers import cli_in_process, sweeps_env, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_a_closed_terminal_stops_the_study_the_resumable_way(tmp_path):
     # The trial checkpointed mid-way and was requeued (FAIL in the study, not the trial's fault).
     assert children[0].data.tags["sweeps.error"].startswith("interrupted at step"), children[0].data.tags
 
-    done = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=600)
+    done = cli_in_process(tmp_path, "run", str(spec), "--quiet")  # the resume: its process is not the point
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _, children = study_runs(tmp_path, "hangup")
     client = mlflow_client(tmp_path)

@@ -17,7 +17,7 @@ import pytest
 from optuna.trial import TrialState
 
 from tests.sweeps.backends.conftest import mlflow_client, study_runs
-from tests.sweeps.study_helpers import run_cli, start_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, start_cli, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 OUTAGE_S = 12  # how long the server stays down (a restart under load); nothing is timed against it
@@ -109,7 +109,7 @@ def test_past_the_wait_both_stop_as_on_sigterm_and_the_same_command_finishes(tmp
     assert [p.info.status for p in parents] == ["KILLED"]
     assert "RUNNING" not in {c.info.status for c in children}, [c.info.status for c in children]
 
-    done = run_cli(tmp_path, "run", str(spec), "--quiet", SWEEPS_GRACE_S="20", SWEEPS_HEARTBEAT_S="2", timeout=600)
+    done = cli_in_process(tmp_path, "run", str(spec), "--quiet", SWEEPS_GRACE_S="20", SWEEPS_HEARTBEAT_S="2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     finished = [t for t in _trials(own_postgres.url, "gone") if t.state == TrialState.COMPLETE]
     assert len(finished) == 2

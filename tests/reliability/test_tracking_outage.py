@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.sweeps.study_helpers import ROOT, load_study, run_cli, start_cli, write_spec
+from tests.sweeps.study_helpers import ROOT, cli_in_process, load_study, start_cli, write_spec
 from tests.sweeps.tracking.conftest import MlflowServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 PYTHONPATH = f"{HERE}:{ROOT}"
 
 
-def test_past_the_wait_sweeps_run_stops_as_on_sigterm_and_the_next_run_sends_what_was_kept(tmp_path):
+def test_past_the_wait_sweeps_run_stops_as_on_sigterm_and_the_next_run_sends_what_was_kept(tmp_path, monkeypatch):
     (tmp_path / "server").mkdir()
     server = MlflowServer(tmp_path / "server")
     server.start()
@@ -59,7 +59,8 @@ def test_past_the_wait_sweeps_run_stops_as_on_sigterm_and_the_next_run_sends_wha
         assert list((tmp_path / "runs" / ".mlflow_spool").glob("*.jsonl"))  # kept, not lost
 
         server.start()
-        done = run_cli(tmp_path, "run", str(spec), "--quiet", PYTHONPATH=PYTHONPATH)
+        monkeypatch.syspath_prepend(str(HERE))  # the task's module, as PYTHONPATH gives it to the driver above
+        done = cli_in_process(tmp_path, "run", str(spec), "--quiet")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert [t.state.name for t in load_study(tmp_path, "away").trials] == ["FAIL", "COMPLETE"]
         assert not list((tmp_path / "runs" / ".mlflow_spool").glob("*.jsonl"))  # everything kept was sent

@@ -17,7 +17,7 @@ from sweeps.doctor import OK, PROBLEM, SKIP, run_checks
 from sweeps.spec.load import load_spec
 from tests.scaleout.scaleout_helpers import start_mlflow_server, stop_group
 from tests.scaleout.test_mlflow_auth import AUTH_INI, PASSWORD, USER, call
-from tests.sweeps.study_helpers import run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -67,12 +67,12 @@ def _checks(spec_path) -> dict[str, tuple[str, str]]:
 
 def test_an_allowed_hosts_without_this_address_is_named_not_called_a_permission(tmp_path, narrow_hosts_server):
     spec = write_spec(tmp_path, name="hosts", tracking={"uri": narrow_hosts_server})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=600)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "refused the Host header '127.0.0.1:" in out and "--allowed-hosts" in out, out
     assert "permission" not in out and "no credentials were sent" not in out and "Traceback" not in out, out
-    proc = run_cli(tmp_path, "doctor", str(spec), timeout=600)
+    proc = cli_in_process(tmp_path, "doctor", str(spec))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
     lines = {ln.split()[1]: ln for ln in out.splitlines() if ln.startswith(("ok", "PROB", "skip"))}
@@ -88,16 +88,16 @@ def test_a_read_only_account_is_refused_before_a_worker_claims_a_trial(tmp_path,
     spec = write_spec(tmp_path, name="readonly", storage=storage, tracking={"uri": auth_server},
                       budget={"n_trials": 1})
     admin = {"MLFLOW_TRACKING_USERNAME": USER, "MLFLOW_TRACKING_PASSWORD": PASSWORD}
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=1200, OMP_NUM_THREADS="1", **admin)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", OMP_NUM_THREADS="1", **admin)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     reader = {"MLFLOW_TRACKING_USERNAME": READER, "MLFLOW_TRACKING_PASSWORD": READER_PASSWORD}
-    proc = run_cli(tmp_path, "worker", str(spec), "--wait", "0", timeout=600, OMP_NUM_THREADS="1", **reader)
+    proc = cli_in_process(tmp_path, "worker", str(spec), "--wait", "0", OMP_NUM_THREADS="1", **reader)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "user 'alice' may read but not write MLflow experiment 'readonly'" in out, out
     assert "EDIT" in out and "grant_user_permission" in out and "Traceback" not in out, out
     # The doctor says the same on its permission line, and passes once EDIT is granted.
-    proc = run_cli(tmp_path, "doctor", str(spec), timeout=600, **reader)
+    proc = cli_in_process(tmp_path, "doctor", str(spec), **reader)
     assert proc.returncode == 2 and "PROBLEM permission" in proc.stderr, proc.stdout + proc.stderr
     status, body = call(auth_server, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=readonly",
                         auth=(USER, PASSWORD))
@@ -105,7 +105,7 @@ def test_a_read_only_account_is_refused_before_a_worker_claims_a_trial(tmp_path,
                      {"username": READER, "resource_type": "experiment",
                       "resource_id": body["experiment"]["experiment_id"], "permission": "EDIT"}, auth=(USER, PASSWORD))
     assert status == 200, status
-    proc = run_cli(tmp_path, "doctor", str(spec), timeout=600, **reader)
+    proc = cli_in_process(tmp_path, "doctor", str(spec), **reader)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     for name in ("storage", "mlflow", "host", "access", "permission", "artifacts", "versions"):

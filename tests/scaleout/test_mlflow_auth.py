@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from tests.scaleout.scaleout_helpers import start_mlflow_server, stop_group
-from tests.sweeps.study_helpers import run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -87,7 +87,7 @@ def test_a_client_without_credentials_cannot_write_or_read(auth_server, monkeypa
 ])
 def test_sweeps_run_without_valid_credentials_stops_before_training(tmp_path, auth_server, creds, says):
     spec = write_spec(tmp_path, name="noauth", tracking={"uri": auth_server}, budget={"n_trials": 1})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=600, OMP_NUM_THREADS="1", **creds)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", OMP_NUM_THREADS="1", **creds)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "requires authentication (HTTP 401)" in out and says in out, out
@@ -99,8 +99,8 @@ def test_sweeps_run_without_valid_credentials_stops_before_training(tmp_path, au
 
 def test_a_study_with_the_right_credentials_is_tracked(tmp_path, auth_server):
     spec = write_spec(tmp_path, name="authed", tracking={"uri": auth_server}, budget={"n_trials": 2})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=1200, OMP_NUM_THREADS="1",
-                   MLFLOW_TRACKING_USERNAME=USER, MLFLOW_TRACKING_PASSWORD=PASSWORD)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", OMP_NUM_THREADS="1",
+                          MLFLOW_TRACKING_USERNAME=USER, MLFLOW_TRACKING_PASSWORD=PASSWORD)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     status, body = call(auth_server, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=authed",
                         auth=(USER, PASSWORD))

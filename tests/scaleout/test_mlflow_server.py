@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.scaleout.scaleout_helpers import rest
-from tests.sweeps.study_helpers import run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 def test_study_tracked_by_an_mlflow_server_over_http(tmp_path, fresh_db, mlflow_server):
     base, artifacts = mlflow_server
     spec = write_spec(tmp_path, name="served", storage=fresh_db(), tracking={"uri": base}, budget={"n_trials": 3})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=400, OMP_NUM_THREADS="1")
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet", OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     experiment = rest(base, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=served")["experiment"]

@@ -55,6 +55,8 @@ def test_two_workers_and_sweeps_run_share_one_budget(tmp_path, fresh_db, spawned
     workers = [_start_waiting_worker(tmp_path, spec, spawned) for _ in range(2)]
     wait_for(lambda: all("waiting up to 300 s for `sweeps run" in w.text() for w in workers), timeout=120,
              what=lambda: f"both workers waiting for the study: {[w.text() for w in workers]}")
+    # `sweeps run` in a process of its own, beside the two worker processes: three processes share
+    # the study's storage and budget at once, as on a cluster.
     run = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=400, **ENV)  # + its own local worker
     assert run.returncode == 0, run.stdout + run.stderr
     for code, out in [w.finish(timeout=120) for w in workers]:
@@ -154,7 +156,7 @@ def test_a_worker_whose_tracking_server_does_not_answer_fails_before_any_trial(t
     nothing."""
     url = fresh_db()
     spec = _spec(tmp_path, url, "nosrv", budget={"n_trials": 2})
-    run = run_cli(tmp_path, "run", str(spec), "--quiet", timeout=400, **ENV)
+    run = cli_in_process(tmp_path, "run", str(spec), "--quiet", **ENV)
     assert run.returncode == 0, run.stdout + run.stderr
     write_spec(tmp_path, name="nosrv", storage=url, budget={"n_trials": 4},
                search={"lr": {"type": "float", "low": 0.01, "high": 0.1, "log": True}},

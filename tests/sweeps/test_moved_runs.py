@@ -75,6 +75,8 @@ def test_a_moved_project_reads_and_writes_its_artifacts_where_they_are_now(tmp_p
     again_moved = tmp_path / "again"
     subprocess.run(["mv", str(moved), str(again_moved)], check=True)
     write_spec(again_moved, "mv_study", budget={"n_trials": 3, "max_failures": 1})
+    # A process of its own, as a user resumes it: this process has opened the project at the path
+    # it moved from, and a study driven from here writes its parent run's artifacts there.
     resumed = run_cli(again_moved, "run", "mv_study.yaml", "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     assert not moved.exists() and not first.exists()

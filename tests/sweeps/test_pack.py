@@ -112,13 +112,13 @@ def test_a_stopped_population_resumes_each_member_from_its_checkpoint(tmp_path):
     import signal
     import time
 
-    from tests.sweeps.study_helpers import run_cli, start_cli
+    from tests.sweeps.study_helpers import start_cli
 
     wide = {**DIABETES, "task": {**DIABETES["task"], "args": {"width": 512}},
             "train": {**DIABETES["train"], "epochs": 8, "export_onnx": False}}
     spec = write_spec(tmp_path, "stopped", **wide, budget={"n_trials": 3, "max_failures": 3},
                       resources={"pack": 3, "workers": 1})
-    proc = start_cli(tmp_path, "run", str(spec), "--quiet")
+    proc = start_cli(tmp_path, "run", str(spec), "--quiet")  # a process of its own: SIGTERM stops it
     while not _all_running_checkpointed(tmp_path, "stopped", 3):
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
@@ -128,7 +128,7 @@ def test_a_stopped_population_resumes_each_member_from_its_checkpoint(tmp_path):
     failed = [t for t in load_study(tmp_path, "stopped").trials if t.state.name == "FAIL"]
     assert len(failed) == 3 and all("interrupted" in t.user_attrs["fail_reason"] for t in failed)
 
-    again = run_cli(tmp_path, "run", str(spec), "--quiet")
+    again = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert again.returncode == 0, again.stdout + again.stderr
     trials = load_study(tmp_path, "stopped").trials
     retries = [t for t in trials if t.system_attrs.get("failed_trial") is not None]

@@ -1,9 +1,10 @@
 """A spec names a declared task, never an arbitrary callable: ``task.target`` reaches only what
 its module declared with ``@task`` (``core.tasks.task``), ``task.name`` a built-in or a
 ``sweeps.tasks`` entry point. Checked through the real CLI: an undeclared target is a spec
-error (exit 2) for ``validate`` and ``run``, it never runs, and nothing is created. The refusals
-run the CLI's main in this process (the user's module is found on ``sys.path``, as PYTHONPATH puts
-it there); the studies of declared tasks run in a process of their own, as a user's would."""
+error (exit 2) for ``validate`` and ``run``, it never runs, and nothing is created. Every command
+runs the CLI's main in this process (:func:`cli_in_process`): the user's module, and the folder an
+entry point's distribution is installed in, are put on ``sys.path`` as PYTHONPATH puts them there,
+and a study's workers, forked from this process's fork server, take its ``sys.path``."""
 from __future__ import annotations
 
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sweeps.study_helpers import cli_in_process, load_study, run_cli, sweeps_env, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, write_spec
 
 # Each would do harm if called with these arguments: create PWNED, or delete victim.txt.
 HARMFUL = {
@@ -60,10 +61,6 @@ anything = _Anything()
 '''
 
 
-def _env(*folders: Path) -> dict:
-    return {"PYTHONPATH": ":".join([*map(str, folders), sweeps_env()["PYTHONPATH"]])}
-
-
 def _target_spec(folder: Path, target: str, args: dict, **overrides) -> Path:
     return write_spec(folder, name="pw", seed_store=False, budget={"n_trials": 1},
                       task={"name": None, "model": None, "target": target, "args": args}, **overrides)
@@ -105,7 +102,6 @@ def test_declared_targets_validate_and_a_declared_factory_runs_end_to_end(tmp_pa
     (tmp_path / "user_tasks.py").write_text(USER_TASKS)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "user_tasks", raising=False)
-    env = _env(tmp_path)
     cls_spec = write_spec(tmp_path, name="cls", seed_store=False,
                           task={"name": None, "model": "mlp", "target": "user_tasks:TinyDigits", "args": {"width": 16}})
     proc = cli_in_process(tmp_path, "validate", str(cls_spec))
@@ -118,7 +114,7 @@ def test_declared_targets_validate_and_a_declared_factory_runs_end_to_end(tmp_pa
 
     spec = write_spec(tmp_path, name="mine", budget={"n_trials": 1}, train={"epochs": 1},
                       task={"name": None, "model": "mlp", "target": "user_tasks:make_tiny", "args": {"width": 16}})
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", **env)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [t.state.name for t in load_study(tmp_path, "mine").trials] == ["COMPLETE"]
     assert not (tmp_path / "PWNED").exists()
@@ -139,23 +135,24 @@ def _install_entry_point(site: Path) -> None:
 
 
 @pytest.mark.slow  # a study
-def test_an_entry_point_task_runs_by_name(tmp_path):
+def test_an_entry_point_task_runs_by_name(tmp_path, monkeypatch):
     site = tmp_path / "site"
     site.mkdir()
     _install_entry_point(site)
-    env = _env(site)
+    monkeypatch.syspath_prepend(str(site))  # importlib.metadata finds the dist-info on sys.path
+    monkeypatch.delitem(sys.modules, "ep_tasks", raising=False)
     spec = write_spec(tmp_path, name="ep", budget={"n_trials": 1}, train={"epochs": 1},
                       task={"name": "tiny_ep", "model": "mlp", "args": {"width": 16}})
-    proc = run_cli(tmp_path, "validate", str(spec), **env)
+    proc = cli_in_process(tmp_path, "validate", str(spec))
     assert proc.returncode == 0, proc.stderr
-    proc = run_cli(tmp_path, "run", str(spec), "--quiet", **env)
+    proc = cli_in_process(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [t.state.name for t in load_study(tmp_path, "ep").trials] == ["COMPLETE"]
 
     # The entry point declares the name, not the function: as a target it is still undeclared.
     target = _target_spec(tmp_path, "ep_tasks:make", {"width": 16})
-    _assert_refused(run_cli(tmp_path, "validate", str(target), **env), target, "ep_tasks:make")
+    _assert_refused(cli_in_process(tmp_path, "validate", str(target)), target, "ep_tasks:make")
     # An unknown name lists the entry points among the tasks.
     unknown = write_spec(tmp_path, name="unk", seed_store=False, task={"name": "tiny_epp"})
-    proc = run_cli(tmp_path, "validate", str(unknown), **env)
+    proc = cli_in_process(tmp_path, "validate", str(unknown))
     assert proc.returncode == 2 and "tiny_ep" in proc.stderr and "did you mean 'tiny_ep'" in proc.stderr.lower()

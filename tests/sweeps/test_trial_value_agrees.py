@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, run_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, load_study, mlflow_runs, write_spec
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def study(tmp_path_factory):
     queued = optuna.create_study(study_name="agree", storage=storage, direction="maximize")
     for lr in LRS:  # `sweeps run` takes queued trials first, in order
         queued.enqueue_trial({"lr": lr}, skip_if_exists=False)
-    proc = run_cli(root, "run", str(spec))
+    proc = cli_in_process(root, "run", str(spec))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root, spec, proc.stdout
 

@@ -109,6 +109,8 @@ def test_a_trial_run_holds_what_mlflow_users_look_for(tmp_path):
 @pytest.mark.slow
 def test_quiet_run_on_a_server_prints_nothing_from_mlflow(tmp_path, mlflow_server):
     spec = write_spec(tmp_path, budget={"n_trials": 1}, tracking={"uri": mlflow_server.uri})
+    # Processes of their own: what reaches a console is set up once per process (the handlers
+    # sweeps.cli.main installs, MLflow's loggers as it is imported), and that console is the subject.
     proc = run_cli(tmp_path, "run", str(spec), "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
