@@ -25,15 +25,32 @@ from sweeps.trial import TrialOutcome, TrialSpec, trial_config, worker_name
 from sweeps.trial_control import TrialControl
 from sweeps.trial_population import run_population
 
+# A sampler that models the results so far (TPE, GP) gets at least this many rounds of them: 64
+# trials asked 16 at a time by each of 2 workers are two rounds, the first all random and the
+# second 32 guesses from one model. Four rounds of 8 per worker train about as fast (a small
+# trial's own work, its records, checkpoints and export, outweighs the population's steps) and
+# find a better best (benchmarks/RESULTS.md, packed).
+FEEDBACK_ROUNDS = 4
+_MODEL_SAMPLERS = ("tpe", "gp")  # random, grid and QMC learn nothing; CMA-ES asks by generation
+
+
+def ask_size(spec: StudySpec, n_trials: int, pool: int = 1) -> int:
+    """How many trials a worker asks for at once: up to ``resources.pack``, within this worker's
+    share of the budget (``pool`` workers started together: 16 trials on 2 workers are two
+    populations of 8, not one of 16 and an idle worker) and, for a sampler that models the
+    results, a share small enough to leave it :data:`FEEDBACK_ROUNDS` rounds of them."""
+    share = -(-n_trials // max(pool, 1))
+    if spec.sampler.name in _MODEL_SAMPLERS:
+        share = -(-share // FEEDBACK_ROUNDS)
+    return max(1, min(spec.resources.pack_size(), share))
+
 
 def ask_more(spec: StudySpec, study: optuna.Study, held: HeldTrials, n_trials: int,
              pool: int = 1) -> list[optuna.Trial]:
-    """Called under the ask lock after the worker's first trial: up to ``pack - 1`` more, within
-    the budget and this worker's share of it (``pool`` workers started together: 16 trials on 2
-    workers are two populations of 8, not one of 16 and an idle worker), each named for this
-    worker at once (as the first)."""
+    """Called under the ask lock after the worker's first trial: up to :func:`ask_size` - 1 more,
+    within the budget, each named for this worker at once (as the first)."""
     more = []
-    for _ in range(min(spec.resources.pack_size(), -(-n_trials // max(pool, 1))) - 1):
+    for _ in range(ask_size(spec, n_trials, pool) - 1):
         if optuna_study.budget_left(study, n_trials) <= 0:
             break
         more.append(held.ask(worker_name()))

@@ -154,3 +154,15 @@ def test_a_worker_asks_its_share_of_the_budget(n_trials, pool, asked):
     more = ask_more(_spec(resources={"pack": 16}), study, HeldTrials(study), n_trials, pool)
     assert 1 + len(more) == asked
     assert all(t.user_attrs["worker"] for t in more)
+
+
+@pytest.mark.parametrize("sampler, n_trials, pool, asked", [
+    ("tpe", 64, 2, 8), ("gp", 64, 2, 8), ("tpe", 16, 2, 2), ("tpe", 2000, 2, 16), ("tpe", 3, 1, 1),
+    ("random", 64, 2, 16), ("qmc", 64, 2, 16), ("cmaes", 64, 2, 16)])
+def test_a_sampler_that_models_the_results_gets_four_rounds_of_them(sampler, n_trials, pool, asked):
+    from sweeps.backends.optuna_pack import FEEDBACK_ROUNDS, ask_size
+
+    spec = _spec(resources={"pack": 16}, sampler={"name": sampler, "seed": 0})
+    assert ask_size(spec, n_trials, pool) == asked
+    if sampler in ("tpe", "gp") and n_trials <= 16 * pool * FEEDBACK_ROUNDS:  # the budget takes four rounds of asks
+        assert -(-n_trials // (asked * pool)) >= min(FEEDBACK_ROUNDS, -(-n_trials // pool))  # or as many as it has
