@@ -236,7 +236,8 @@ def test_a_signal_or_a_sigkill_to_the_driver_alone_mid_trial_stops_it_and_the_st
     the driver SIGKILLs itself once a trial has reported (and checkpointed) an epoch: what it
     started dies with it. The same command then finishes the budget: no run RUNNING, no metric
     with a repeated step, every completed run FINISHED with all its epochs. One study takes all
-    four stops: each is a driver start, seconds of CPU, more so on Ray."""
+    four stops: each is a driver start, seconds of CPU, more so on Ray. (A SIGKILL in a study's
+    first start: tests/reliability/test_process_faults.py and test_ray_backend.py.)"""
     from core.faults import Fault
 
     name = f"signal_{backend}"
@@ -320,13 +321,15 @@ def test_a_sigterm_while_the_driver_starts_or_ends_is_a_clean_stop(tmp_path, bac
     name = f"startend_{backend}"
     spec_path = _trust_spec(tmp_path, backend, "startend", budget={"n_trials": 1},
                             resources={"devices": "cpu", "workers": 1})
-    for when, fault, states in (("start", Fault.DRIVER_SIGTERM_AT_START.value, []),
-                                ("end", Fault.DRIVER_SIGTERM_AT_END.value, ["COMPLETE"])):
+    for runs, (when, fault, states) in enumerate((("start", Fault.DRIVER_SIGTERM_AT_START.value, []),
+                                                  ("end", Fault.DRIVER_SIGTERM_AT_END.value, ["COMPLETE"])), 1):
         stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
         assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-3000:] + stopped.stderr[-3000:]
         assert "stopped by SIGTERM" in stopped.stdout, when
         parents, children = study_runs(tmp_path, name)
-        assert {p.info.status for p in parents} == {"KILLED"}, when
+        # At most one study run per invocation (Optuna reopens its one run; on Ray a driver stopped as
+        # it started may leave its run to a new one), each KILLED, none left RUNNING.
+        assert len(parents) <= runs and {p.info.status for p in parents} == {"KILLED"}, when
         assert [c.data.tags["sweeps.state"] for c in children] == states, when
     # The summary was written before the study run was closed.
     last = max(parents, key=lambda p: p.info.start_time)
