@@ -1,8 +1,9 @@
-"""``resources.pack`` on the Optuna backend: a worker asks for up to K trials at once, groups those
-that train the same model shapes with the same batch size, epochs and other shared settings, and
-trains each group as one population (sweeps/trial_population.py); a trial without a partner
-trains alone. The trials are asked under the ask lock one after another: TPE's constant liar
-(``optuna_sampler``) and the GP sampler count the running ones, so the K points spread out.
+"""``resources.pack`` on the Optuna backend: a worker asks for up to K trials at once (fewer for a
+sampler that models the results: :func:`ask_size`), groups those that train the same model shapes
+with the same batch size, epochs and other shared settings, and trains each group as one
+population (sweeps/trial_population.py); a trial without a partner trains alone. The trials are
+asked under the ask lock one after another: TPE's constant liar (``optuna_sampler``) and the GP
+sampler count the running ones, so the points asked together spread out.
 
 Each trial's Optuna user attribute ``pack`` (``ATTR_PACK``) says how it was trained, for the live view.
 """
@@ -41,7 +42,7 @@ def ask_size(spec: StudySpec, n_trials: int, pool: int = 1) -> int:
     results, a share small enough to leave it :data:`FEEDBACK_ROUNDS` rounds of them."""
     share = -(-n_trials // max(pool, 1))
     if spec.sampler.name in _MODEL_SAMPLERS:
-        share = -(-share // FEEDBACK_ROUNDS)
+        share //= FEEDBACK_ROUNDS  # rounded down: 5 trials asked 2 at a time would be three rounds
     return max(1, min(spec.resources.pack_size(), share))
 
 

@@ -158,6 +158,7 @@ def test_a_worker_asks_its_share_of_the_budget(n_trials, pool, asked):
 
 @pytest.mark.parametrize("sampler, n_trials, pool, asked", [
     ("tpe", 64, 2, 8), ("gp", 64, 2, 8), ("tpe", 16, 2, 2), ("tpe", 2000, 2, 16), ("tpe", 3, 1, 1),
+    ("tpe", 10, 2, 1), ("tpe", 6, 1, 1), ("tpe", 9, 1, 2),
     ("random", 64, 2, 16), ("qmc", 64, 2, 16), ("cmaes", 64, 2, 16)])
 def test_a_sampler_that_models_the_results_gets_four_rounds_of_them(sampler, n_trials, pool, asked):
     from sweeps.backends.optuna_pack import FEEDBACK_ROUNDS, ask_size
