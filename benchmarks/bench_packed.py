@@ -56,7 +56,9 @@ CASES: dict[str, dict] = {
                            "lr": [1e-3, 0.3], "weight_decay": [1e-5, 1e-3], "objective": "val_acc",
                            "direction": "maximize"},
 }
-QUICK = {"n_trials": 4, "epochs": 1}  # --quick: every code path, tiny studies
+# --quick: every code path, tiny studies. One worker and the random sampler, which a worker asks
+# its whole pack for (a model-based sampler gets a quarter of the budget per ask: no population).
+QUICK = {"n_trials": 4, "epochs": 1, "workers": 1, "sampler": "random"}
 
 
 def _case(ctx: Context, name: str) -> dict:
@@ -80,9 +82,10 @@ def _spec(name: str, case: dict, pack: int | None, device: str, seed: int) -> di
                              "weight_decay": {"type": "float", "low": case["weight_decay"][0],
                                               "high": case["weight_decay"][1], "log": True}},
                      objective={"metric": case["objective"], "direction": case["direction"]},
-                     sampler={"name": "tpe", "seed": seed}, pruner={"name": "none"},
+                     sampler={"name": case.get("sampler", "tpe"), "seed": seed}, pruner={"name": "none"},
                      budget={"n_trials": case["n_trials"], "max_failures": 3},
-                     resources={"devices": device, "workers": "auto", **({"pack": pack} if pack else {})})
+                     resources={"devices": device, "workers": case.get("workers", "auto"),
+                                **({"pack": pack} if pack else {})})
 
 
 class GpuSampler:
@@ -111,18 +114,22 @@ class GpuSampler:
         return sum(self.values) / len(self.values) if self.values else None
 
 
-def _records(folder: Path, experiment: str, metric: str, epochs: int) -> tuple[int, list[float]]:
-    """The trial runs whose ``metric`` curve has every epoch, and every trial's objective."""
-    from mlflow.tracking import MlflowClient
+def _records(folder: Path, experiment: str, metric: str, epochs: int) -> tuple[int, int, list[float]]:
+    """The trial runs whose ``metric`` curve has every epoch, those trained in a population, and
+    every trial's objective."""
+    from mlflow.tracking import MlflowClient  # lazy for start-up time, as the module's other heavy imports
+
+    from sweeps.trial_population import TAG_PACK
 
     client = MlflowClient(f"sqlite:///{folder}/runs/mlflow.db")
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        return 0, []
+        return 0, 0, []
     runs = [r for r in client.search_runs([exp.experiment_id], max_results=5000)
             if r.data.tags.get("mlflow.parentRunId")]
     whole = [r for r in runs if len(client.get_metric_history(r.info.run_id, metric)) == epochs]
-    return len(whole), [r.data.metrics["objective"] for r in runs if "objective" in r.data.metrics]
+    packed = [r for r in runs if r.data.tags.get(TAG_PACK, "").startswith("packed with")]
+    return len(whole), len(packed), [r.data.metrics["objective"] for r in runs if "objective" in r.data.metrics]
 
 
 def _best(values: list[float], maximize: bool) -> float | None:
@@ -153,8 +160,9 @@ def _arm(ctx: Context, case_name: str, case: dict, which: str, device: str, inde
         res = run_sweeps(folder, write_spec(folder, spec), timeout_s)
         wall, rc, tail = res["wall_s"], res["rc"], res["log_tail"][-1500:]
     utilisation = gpu.mean()
-    whole, values = _records(folder, study, case["objective"], case["epochs"])
+    whole, packed, values = _records(folder, study, case["objective"], case["epochs"])
     out = {"arm": which, "seed": index, "rc": rc, "wall_s": wall, "trials": case["n_trials"], "records": whole,
+           "packed": packed,
            "best": _best(values, case["direction"] == "maximize"), "gpu_util_pct": utilisation,
            "tpm": 60 * case["n_trials"] / wall}
     if rc != 0:

@@ -31,6 +31,7 @@ def test_packed_quick_every_arm_keeps_every_record_and_the_gpu_case_runs_on_cpu(
         for which, (res,) in runs.items():
             assert "error" not in res, (case, which, res.get("error"))
             assert res["records"] == res["trials"] == 2, (case, which)  # every trial with its whole curve
+            assert res["packed"] == (2 if which == "packed" else 0), (case, which)  # one population of two
             assert res["best"] is not None and res["gpu_util_pct"] is None  # no GPU to sample here
 
 
