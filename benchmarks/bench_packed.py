@@ -119,7 +119,7 @@ def _records(folder: Path, experiment: str, metric: str, epochs: int) -> tuple[i
     every trial's objective."""
     from mlflow.tracking import MlflowClient  # lazy for start-up time, as the module's other heavy imports
 
-    from sweeps.trial_population import TAG_PACK
+    from sweeps.trial_population import PACKED_WITH, TAG_PACK
 
     client = MlflowClient(f"sqlite:///{folder}/runs/mlflow.db")
     exp = client.get_experiment_by_name(experiment)
@@ -128,7 +128,7 @@ def _records(folder: Path, experiment: str, metric: str, epochs: int) -> tuple[i
     runs = [r for r in client.search_runs([exp.experiment_id], max_results=5000)
             if r.data.tags.get("mlflow.parentRunId")]
     whole = [r for r in runs if len(client.get_metric_history(r.info.run_id, metric)) == epochs]
-    packed = [r for r in runs if r.data.tags.get(TAG_PACK, "").startswith("packed with")]
+    packed = [r for r in runs if r.data.tags.get(TAG_PACK, "").startswith(PACKED_WITH)]
     return len(whole), len(packed), [r.data.metrics["objective"] for r in runs if "objective" in r.data.metrics]
 
 

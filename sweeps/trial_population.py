@@ -37,6 +37,7 @@ from sweeps.trial import (
 from sweeps.trial_control import TrialControl, TrialInterrupted
 
 TAG_PACK = "sweeps.pack"  # on each member's run: how it was trained ("packed with trials ..." or "alone: why")
+PACKED_WITH = "packed with trials"  # how a population member's note begins (a trial alone: "alone: why")
 
 
 def run_population(spec: StudySpec, trials: list[TrialSpec], controls: list[TrialControl], tracker: Tracker,
@@ -88,7 +89,7 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
                 if refused:
                     raise PackError(refused)
                 for k, (reporter, run) in enumerate(zip(reporters, runs, strict=True)):
-                    note = f"packed with trials {', '.join(str(n) for n in numbers if n != numbers[k])}"
+                    note = f"{PACKED_WITH} {', '.join(str(n) for n in numbers if n != numbers[k])}"
                     reporter.tracker.log(run, tags={TAG_PACK: note})
                     on_pack(k, note)  # said before training, so the live view shows it while they train
                 results = train_population(task, members, resume=True)
