@@ -84,11 +84,6 @@ class TrialSpec:
     logged_up_to: dict[str, int] = field(default_factory=dict)
 
 
-def worker_name() -> str:
-    """This process's name in the study (``host:boot:pid``, unique across machines)."""
-    return worker_identity()
-
-
 def trial_config(spec: StudySpec, params: dict, overrides: dict | None = None) -> TrainConfig:
     """The resolved TrainConfig of a trial. The best checkpoint (the model a trial is judged,
     promoted and exported by) follows the study objective, and a trial that holds K >= 2 GPUs
@@ -114,7 +109,7 @@ def start_trial_run(spec: StudySpec, tracker: Tracker, trial: TrialSpec) -> RunH
     tags = {
         layout.TAG_ROLE: layout.ROLE_TRIAL, layout.TAG_STUDY: spec.name, layout.TAG_BACKEND: trial.backend,
         layout.TAG_TRIAL_NUMBER: trial.number, layout.TAG_STATE: "RUNNING", layout.TAG_SEED: cfg.seed,
-        layout.TAG_DEVICE: _device_description(), layout.TAG_WORKER: worker_name(),
+        layout.TAG_DEVICE: _device_description(), layout.TAG_WORKER: worker_identity(),
         layout.TAG_SPEC_HASH: spec.spec_hash(), layout.TAG_GIT_COMMIT: process_git_commit(), **trial.tags,
     }
     if trial.continues is not None:

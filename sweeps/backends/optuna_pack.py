@@ -22,9 +22,10 @@ from sweeps.backends.optuna_attrs import ATTR_PACK
 from sweeps.backends.trial_liveness import HeldTrials
 from sweeps.spec.model import StudySpec
 from sweeps.tracking.base import Tracker
-from sweeps.trial import TrialOutcome, TrialSpec, trial_config, worker_name
+from sweeps.trial import TrialOutcome, TrialSpec, trial_config
 from sweeps.trial_control import TrialControl
 from sweeps.trial_population import run_population
+from sweeps.worker_identity import worker_identity
 
 # A sampler that models the results so far (TPE, GP) gets at least this many rounds of them: 64
 # trials asked 16 at a time by each of 2 workers are two rounds, the first all random and the
@@ -54,7 +55,7 @@ def ask_more(spec: StudySpec, study: optuna.Study, held: HeldTrials, n_trials: i
     for _ in range(ask_size(spec, n_trials, pool) - 1):
         if optuna_study.budget_left(study, n_trials) <= 0:
             break
-        more.append(held.ask(worker_name()))
+        more.append(held.ask(worker_identity()))
     return more
 
 

@@ -36,8 +36,9 @@ from sweeps.spec.model import StudySpec
 from sweeps.stop_signals import STOP_SIGNALS, after_hangup
 from sweeps.store_urls import redact_url
 from sweeps.tracking import layout
-from sweeps.trial import TrialSpec, run_trial, worker_name
+from sweeps.trial import TrialSpec, run_trial
 from sweeps.trial_control import StopRequest, TrialControl, TrialInterrupted
+from sweeps.worker_identity import worker_identity
 
 log = logging.getLogger("sweeps")
 EXIT_OK, EXIT_MAX_FAILURES = 0, 3  # `sweeps worker`'s exit codes (besides 128 + a signal's number)
@@ -172,7 +173,7 @@ def next_trials(spec: StudySpec, study: optuna.Study, held: HeldTrials, n_trials
         left, running = optuna_study.budget_and_running(study, n_trials)
         if left <= 0:
             return [], rdb and running
-        trial = held.ask(worker_name())
+        trial = held.ask(worker_identity())
         return [trial, *optuna_pack.ask_more(spec, study, held, n_trials, pool)], True
 
 

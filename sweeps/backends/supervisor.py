@@ -96,7 +96,7 @@ class LocalWorker:
 
     @property
     def name(self) -> str:
-        """How its trials name it (``trial.worker_name`` in the worker: same host, same boot)."""
+        """How its trials name it (``worker_identity()`` in the worker: same host, same boot)."""
         return worker_identity(self.proc.pid)
 
     def began_a_trial(self) -> bool:

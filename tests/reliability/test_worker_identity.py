@@ -12,10 +12,10 @@ from pathlib import Path
 from sweeps import worker_identity as identity
 from sweeps.backends.supervisor import LocalWorker
 from sweeps.slot_plan import WorkerSlot
-from sweeps.trial import worker_name
 
 ROOT = Path(__file__).resolve().parents[2]
-PRINT_NAME = "from sweeps.trial import worker_name; print(worker_name())"
+# What a worker tags its trials with (sweeps/trial.py, sweeps/backends/optuna_worker.py).
+PRINT_NAME = "from sweeps.worker_identity import worker_identity; print(worker_identity())"
 
 
 def _name_in_child(env: dict) -> tuple[subprocess.Popen, str]:
@@ -28,7 +28,7 @@ def _name_in_child(env: dict) -> tuple[subprocess.Popen, str]:
 
 def test_the_name_is_host_boot_id_and_pid(monkeypatch):
     monkeypatch.delenv(identity.ENV_BOOT_ID, raising=False)
-    host, boot, pid = worker_name().rsplit(":", 2)
+    host, boot, pid = identity.worker_identity().rsplit(":", 2)
     assert (host, pid) == (socket.gethostname(), str(os.getpid()))
     kernel = identity.BOOT_ID_FILE.read_text().strip().replace("-", "")
     assert boot == kernel[:identity.BOOT_CHARS]
