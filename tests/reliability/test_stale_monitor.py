@@ -17,7 +17,7 @@ from sweeps.spec.load import spec_from_dict
 from sweeps.worker_identity import worker_identity
 from tests.scaleout import conftest as scaleout_fixtures
 from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for
-from tests.sweeps.study_helpers import empty_mlflow_db, sqlite_rdb_spec, start_cli, write_spec
+from tests.sweeps.study_helpers import empty_mlflow_db, silence_heartbeat, sqlite_rdb_spec, start_cli, write_spec
 
 ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
 # A trial's worker beats twice a second from a thread (sweeps/backends/trial_liveness.py); the
@@ -47,7 +47,8 @@ def test_the_monitor_fails_and_requeues_a_silent_trial_without_anyone_asking(tmp
     study = optuna_study.open_study(spec)
     trial = study.ask({"lr": optuna.distributions.FloatDistribution(0.01, 0.1)})
     trial.set_user_attr(optuna_attrs.ATTR_WORKER, "gone:00000000:1")
-    optuna_adapter.storage_of(study).record_heartbeat(optuna_adapter.trial_id_of(trial))  # then silence
+    optuna_adapter.storage_of(study).record_heartbeat(optuna_adapter.trial_id_of(trial))
+    silence_heartbeat(study, optuna_adapter.trial_id_of(trial))  # then silence
     monitor = StaleTrialMonitor.start_for(spec, study)
     assert monitor is not None
     try:

@@ -25,7 +25,8 @@ class _Said(logging.Handler):
 
 def test_a_locked_storage_is_waited_for_and_used_once_it_answers(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_STORAGE_WAIT, "600")
-    spec = sqlite_rdb_spec(tmp_path, "locked")
+    # SQLite's own busy timeout (5 s unless the URL says) passes before the storage says it waits.
+    spec = sqlite_rdb_spec(tmp_path, "locked", storage_query="?timeout=0.2")
     study = optuna_study.open_study(spec)
     study.tell(study.ask(), 1.0)
     said = _Said("does not answer")

@@ -1,13 +1,12 @@
 """RDB-storage heartbeat settings and stale-trial handling, without a server (SQLite is an RDB URL too)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from sweeps.backends import optuna_adapter, optuna_attrs, optuna_recovery, optuna_storage, optuna_study
 from sweeps.errors import BackendError
 from sweeps.spec.load import spec_from_dict
+from tests.sweeps.study_helpers import silence_heartbeat
 
 
 def _spec(storage: str):
@@ -58,7 +57,7 @@ def test_a_silent_trial_is_failed_with_the_reason_and_requeued(tmp_path, monkeyp
     trial.set_user_attr(optuna_attrs.ATTR_WORKER, "box:123")
     optuna_adapter.storage_of(study).record_heartbeat(optuna_adapter.trial_id_of(trial))
     assert optuna_recovery.fail_stale_trials(study) == []  # still within the grace period
-    time.sleep(2.2)  # SQLite's now() has whole seconds
+    silence_heartbeat(study, optuna_adapter.trial_id_of(trial))
     assert optuna_recovery.fail_stale_trials(study) == [trial.number]
     assert optuna_recovery.fail_stale_trials(study) == []  # failed once
     dead = study.trials[trial.number]

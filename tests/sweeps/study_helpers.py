@@ -179,7 +179,7 @@ def load_study(cwd: Path, name: str):
     return optuna.load_study(study_name=name, storage=storage)
 
 
-def sqlite_rdb_spec(folder: Path, name: str):
+def sqlite_rdb_spec(folder: Path, name: str, storage_query: str = ""):
     """A digits study on SQLite RDB storage (heartbeats, as on PostgreSQL) with its MLflow store
     in ``folder``: for tests of the heartbeat machinery without a server."""
     from sweeps.spec.load import spec_from_dict
@@ -187,4 +187,22 @@ def sqlite_rdb_spec(folder: Path, name: str):
     return spec_from_dict({"name": name, "task": {"name": "digits", "model": "mlp"},
                            "search": {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
                            "tracking": {"uri": f"sqlite:///{folder}/mlflow.db"},
-                           "storage": f"sqlite:///{folder}/optuna.db"})
+                           "storage": f"sqlite:///{folder}/optuna.db{storage_query}"})
+
+
+def silence_heartbeat(study, trial_id: int, seconds: int = 60) -> None:
+    """Move trial ``trial_id``'s last heartbeat ``seconds`` back in the study's RDB storage: its
+    worker as if silent that long, without waiting for the database's clock (SQLite's ``now()``
+    has whole seconds)."""
+    import sqlalchemy
+
+    from sweeps.backends import optuna_adapter
+
+    rdb = optuna_adapter.rdb_of(optuna_adapter.storage_of(study))
+    assert rdb is not None, "heartbeats live in an RDB storage"
+    earlier = {"sqlite": f"datetime(heartbeat, '-{seconds} seconds')",
+               "postgresql": f"heartbeat - interval '{seconds} seconds'"}[rdb.engine.dialect.name]
+    with rdb.engine.begin() as conn:
+        moved = conn.execute(sqlalchemy.text(f"UPDATE trial_heartbeats SET heartbeat = {earlier} WHERE trial_id = :t"),
+                             {"t": trial_id})
+    assert moved.rowcount == 1, f"trial {trial_id} has no heartbeat to move"

@@ -7,7 +7,6 @@ import ast
 import functools
 import importlib
 import inspect
-import time
 from pathlib import Path
 
 import optuna
@@ -18,6 +17,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from optuna.trial import TrialState
 
 from sweeps.backends import optuna_adapter as adapter
+from tests.sweeps.study_helpers import silence_heartbeat
 
 ROOT = Path(__file__).resolve().parents[3]
 SCANNED = ("sweeps", "dashboards")
@@ -105,7 +105,8 @@ def test_stale_trial_ids_are_the_running_trials_silent_past_the_grace_period(tmp
         storage.record_heartbeat(adapter.trial_id_of(trial))
     study.tell(done, 0.5)
     assert adapter.stale_trial_ids(study) == []  # within the grace period
-    time.sleep(2.2)  # SQLite's now() has whole seconds
+    for trial in (silent, done):
+        silence_heartbeat(study, adapter.trial_id_of(trial))
     assert adapter.stale_trial_ids(study) == [adapter.trial_id_of(silent)]  # finished trials are not stale
     assert adapter.stored_trial(study, silent).state == TrialState.RUNNING  # listed, not failed
 
