@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TOKEN = "test-token-0123456789abcdef"
 TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+# A driver the head refuses retries for about 20 s (one try a second) before ray.init gives up;
+# two tries refuse it the same way.
+REFUSED_SOON = {"RAY_gcs_server_port_wait_time_s": "2"}
 DRIVER = """
 import ray
 try:
@@ -84,10 +87,10 @@ def test_a_token_head_refuses_drivers_without_the_token(token_head):
                              timeout=300, env=clean_env(home, **env))
         return out.stdout + out.stderr
 
-    refused = drive()
+    refused = drive(**REFUSED_SOON)
     assert "REFUSED" in refused and "JOINED" not in refused, refused[-2000:]
     assert "JOINED 42" in drive(**TOKEN_ENV)
-    wrong = drive(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-" + TOKEN)
+    wrong = drive(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-" + TOKEN, **REFUSED_SOON)
     assert "JOINED" not in wrong, wrong[-2000:]
 
 
@@ -102,7 +105,7 @@ def test_a_second_node_with_the_token_joins_and_a_study_runs_on_both(tmp_path, t
                               capture_output=True, text=True, timeout=900, env=clean_env(home, **env))
 
     # A driver without the token is stopped before any trial, pointed at the address and the token.
-    refused = sweeps_run(tmp_path)
+    refused = sweeps_run(tmp_path, **REFUSED_SOON)
     said = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode != 0 and "Traceback" not in said, said[-3000:]
     assert "resources.ray_address" in said and "RAY_AUTH_TOKEN" in said, said[-3000:]
