@@ -145,8 +145,8 @@ class RayBackend:
         stored = rr.read_meta(study_name)
         if (stored is not None and stored.get("joined") is False and all(stored.get(k) == wanted[k] for k in wanted)
                 and stored.get("judged_by") == judged_by(spec)):
-            # The last driver never joined Ray (a missing token, a wrong ray_address): no trial
-            # ran, so this is the same study, with the same parent run.
+            # The last driver never joined Ray (a missing token, a wrong ray_address) or was
+            # stopped as it did: no trial ran, so this is the same study, with the same parent run.
             return {**stored, "spec_hash": spec.spec_hash()}
         if stored is None or not (rr.ray_root() / study_name).exists():
             # A new identity, also for a name reused after runs/ray/<study> was deleted: its parent
@@ -192,10 +192,10 @@ class RayBackend:
             started_ray = init_ray(spec)
             faults.signal_here(faults.Fault.DRIVER_SIGTERM_AT_START)
         try:
+            if early.signum:  # stopped before a trial could run: the next driver is the same study
+                return _stopped_by(early.signum)
             if (meta := rr.read_meta(study_name) or {}).get("joined") is False:  # from now on trials may run
                 rr.write_meta(study_name, {**meta, "joined": True})
-            if early.signum:
-                return _stopped_by(early.signum)
             res = plan_resources(spec, ray.cluster_resources())
             ctx = TrialContext(spec=spec, study_name=study_name, parent=parent,
                                trials_dir=str(trials_dir(study_name)), cwd=os.getcwd(), threads=res.threads,
