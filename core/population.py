@@ -2,8 +2,9 @@
 
 One optimizer step of a small model costs more in Python and dispatch than in arithmetic. A
 population stacks the members' parameters into one tensor per parameter name (``[K, ...]``) and
-runs their forward and backward passes as one, with ``torch.func.functional_call`` under ``vmap``
-(HFTA, MLSys 2021, measures the gain). Everything else stays each member's own, as if it trained
+runs their forward and backward passes as one (HFTA, MLSys 2021, measures the gain): as one model
+of grouped layers where the model is built of layers that allow it (core/fused_population.py),
+else with ``torch.func.functional_call`` under ``vmap``. Everything else stays each member's own, as if it trained
 alone: its model (a module whose parameters and buffers are views of its row of the stacked
 tensors, so checkpoints, evaluation and export see a plain model), its optimizer and scheduler
 built from its own config, its dropout masks drawn from its own generator in the order it would
@@ -28,6 +29,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from core.config import TrainConfig
+from core.fused_population import FusedState, from_fused, fused_model, to_fused
 from core.gradients import StepGradients
 from core.reporting import Reporter
 from core.tasks.base import Task
@@ -112,6 +114,10 @@ class Population(nn.Module):
     def __init__(self, models: list[nn.Module], generators: list[torch.Generator]) -> None:
         super().__init__()
         self.lanes = LaneState(generators)
+        # The members as one model of grouped layers where they are built of layers that allow it
+        # (core/fused_population.py), else ``vmap`` of the template below; the probe decides.
+        self.fused_state = FusedState(generators=generators)
+        self.fused = fused_model(models[0], self.fused_state)
         self.template = copy.deepcopy(models[0])  # the module functional_call runs with each member's tensors
         for name, mod in list(self.template.named_modules()):
             if type(mod) is nn.Dropout:
@@ -138,16 +144,26 @@ class Population(nn.Module):
         params = {n: t if index is None else t.index_select(0, index) for n, t in self.stacked.items()}
         buffers = {n: t if index is None else t.index_select(0, index) for n, t in self.stacked_buffers.items()}
 
-        def one(p: dict, b: dict, lane: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-            self.lanes.lane = lane
-            return functional_call(self.template, (p, b), (inputs,))
+        if self.fused is not None:
+            out = self._fused_forward(self.fused, params, buffers, live, x, per_member)
+        else:
+            def one(p: dict, b: dict, lane: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+                self.lanes.lane = lane
+                return functional_call(self.template, (p, b), (inputs,))
 
-        lanes = torch.arange(len(live), device=x.device)
-        out = vmap(one, in_dims=(0, 0, 0, 0 if per_member else None), randomness="same")(params, buffers, lanes, x)
+            lanes = torch.arange(len(live), device=x.device)
+            out = vmap(one, in_dims=(0, 0, 0, 0 if per_member else None), randomness="same")(params, buffers, lanes, x)
         if index is not None and self.training:  # the live members' running statistics, back into their rows
             for name, t in self.stacked_buffers.items():
                 t.index_copy_(0, index, buffers[name])
         return out
+
+    def _fused_forward(self, fused: nn.Module, params: dict, buffers: dict, live: list[int], x: torch.Tensor,
+                       per_member: bool) -> torch.Tensor:
+        state = self.fused_state
+        state.params, state.buffers, state.members = params, buffers, len(live)
+        state.generators = [self.lanes.generators[k] for k in live]
+        return from_fused(fused(to_fused(x, len(live), per_member)), len(live))
 
     def losses(self, criterion: Callable, outputs: torch.Tensor, y: torch.Tensor, per_member: bool) -> torch.Tensor:
         """Each live member's loss (``[L]``): the task's loss under vmap, or lane by lane when it
@@ -211,13 +227,29 @@ def probe_problem(population: Population, x: torch.Tensor, y: torch.Tensor, crit
             params = {n: t.detach() for n, t in population.stacked.items()}
             out = vmap(one, in_dims=(0, 0, None), randomness="error")(params, buffers, x)
             population.losses(criterion, out, y, per_member=False)
+            if population.fused is not None and not _fused_agrees(population, population.fused, params, x, out):
+                population.fused = None
     except Exception as exc:  # noqa: BLE001 - whatever vmap refuses, the members run alone
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         return f"the model does not run under torch.func.vmap ({type(exc).__name__}: {text})"
     finally:
-        population.lanes.quiet = False
+        population.lanes.quiet = population.fused_state.quiet = False
         population.train(was_training)
     return None
+
+
+def _fused_agrees(population: Population, fused: nn.Module, params: dict, x: torch.Tensor,
+                  expected: torch.Tensor) -> bool:
+    """Whether the fused model gives what ``vmap`` gave on the probe's batch: not where the
+    model's own forward mixes the members' channels (a concatenation of feature maps)."""
+    population.fused_state.quiet = True
+    buffers = {n: t.clone() for n, t in population.stacked_buffers.items()}
+    try:
+        got = population._fused_forward(fused, params, buffers, list(range(len(population.members))), x,
+                                        per_member=False)
+    except Exception:  # noqa: BLE001 - a layout the fused layers cannot take: vmap runs the model
+        return False
+    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 class StackedGradients:

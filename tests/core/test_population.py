@@ -213,3 +213,57 @@ def test_members_checkpointing_every_few_epochs_keep_each_ones_best_and_final_we
             a, b = ckpt.load_checkpoint(one / name), ckpt.load_checkpoint(two / name)
             assert a["model"].keys() == b["model"].keys()
             assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"]), (two, name)
+
+
+class ConvTask(SyntheticTask):
+    """Small CNNs on synthetic 8x8 images: a plain stack of layers, which the population runs as
+    one model of grouped layers (core/fused_population.py), or, with ``concat``, one whose forward
+    concatenates two feature maps along the channels as a U-Net's skip does, which it runs under
+    ``vmap``."""
+
+    def __init__(self, concat: bool = False) -> None:
+        super().__init__(model="cnn", shape=(1, 8, 8), num_classes=3, n_train=96, n_val=40, width=8)
+        self.concat = concat
+
+    def build_model(self) -> nn.Module:
+        head = [nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(0.3), nn.Linear(8 * 16, 3)]
+        if self.concat:
+            return _Skip(nn.Sequential(*head))
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), *head)
+
+
+class _Skip(nn.Module):
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.Conv2d(1, 4, 1, bias=False)  # BatchNorm follows
+        self.norm, self.head = nn.BatchNorm2d(8), head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.cat([self.a(x), self.b(x)], dim=1)))
+
+
+@pytest.mark.parametrize("concat, fused", [(False, True), (True, False)])
+@pytest.mark.parametrize("optimizer, scheduler", [("sgd", "onecycle"), ("adamw", "cosine")])
+def test_cnn_members_train_as_alone_as_one_grouped_model_or_under_vmap(monkeypatch, concat, fused, optimizer,
+                                                                       scheduler):
+    import core.population as population
+
+    made = []
+    pack = population.pack_models
+    monkeypatch.setattr(population, "pack_models", lambda *args: made.append(pack(*args)) or made[-1])
+    cfgs = _configs(optimizer=optimizer, scheduler=scheduler, warmup_epochs=0.5)
+    alone = _alone(lambda: ConvTask(concat), cfgs)
+    packed = _packed(lambda: ConvTask(concat), cfgs)
+    assert [p.fused is not None for p in made] == [fused]
+    _assert_same_runs(alone, packed, cfgs)
+
+
+def test_the_shipped_small_models_run_as_one_grouped_model():
+    from core.fused_population import FusedState, fused_model
+    from core.tasks.base import make_task
+
+    for name, model in (("digits", "cnn"), ("digits", "mlp"), ("diabetes", "mlp")):
+        assert fused_model(make_task(name, model=model).build_model(), FusedState()) is not None, (name, model)
+    # The U-Net upsamples (a layer the fused model does not have) and concatenates feature maps
+    # in its own forward: vmap runs it.
+    assert fused_model(make_task("shapes", model="unet").build_model(), FusedState()) is None
