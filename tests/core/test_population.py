@@ -219,7 +219,8 @@ class ConvTask(SyntheticTask):
     """Small CNNs on synthetic 8x8 images: a plain stack of layers, which the population runs as
     one model of grouped layers (core/fused_population.py), or, with ``concat``, one whose forward
     concatenates two feature maps along the channels as a U-Net's skip does, which it runs under
-    ``vmap``."""
+    ``vmap``. The batch norm comes first: a layer right before one is scale-free, and Adam turns
+    its gradient's rounding (a plain convolution's alone, a grouped one's packed) into steps."""
 
     def __init__(self, concat: bool = False) -> None:
         super().__init__(model="cnn", shape=(1, 8, 8), num_classes=3, n_train=96, n_val=40, width=8)
@@ -229,17 +230,18 @@ class ConvTask(SyntheticTask):
         head = [nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(0.3), nn.Linear(8 * 16, 3)]
         if self.concat:
             return _Skip(nn.Sequential(*head))
-        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), *head)
+        return nn.Sequential(nn.BatchNorm2d(1), nn.Conv2d(1, 8, 3, padding=1), *head)
 
 
 class _Skip(nn.Module):
     def __init__(self, head: nn.Module) -> None:
         super().__init__()
-        self.a, self.b = nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.Conv2d(1, 4, 1, bias=False)  # BatchNorm follows
-        self.norm, self.head = nn.BatchNorm2d(8), head
+        self.norm, self.a, self.b = nn.BatchNorm2d(1), nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(1, 4, 1)
+        self.head = head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(torch.cat([self.a(x), self.b(x)], dim=1)))
+        x = self.norm(x)
+        return self.head(torch.cat([self.a(x), self.b(x)], dim=1))
 
 
 @pytest.mark.parametrize("concat, fused", [(False, True), (True, False)])
