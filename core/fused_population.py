@@ -69,17 +69,16 @@ class FusedConv(_Fused):
 
 
 class FusedBatchNorm(_Fused):
-    """``nn.BatchNorm1d``/``2d`` as the module computes it, over every member's channels."""
+    """``nn.BatchNorm1d``/``2d`` with a momentum, as the module computes it, over every member's
+    channels."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.settings
         mean, var, tracked = self._buffer("running_mean"), self._buffer("running_var"), \
             self._buffer("num_batches_tracked")
-        factor = 0.0 if s["momentum"] is None else s["momentum"]
+        factor = s["momentum"]  # not None: _fused_layer leaves such a norm to vmap
         if self.training and s["track_running_stats"] and tracked is not None:
             tracked.add_(1)
-            if s["momentum"] is None:
-                factor = 1.0 / float(tracked[0])
         use_stats = not self.training or s["track_running_stats"]
         weight, bias = self._param("weight"), self._param("bias")
         return F.batch_norm(x, mean.view(-1) if use_stats and mean is not None else None,
@@ -94,7 +93,7 @@ class FusedLinear(_Fused):
             raise ValueError("a fused linear layer takes [batch, members x features]")
         weight, bias = self._weight(), self._param("bias")  # [members, out, in], [members, out]
         k = self.state.members
-        lanes = x.view(x.shape[0], k, -1).transpose(0, 1)  # [members, batch, in]
+        lanes = x.reshape(x.shape[0], k, -1).transpose(0, 1)  # [members, batch, in]
         out = torch.bmm(lanes, weight.transpose(1, 2)) if bias is None else \
             torch.baddbmm(bias.unsqueeze(1), lanes, weight.transpose(1, 2))
         return out.transpose(0, 1).reshape(x.shape[0], -1)
@@ -119,8 +118,8 @@ class FusedDropout(_Fused):
 def _fused_layer(layer: nn.Module) -> type[_Fused] | None:
     if type(layer) in (nn.Conv1d, nn.Conv2d) and layer.padding_mode == "zeros":
         return FusedConv
-    if type(layer) in (nn.BatchNorm1d, nn.BatchNorm2d):
-        return FusedBatchNorm
+    if type(layer) in (nn.BatchNorm1d, nn.BatchNorm2d) and layer.momentum is not None:
+        return FusedBatchNorm  # momentum None: a cumulative average over each member's own count
     if type(layer) is nn.Linear:
         return FusedLinear
     if type(layer) is nn.Dropout:

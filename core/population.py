@@ -227,7 +227,7 @@ def probe_problem(population: Population, x: torch.Tensor, y: torch.Tensor, crit
             params = {n: t.detach() for n, t in population.stacked.items()}
             out = vmap(one, in_dims=(0, 0, None), randomness="error")(params, buffers, x)
             population.losses(criterion, out, y, per_member=False)
-            if population.fused is not None and not _fused_agrees(population, population.fused, params, x, out):
+            if population.fused is not None and not _fused_agrees(population, population.fused, params, x):
                 population.fused = None
     except Exception as exc:  # noqa: BLE001 - whatever vmap refuses, the members run alone
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
@@ -238,18 +238,29 @@ def probe_problem(population: Population, x: torch.Tensor, y: torch.Tensor, crit
     return None
 
 
-def _fused_agrees(population: Population, fused: nn.Module, params: dict, x: torch.Tensor,
-                  expected: torch.Tensor) -> bool:
-    """Whether the fused model gives what ``vmap`` gave on the probe's batch: not where the
-    model's own forward mixes the members' channels (a concatenation of feature maps)."""
+def _fused_agrees(population: Population, fused: nn.Module, params: dict, x: torch.Tensor) -> bool:
+    """Whether the fused model gives what ``vmap`` gives on the probe's batch, in training and in
+    evaluation mode: not where the model's own forward mixes the members' channels (a
+    concatenation of feature maps), in either mode."""
+    live = list(range(len(population.members)))
     population.fused_state.quiet = True
-    buffers = {n: t.clone() for n, t in population.stacked_buffers.items()}
+
+    def one(p: dict, b: dict, inputs: torch.Tensor) -> torch.Tensor:
+        return functional_call(population.template, (p, b), (inputs,))
+
     try:
-        got = population._fused_forward(fused, params, buffers, list(range(len(population.members))), x,
-                                        per_member=False)
+        for training in (True, False):
+            population.train(training)
+            copies = {n: t.clone() for n, t in population.stacked_buffers.items()}
+            expected = vmap(one, in_dims=(0, 0, None), randomness="error")(params, copies, x)
+            copies = {n: t.clone() for n, t in population.stacked_buffers.items()}
+            got = population._fused_forward(fused, params, copies, live, x, per_member=False)
+            scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * scale):
+                return False
     except Exception:  # noqa: BLE001 - a layout the fused layers cannot take: vmap runs the model
         return False
-    return got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+    return True
 
 
 class StackedGradients:

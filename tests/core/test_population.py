@@ -216,21 +216,34 @@ def test_members_checkpointing_every_few_epochs_keep_each_ones_best_and_final_we
 
 
 class ConvTask(SyntheticTask):
-    """Small CNNs on synthetic 8x8 images: a plain stack of layers, which the population runs as
-    one model of grouped layers (core/fused_population.py), or, with ``concat``, one whose forward
-    concatenates two feature maps along the channels as a U-Net's skip does, which it runs under
-    ``vmap``. The batch norm comes first: a layer right before one is scale-free, and Adam turns
-    its gradient's rounding (a plain convolution's alone, a grouped one's packed) into steps."""
+    """Small CNNs on synthetic 8x8 images: a plain stack of layers (``kind`` "plain"), which the
+    population runs as one model of grouped layers (core/fused_population.py); one whose forward
+    concatenates two feature maps along the channels as a U-Net's skip does ("concat"), or one
+    whose forward takes a softmax over the classes in evaluation only ("eval_softmax"), which it
+    runs under ``vmap``. The batch norm comes first: a layer right before one is scale-free, and
+    Adam turns its gradient's rounding (a plain convolution's alone, a grouped one's packed) into
+    steps."""
 
-    def __init__(self, concat: bool = False) -> None:
+    def __init__(self, kind: str = "plain") -> None:
         super().__init__(model="cnn", shape=(1, 8, 8), num_classes=3, n_train=96, n_val=40, width=8)
-        self.concat = concat
+        self.kind = kind
 
     def build_model(self) -> nn.Module:
         head = [nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(0.3), nn.Linear(8 * 16, 3)]
-        if self.concat:
+        if self.kind == "concat":
             return _Skip(nn.Sequential(*head))
-        return nn.Sequential(nn.BatchNorm2d(1), nn.Conv2d(1, 8, 3, padding=1), *head)
+        plain = nn.Sequential(nn.BatchNorm2d(1), nn.Conv2d(1, 8, 3, padding=1), *head)
+        return _EvalSoftmax(plain) if self.kind == "eval_softmax" else plain
+
+
+class _EvalSoftmax(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out if self.training else out.softmax(dim=1)
 
 
 class _Skip(nn.Module):
@@ -244,9 +257,9 @@ class _Skip(nn.Module):
         return self.head(torch.cat([self.a(x), self.b(x)], dim=1))
 
 
-@pytest.mark.parametrize("concat, fused", [(False, True), (True, False)])
+@pytest.mark.parametrize("kind, fused", [("plain", True), ("concat", False), ("eval_softmax", False)])
 @pytest.mark.parametrize("optimizer, scheduler", [("sgd", "onecycle"), ("adamw", "cosine")])
-def test_cnn_members_train_as_alone_as_one_grouped_model_or_under_vmap(monkeypatch, concat, fused, optimizer,
+def test_cnn_members_train_as_alone_as_one_grouped_model_or_under_vmap(monkeypatch, kind, fused, optimizer,
                                                                        scheduler):
     import core.population as population
 
@@ -254,8 +267,8 @@ def test_cnn_members_train_as_alone_as_one_grouped_model_or_under_vmap(monkeypat
     pack = population.pack_models
     monkeypatch.setattr(population, "pack_models", lambda *args: made.append(pack(*args)) or made[-1])
     cfgs = _configs(optimizer=optimizer, scheduler=scheduler, warmup_epochs=0.5)
-    alone = _alone(lambda: ConvTask(concat), cfgs)
-    packed = _packed(lambda: ConvTask(concat), cfgs)
+    alone = _alone(lambda: ConvTask(kind), cfgs)
+    packed = _packed(lambda: ConvTask(kind), cfgs)
     assert [p.fused is not None for p in made] == [fused]
     _assert_same_runs(alone, packed, cfgs)
 
