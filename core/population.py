@@ -4,13 +4,13 @@ One optimizer step of a small model costs more in Python and dispatch than in ar
 population stacks the members' parameters into one tensor per parameter name (``[K, ...]``) and
 runs their forward and backward passes as one (HFTA, MLSys 2021, measures the gain): as one model
 of grouped layers where the model is built of layers that allow it (core/fused_population.py),
-else with ``torch.func.functional_call`` under ``vmap``. Everything else stays each member's own, as if it trained
-alone: its model (a module whose parameters and buffers are views of its row of the stacked
-tensors, so checkpoints, evaluation and export see a plain model), its optimizer and scheduler
-built from its own config, its dropout masks drawn from its own generator in the order it would
-draw them alone, its reporter, checkpoints and result. ``core.train`` runs the population
-through the same loop as a single run; a member that is pruned, diverges or is interrupted
-leaves it and the others go on.
+else with ``torch.func.functional_call`` under ``vmap``. Everything else stays each member's own,
+as if it trained alone: its model (a module whose parameters and buffers are views of its row of
+the stacked tensors, so checkpoints, evaluation and export see a plain model), its optimizer and
+scheduler built from its own config, its dropout masks drawn from its own generator in the order
+it would draw them alone, its reporter, checkpoints and result. ``core.train`` runs the population
+through the same loop as a single run; a member that is pruned, diverges or is interrupted leaves
+it and the others go on.
 
 What a population cannot hold is refused before anything trains (:class:`PackError`), so the
 caller runs those members alone and says why (the rules on configs alone: core/pack_rules.py).
@@ -227,7 +227,7 @@ def probe_problem(population: Population, x: torch.Tensor, y: torch.Tensor, crit
             params = {n: t.detach() for n, t in population.stacked.items()}
             out = vmap(one, in_dims=(0, 0, None), randomness="error")(params, buffers, x)
             population.losses(criterion, out, y, per_member=False)
-            if population.fused is not None and not _fused_agrees(population, population.fused, params, x):
+            if population.fused is not None and not _fused_agrees(population, population.fused, one, params, x):
                 population.fused = None
     except Exception as exc:  # noqa: BLE001 - whatever vmap refuses, the members run alone
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
@@ -238,16 +238,12 @@ def probe_problem(population: Population, x: torch.Tensor, y: torch.Tensor, crit
     return None
 
 
-def _fused_agrees(population: Population, fused: nn.Module, params: dict, x: torch.Tensor) -> bool:
-    """Whether the fused model gives what ``vmap`` gives on the probe's batch, in training and in
-    evaluation mode: not where the model's own forward mixes the members' channels (a
-    concatenation of feature maps), in either mode."""
+def _fused_agrees(population: Population, fused: nn.Module, one: Callable, params: dict, x: torch.Tensor) -> bool:
+    """Whether the fused model gives what ``vmap`` of the probe's ``one`` gives on its batch, in
+    training and in evaluation mode: not where the model's own forward mixes the members'
+    channels (a concatenation of feature maps), in either mode."""
     live = list(range(len(population.members)))
     population.fused_state.quiet = True
-
-    def one(p: dict, b: dict, inputs: torch.Tensor) -> torch.Tensor:
-        return functional_call(population.template, (p, b), (inputs,))
-
     try:
         for training in (True, False):
             population.train(training)
