@@ -116,7 +116,7 @@ class Population(nn.Module):
         self.lanes = LaneState(generators)
         # The members as one model of grouped layers where they are built of layers that allow it
         # (core/fused_population.py), else ``vmap`` of the template below; the probe decides.
-        self.fused_state = FusedState(generators=generators)
+        self.fused_state = FusedState()  # filled by each forward pass
         self.fused = fused_model(models[0], self.fused_state)
         self.template = copy.deepcopy(models[0])  # the module functional_call runs with each member's tensors
         for name, mod in list(self.template.named_modules()):
