@@ -137,6 +137,11 @@ class Population(nn.Module):
                 _set_tensor(m, name, rows[k], "_buffers")
         self.loss_vmapped = True  # False once the task's loss turned out not to run under vmap
 
+    @property
+    def layout(self) -> str:
+        """How the members run: "grouped layers" (one model, members side by side) or "vmap"."""
+        return "grouped layers" if self.fused is not None else "vmap"
+
     def forward(self, x: torch.Tensor, live: list[int], per_member: bool = False) -> torch.Tensor:
         self.lanes.live = live
         everyone = len(live) == len(self.members)

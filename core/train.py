@@ -269,6 +269,7 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
     for m in members:
         result = _result(m.stop, m.run, cfg.batch_size * ctx.world_size * accum, precision.skipped_steps)
         result.diverged = m.diverged
+        result.packed_as = model.layout if isinstance(model, Population) else ""
         m.checkpoints.write_kept_best()  # diverged between checkpoints: best.pt as recorded
         out = m.out
         if out is not None and ctx.is_main:

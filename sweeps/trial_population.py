@@ -36,7 +36,7 @@ from sweeps.trial import (
 )
 from sweeps.trial_control import TrialControl, TrialInterrupted
 
-TAG_PACK = "sweeps.pack"  # on each member's run: how it was trained ("packed with trials ..." or "alone: why")
+TAG_PACK = "sweeps.pack"  # on each member's run: how it was trained ("packed with trials 1, 2 (vmap)" or "alone: why")
 PACKED_WITH = "packed with trials"  # how a population member's note begins (a trial alone: "alone: why")
 
 
@@ -88,11 +88,11 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
             try:
                 if refused:
                     raise PackError(refused)
-                for k, (reporter, run) in enumerate(zip(reporters, runs, strict=True)):
-                    note = f"{PACKED_WITH} {', '.join(str(n) for n in numbers if n != numbers[k])}"
-                    reporter.tracker.log(run, tags={TAG_PACK: note})
-                    on_pack(k, note)  # said before training, so the live view shows it while they train
+                notes = [f"{PACKED_WITH} {', '.join(str(n) for n in numbers if n != number)}" for number in numbers]
+                _say(reporters, runs, notes, on_pack)  # before training: the live view shows it while they train
                 results = train_population(task, members, resume=True)
+                if results[0].packed_as:  # how the population ran, which its first batch decided
+                    _say(reporters, runs, [f"{note} ({results[0].packed_as})" for note in notes], on_pack)
             except PackError as exc:  # raised before any step: each member trains alone, in its own run
                 results = _one_by_one(spec, trials, members, reporters, runs, str(exc), on_pack)
         return [_outcome(spec, result, run) for result, run in zip(results, runs, strict=True)]
@@ -104,6 +104,13 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
         for reporter, run in zip(reporters, runs, strict=True):
             reporter.tracker.log(run, tags={"sweeps.traceback": traceback.format_exc()[-4000:]})
         return [TrialOutcome("FAIL", None, reason, run) for run in runs]
+
+
+def _say(reporters: list[TrialReporter], runs: list[RunHandle], notes: list[str],
+         on_pack: Callable[[int, str], None]) -> None:
+    for k, (reporter, run, note) in enumerate(zip(reporters, runs, notes, strict=True)):
+        reporter.tracker.log(run, tags={TAG_PACK: note})
+        on_pack(k, note)
 
 
 def auto_problem(spec: StudySpec, task, cfg) -> str | None:
@@ -129,10 +136,7 @@ _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
 
 def _one_by_one(spec: StudySpec, trials: list[TrialSpec], members: list[MemberRun], reporters: list[TrialReporter],
                 runs: list[RunHandle], why: str, on_pack: Callable[[int, str], None]) -> list[TrainResult]:
-    note = f"alone: {why}"
-    for k, (reporter, run) in enumerate(zip(reporters, runs, strict=True)):
-        reporter.tracker.log(run, tags={TAG_PACK: note})
-        on_pack(k, note)
+    _say(reporters, runs, [f"alone: {why}"] * len(runs), on_pack)
     return [train(spec.make_task(t.params), m.cfg, reporter=m.reporter, out_dir=m.out_dir, resume=True, owner=m.owner)
             for t, m in zip(trials, members, strict=True)]
 

@@ -75,8 +75,9 @@ def test_packed_study_keeps_every_trial_whole(tmp_path):
     trials = study.trials
     assert len(trials) == 6 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"}
     packs = [t.user_attrs["pack"] for t in trials]
-    # Asked four at once, then the last two of the budget: two populations.
-    assert packs[0] == "packed with trials 1, 2, 3" and packs[4] == "packed with trials 5"
+    # Asked four at once, then the last two of the budget: two populations, each one grouped model.
+    assert packs[0] == "packed with trials 1, 2, 3 (grouped layers)"
+    assert packs[4] == "packed with trials 5 (grouped layers)"
     runs = {int(r.data.tags["sweeps.trial_number"]): r for r in mlflow_runs(tmp_path, "packed")
             if r.data.tags.get("sweeps.role") == "trial"}
     assert sorted(runs) == list(range(6))

@@ -50,6 +50,14 @@ class BranchingDiabetes(DiabetesTask):
         return Flaky()
 
 
+@task
+class LayerNormDiabetes(DiabetesTask):
+    """A layer the grouped model does not hold (core/fused_population.py): the members run under vmap."""
+
+    def build_model(self):
+        return nn.Sequential(nn.LayerNorm(10), super().build_model())
+
+
 def _spec(target: str | None = None):
     task_section = {"target": target} if target else {"name": "diabetes", "model": "mlp"}
     return spec_from_dict({"name": "p", "task": {**task_section, "args": {"width": 8}},
@@ -60,21 +68,24 @@ def _spec(target: str | None = None):
 
 
 def _run(spec, tmp_path):
-    tracker, notes = RunsTracker(), {}
+    tracker, notes = RunsTracker(), {}  # each member's notes in the order they were said
     trials = [TrialSpec(n, {"lr": lr}, tmp_path / f"trial-{n:04d}", RunHandle("study", "0", "study"), "optuna",
                         owner=f"uid:trial-{n:04d}") for n, lr in enumerate([0.001, 0.01, 0.05])]
     outcomes = run_population(spec, trials, [TrialControl() for _ in trials], tracker,
-                              on_pack=lambda k, note: notes.__setitem__(k, note))
+                              on_pack=lambda k, note: notes.setdefault(k, []).append(note))
     return tracker, notes, outcomes
 
 
 def test_members_are_whole_trials_in_their_own_runs(tmp_path):
     tracker, notes, outcomes = _run(_spec(), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
-    assert notes == {0: "packed with trials 1, 2", 1: "packed with trials 0, 2", 2: "packed with trials 0, 1"}
+    # Said before training, then with how the members ran: the diabetes MLP as one grouped model.
+    others = {0: "1, 2", 1: "0, 2", 2: "0, 1"}
+    assert notes == {k: [f"packed with trials {o}", f"packed with trials {o} (grouped layers)"]
+                     for k, o in others.items()}
     for n, outcome in enumerate(outcomes):
         run = tracker.runs[f"trial-{n}"]
-        assert run.status == "FINISHED" and run.tags[TAG_PACK] == notes[n]
+        assert run.status == "FINISHED" and run.tags[TAG_PACK] == notes[n][-1]
         assert run.params["lr"] == [0.001, 0.01, 0.05][n]
         epochs = [step for step, points in run.metrics if "val_rmse" in points]
         assert epochs == [1, 2]
@@ -100,5 +111,13 @@ def test_a_model_vmap_refuses_trains_its_members_one_by_one(tmp_path):
     tracker, notes, outcomes = _run(_spec(f"{__name__}:BranchingDiabetes"), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     for n in range(3):
-        assert notes[n].startswith("alone: the model does not run under torch.func.vmap")
-        assert tracker.runs[f"trial-{n}"].tags[TAG_PACK] == notes[n]
+        note = notes[n][-1]  # after "packed with trials ...", said before the probe refused them
+        assert note.startswith("alone: the model does not run under torch.func.vmap")
+        assert tracker.runs[f"trial-{n}"].tags[TAG_PACK] == note
+
+
+def test_members_the_grouped_model_cannot_hold_say_they_ran_under_vmap(tmp_path):
+    tracker, notes, outcomes = _run(_spec(f"{__name__}:LayerNormDiabetes"), tmp_path)
+    assert [o.state for o in outcomes] == ["COMPLETE"] * 3
+    assert notes[0] == ["packed with trials 1, 2", "packed with trials 1, 2 (vmap)"]
+    assert tracker.runs["trial-0"].tags[TAG_PACK] == "packed with trials 1, 2 (vmap)"
