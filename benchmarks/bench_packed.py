@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.common import Context, alternate, arm, error_row, make_row, paired_ratio
@@ -114,9 +115,11 @@ class GpuSampler:
         return sum(self.values) / len(self.values) if self.values else None
 
 
-def _records(folder: Path, experiment: str, metric: str, epochs: int) -> tuple[int, int, list[float]]:
-    """The trial runs whose ``metric`` curve has every epoch, those trained in a population, and
-    every trial's objective."""
+def _records(folder: Path, experiment: str, metric: str,
+             epochs: int) -> tuple[int, int, dict[str, int], list[float]]:
+    """The trial runs whose ``metric`` curve has every epoch, those trained in a population, how
+    many of those ran each way ("grouped layers", "vmap": the end of their note), and every
+    trial's objective."""
     from mlflow.tracking import MlflowClient  # lazy for start-up time, as the module's other heavy imports
 
     from sweeps.trial_population import PACKED_WITH, TAG_PACK
@@ -124,12 +127,15 @@ def _records(folder: Path, experiment: str, metric: str, epochs: int) -> tuple[i
     client = MlflowClient(f"sqlite:///{folder}/runs/mlflow.db")
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        return 0, 0, []
+        return 0, 0, {}, []
     runs = [r for r in client.search_runs([exp.experiment_id], max_results=5000)
             if r.data.tags.get("mlflow.parentRunId")]
     whole = [r for r in runs if len(client.get_metric_history(r.info.run_id, metric)) == epochs]
-    packed = [r for r in runs if r.data.tags.get(TAG_PACK, "").startswith(PACKED_WITH)]
-    return len(whole), len(packed), [r.data.metrics["objective"] for r in runs if "objective" in r.data.metrics]
+    notes = [r.data.tags.get(TAG_PACK, "") for r in runs]
+    packed = [note for note in notes if note.startswith(PACKED_WITH)]
+    layouts = Counter(note.rsplit("(", 1)[1].rstrip(")") for note in packed if note.endswith(")"))
+    return (len(whole), len(packed), dict(layouts),
+            [r.data.metrics["objective"] for r in runs if "objective" in r.data.metrics])
 
 
 def _best(values: list[float], maximize: bool) -> float | None:
@@ -160,9 +166,9 @@ def _arm(ctx: Context, case_name: str, case: dict, which: str, device: str, inde
         res = run_sweeps(folder, write_spec(folder, spec), timeout_s)
         wall, rc, tail = res["wall_s"], res["rc"], res["log_tail"][-1500:]
     utilisation = gpu.mean()
-    whole, packed, values = _records(folder, study, case["objective"], case["epochs"])
+    whole, packed, layouts, values = _records(folder, study, case["objective"], case["epochs"])
     out = {"arm": which, "seed": index, "rc": rc, "wall_s": wall, "trials": case["n_trials"], "records": whole,
-           "packed": packed,
+           "packed": packed, "layouts": layouts,
            "best": _best(values, case["direction"] == "maximize"), "gpu_util_pct": utilisation,
            "tpm": 60 * case["n_trials"] / wall}
     if rc != 0:

@@ -271,7 +271,9 @@ def _extra_section(r: dict) -> list[str]:
                         continue
                     util = "-" if x.get("gpu_util_pct") is None else f"{x['gpu_util_pct']:.0f}"
                     best = "-" if x.get("best") is None else f"{x['best']:.4g}"
-                    out.append(f"| {case} | {which} | {x.get('seed', 0)} | {x['tpm']:.1f} | {x['wall_s']:.1f} | "
+                    ran = ", ".join(f"{n} as {how}" for how, n in sorted(x.get("layouts", {}).items()))
+                    which_ran = f"{which} ({ran})" if ran else which
+                    out.append(f"| {case} | {which_ran} | {x.get('seed', 0)} | {x['tpm']:.1f} | {x['wall_s']:.1f} | "
                                f"{x['records']} / {x['trials']} | {best} | {util} |")
     if r["name"] == "orchestration":
         out += ["", "| backend | wall s | sum of trial_seconds | start-up s | extra in first trial s | "

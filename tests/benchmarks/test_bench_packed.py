@@ -32,6 +32,10 @@ def test_packed_quick_every_arm_keeps_every_record_and_the_gpu_case_runs_on_cpu(
             assert "error" not in res, (case, which, res.get("error"))
             assert res["records"] == res["trials"] == 2, (case, which)  # every trial with its whole curve
             assert res["packed"] == (2 if which == "packed" else 0), (case, which)  # one population of two
+            # How the population ran, from its members' notes: the MLP as one model of grouped layers.
+            assert sum(res["layouts"].values()) == res["packed"] and set(res["layouts"]) <= {"grouped layers", "vmap"}
+            if case == "diabetes_mlp" and which == "packed":
+                assert res["layouts"] == {"grouped layers": 2}
             assert res["best"] is not None and res["gpu_util_pct"] is None  # no GPU to sample here
 
 
@@ -79,3 +83,13 @@ def test_a_maximized_objective_is_behind_when_lower_and_no_common_seed_is_an_err
     runs["unpacked"] = [_run(0, 0.90), _failed(1)]
     row = [r for r in _rows("digits_cnn", CASES["digits_cnn"], runs) if r["case"].endswith("unpacked")][0]
     assert row["status"] != "ok" and "no seed finished in both arms" in json.dumps(row)
+
+
+def test_the_results_table_says_how_each_packed_arm_ran():
+    from benchmarks.run_all import RESULTS_DIR, render
+
+    result = json.loads((RESULTS_DIR / "packed.json").read_text())
+    result["details"]["runs"]["diabetes_mlp"]["packed"][0]["layouts"] = {"vmap": 4, "grouped layers": 60}
+    text = render([result], json.loads((RESULTS_DIR / "suite.json").read_text()))
+    assert "| diabetes_mlp | packed (60 as grouped layers, 4 as vmap) | 0 |" in text
+    assert "| diabetes_mlp | packed | 1 |" in text  # a run from before the layouts were recorded
