@@ -118,11 +118,11 @@ class GpuSampler:
 def _records(folder: Path, experiment: str, metric: str,
              epochs: int) -> tuple[int, int, dict[str, int], list[float]]:
     """The trial runs whose ``metric`` curve has every epoch, those trained in a population, how
-    many of those ran each way ("grouped layers", "vmap": the end of their note), and every
-    trial's objective."""
+    many of those run each way (``layout_of`` their note; "unsaid" for a population stopped
+    before its first step), and every trial's objective."""
     from mlflow.tracking import MlflowClient  # lazy for start-up time, as the module's other heavy imports
 
-    from sweeps.trial_population import PACKED_WITH, TAG_PACK
+    from sweeps.trial_population import PACKED_WITH, TAG_PACK, layout_of
 
     client = MlflowClient(f"sqlite:///{folder}/runs/mlflow.db")
     exp = client.get_experiment_by_name(experiment)
@@ -133,7 +133,7 @@ def _records(folder: Path, experiment: str, metric: str,
     whole = [r for r in runs if len(client.get_metric_history(r.info.run_id, metric)) == epochs]
     notes = [r.data.tags.get(TAG_PACK, "") for r in runs]
     packed = [note for note in notes if note.startswith(PACKED_WITH)]
-    layouts = Counter(note.rsplit("(", 1)[1].rstrip(")") for note in packed if note.endswith(")"))
+    layouts = Counter(layout_of(note) or "unsaid" for note in packed)
     return (len(whole), len(packed), dict(layouts),
             [r.data.metrics["objective"] for r in runs if "objective" in r.data.metrics])
 

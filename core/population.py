@@ -34,6 +34,10 @@ from core.gradients import StepGradients
 from core.reporting import Reporter
 from core.tasks.base import Task
 
+# How a population's members run (Population.layout), which stack_members tells its on_layout.
+GROUPED, VMAP = "grouped layers", "vmap"
+LayoutHook = Callable[[str], None]
+
 
 class PackError(ValueError):
     """These runs cannot train as one population; the message says why (each can train alone)."""
@@ -139,8 +143,8 @@ class Population(nn.Module):
 
     @property
     def layout(self) -> str:
-        """How the members run: "grouped layers" (one model, members side by side) or "vmap"."""
-        return "grouped layers" if self.fused is not None else "vmap"
+        """How the members run: :data:`GROUPED` (one model, members side by side) or :data:`VMAP`."""
+        return GROUPED if self.fused is not None else VMAP
 
     def forward(self, x: torch.Tensor, live: list[int], per_member: bool = False) -> torch.Tensor:
         self.lanes.live = live
@@ -312,13 +316,16 @@ class StackedGradients:
 
 
 def stack_members(models: list[nn.Module], generators: list[torch.Generator], backbone: nn.Module | None, task: Task,
-                  loader, criterion: Callable, device: torch.device,
-                  distributed: bool) -> tuple[nn.Module, StepGradients | StackedGradients]:
+                  loader, criterion: Callable, device: torch.device, distributed: bool,
+                  on_layout: LayoutHook | None = None) -> tuple[nn.Module, StepGradients | StackedGradients]:
     """The module the loop trains and the gradients it clears and measures: a plain run's model, or
-    the members stacked into a Population (refused with PackError when they cannot be)."""
+    the members stacked into a Population (refused with PackError when they cannot be), whose
+    layout ``on_layout`` hears before the first step."""
     if len(models) == 1:
         return models[0], StepGradients(list(models[0].parameters()), device, distributed=distributed)
     if backbone is not None or task.checkpoint_blocks:
         raise PackError("the task has a pretrained backbone or checkpointed blocks, which one run holds")
     population = pack_models(models, generators, loader, criterion)
+    if on_layout is not None:
+        on_layout(population.layout)
     return population, StackedGradients(population, device)

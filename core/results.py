@@ -57,4 +57,3 @@ class TrainResult:
     global_batch_size: int = 0
     skipped_steps: int = 0
     diverged: dict | None = None  # status "diverged": what core/forensics.py recorded (diverged.json)
-    packed_as: str = ""  # a population member: "grouped layers" or "vmap" (Population.layout); "" alone

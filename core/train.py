@@ -29,7 +29,7 @@ from core.metrics import ValidationMeter, check_loss_value, metric_problem
 from core.optim import build_optimizer, build_scheduler, current_lr, optimizer_steps_per_epoch, param_groups
 from core.pack_rules import config_problem
 from core.peak_memory import PeakMemory
-from core.population import MemberRun, PackError, Population, stack_members
+from core.population import LayoutHook, MemberRun, PackError, Population, stack_members
 from core.precision import Precision
 from core.profiling import StepProfiler, start_profiler
 from core.reporting import Decision, NullReporter, Reporter
@@ -64,11 +64,12 @@ def train(task: Task, cfg: TrainConfig, reporter: Reporter | None = None,
     return train_population(task, [MemberRun(cfg, reporter, out_dir, owner)], resume)[0]
 
 
-def train_population(task: Task, runs: list[MemberRun], resume: bool = False) -> list[TrainResult]:
+def train_population(task: Task, runs: list[MemberRun], resume: bool = False,
+                     on_layout: LayoutHook | None = None) -> list[TrainResult]:
     """Train several runs of ``task`` whose models have the same shapes as one population
-    (core/population.py), each run as :func:`train` would train it alone: its own reporter,
-    folder, checkpoints, pruning and result. One run is a plain run. A population the loop
-    cannot hold raises :class:`PackError` (with the reason) before anything is trained."""
+    (core/population.py), each as :func:`train` would alone (its own reporter, folder, checkpoints,
+    pruning and result); one run is a plain run. A population the loop cannot hold raises :class:`PackError`
+    (why) before any step; ``on_layout`` hears how one it holds runs (``Population.layout``) before the first."""
     cfgs = [run.cfg for run in runs]
     for cfg in cfgs:
         validate(cfg)
@@ -86,7 +87,7 @@ def train_population(task: Task, runs: list[MemberRun], resume: bool = False) ->
     # train.profile: torch.profiler over a few steps (rank 0); None when unset, so no step pays for it.
     profiler = start_profiler(cfg.profile, cfg.device, outs[0], reporters[0]) if ctx.is_main else None
     try:
-        results = _train(task, runs, reporters, outs, resume, ctx, profiler)
+        results = _train(task, runs, reporters, outs, resume, ctx, profiler, on_layout)
     except BaseException:
         shutdown(ctx)
         raise
@@ -100,7 +101,7 @@ def train_population(task: Task, runs: list[MemberRun], resume: bool = False) ->
 
 
 def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: list[Path | None], resume: bool,
-           ctx: DistContext, profiler: StepProfiler | None) -> list[TrainResult]:
+           ctx: DistContext, profiler: StepProfiler | None, on_layout: LayoutHook | None) -> list[TrainResult]:
     # ---- set-up: the monitored metric must be the task's (checked before the model or data is built)
     cfg = runs[0].cfg  # what every member shares (pack_rules.MEMBER_FIELDS may differ)
     problem = metric_problem(task, cfg.monitor, cfg.monitor_mode == "max", "train.monitor / train.monitor_mode")
@@ -122,7 +123,7 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
     accum = cfg.grad_accum_steps
     criterion = task.make_loss(cfg)
     model, grads = stack_members(models, generators, backbone, task, loaders[cfg.seed], criterion, device,
-                                 ctx.enabled)
+                                 ctx.enabled, on_layout)
     batches = MemberBatches(loaders, [r.cfg.seed for r in runs])
     optimizers = [_build_optimizer(m, run.cfg, backbone, ctx.world_size) for m, run in zip(models, runs, strict=True)]
     ddp_model, fwd_model = _wrap(model, cfg, ctx, device)  # after the optimizers: the same parameters
@@ -269,7 +270,6 @@ def _train(task: Task, runs: list[MemberRun], reporters: list[Reporter], outs: l
     for m in members:
         result = _result(m.stop, m.run, cfg.batch_size * ctx.world_size * accum, precision.skipped_steps)
         result.diverged = m.diverged
-        result.packed_as = model.layout if isinstance(model, Population) else ""
         m.checkpoints.write_kept_best()  # diverged between checkpoints: best.pt as recorded
         out = m.out
         if out is not None and ctx.is_main:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from core.pack_rules import config_problem
-from core.population import MemberRun, PackError
+from core.population import GROUPED, VMAP, MemberRun, PackError
 from core.results import TrainResult
 from core.train import train, train_population
 from sweeps import deploy_check, trial_folder
@@ -36,7 +36,7 @@ from sweeps.trial import (
 )
 from sweeps.trial_control import TrialControl, TrialInterrupted
 
-TAG_PACK = "sweeps.pack"  # on each member's run: how it was trained ("packed with trials 1, 2 (vmap)" or "alone: why")
+TAG_PACK = "sweeps.pack"  # on each member's run: how it trains ("packed with trials 1, 2 (vmap)" or "alone: why")
 PACKED_WITH = "packed with trials"  # how a population member's note begins (a trial alone: "alone: why")
 
 
@@ -90,9 +90,9 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
                     raise PackError(refused)
                 notes = [f"{PACKED_WITH} {', '.join(str(n) for n in numbers if n != number)}" for number in numbers]
                 _say(reporters, runs, notes, on_pack)  # before training: the live view shows it while they train
-                results = train_population(task, members, resume=True)
-                if results[0].packed_as:  # how the population ran, which its first batch decided
-                    _say(reporters, runs, [f"{note} ({results[0].packed_as})" for note in notes], on_pack)
+                # Then how they run, which the probe on the first batch decides before the first step.
+                results = train_population(task, members, resume=True, on_layout=lambda how: _say(
+                    reporters, runs, [f"{note} ({how})" for note in notes], on_pack))
             except PackError as exc:  # raised before any step: each member trains alone, in its own run
                 results = _one_by_one(spec, trials, members, reporters, runs, str(exc), on_pack)
         return [_outcome(spec, result, run) for result, run in zip(results, runs, strict=True)]
@@ -104,6 +104,12 @@ def _train(spec: StudySpec, trials: list[TrialSpec], reporters: list[TrialReport
         for reporter, run in zip(reporters, runs, strict=True):
             reporter.tracker.log(run, tags={"sweeps.traceback": traceback.format_exc()[-4000:]})
         return [TrialOutcome("FAIL", None, reason, run) for run in runs]
+
+
+def layout_of(note: str) -> str | None:
+    """How the member whose ``sweeps.pack`` note this is runs (GROUPED or VMAP); None when the
+    note does not say (a trial alone, or a population stopped before its first step)."""
+    return next((how for how in (GROUPED, VMAP) if note.startswith(PACKED_WITH) and note.endswith(f"({how})")), None)
 
 
 def _say(reporters: list[TrialReporter], runs: list[RunHandle], notes: list[str],

@@ -10,7 +10,7 @@ from sweeps.spec.load import spec_from_dict
 from sweeps.tracking.base import RunHandle
 from sweeps.trial import TrialSpec
 from sweeps.trial_control import TrialControl
-from sweeps.trial_population import TAG_PACK, run_population
+from sweeps.trial_population import TAG_PACK, layout_of, run_population
 from tests.memory_tracker import MemoryTracker
 
 
@@ -68,21 +68,30 @@ def _spec(target: str | None = None):
 
 
 def _run(spec, tmp_path):
-    tracker, notes = RunsTracker(), {}  # each member's notes in the order they were said
+    # Each member's notes in the order said, with how many training steps its run had recorded then.
+    tracker, notes = RunsTracker(), {}
     trials = [TrialSpec(n, {"lr": lr}, tmp_path / f"trial-{n:04d}", RunHandle("study", "0", "study"), "optuna",
                         owner=f"uid:trial-{n:04d}") for n, lr in enumerate([0.001, 0.01, 0.05])]
-    outcomes = run_population(spec, trials, [TrialControl() for _ in trials], tracker,
-                              on_pack=lambda k, note: notes.setdefault(k, []).append(note))
-    return tracker, notes, outcomes
+
+    def said(k: int, note: str) -> None:
+        steps = [step for step, points in tracker.runs[f"trial-{k}"].metrics if "step/train_loss" in points]
+        notes.setdefault(k, []).append((note, len(steps)))
+
+    outcomes = run_population(spec, trials, [TrialControl() for _ in trials], tracker, on_pack=said)
+    return tracker, {k: [note for note, _ in said_notes] for k, said_notes in notes.items()}, notes, outcomes
 
 
 def test_members_are_whole_trials_in_their_own_runs(tmp_path):
-    tracker, notes, outcomes = _run(_spec(), tmp_path)
+    tracker, notes, points, outcomes = _run(_spec(), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
-    # Said before training, then with how the members ran: the diabetes MLP as one grouped model.
+    # Said before training, then with how the members run (the diabetes MLP as one grouped model),
+    # both before the first step.
     others = {0: "1, 2", 1: "0, 2", 2: "0, 1"}
     assert notes == {k: [f"packed with trials {o}", f"packed with trials {o} (grouped layers)"]
                      for k, o in others.items()}
+    assert {k: [n for _, n in said_notes] for k, said_notes in points.items()} == {k: [0, 0] for k in others}
+    assert [layout_of(said_notes[-1]) for said_notes in notes.values()] == ["grouped layers"] * 3
+    assert layout_of(notes[0][0]) is None and layout_of("alone: (vmap)") is None
     for n, outcome in enumerate(outcomes):
         run = tracker.runs[f"trial-{n}"]
         assert run.status == "FINISHED" and run.tags[TAG_PACK] == notes[n][-1]
@@ -99,7 +108,7 @@ def test_the_datasets_are_described_once_and_logged_to_every_members_run(tmp_pat
     real = DiabetesTask.describe_dataset
     monkeypatch.setattr(DiabetesTask, "describe_dataset",
                         lambda self, ds, split: described.append(split) or real(self, ds, split))
-    tracker, _, outcomes = _run(_spec(), tmp_path)
+    tracker, _, _, outcomes = _run(_spec(), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     assert described == ["train", "val"]  # once for the population, not once per member
     inputs = [tracker.runs[f"trial-{n}"].tags["datasets"] for n in range(3)]
@@ -108,16 +117,16 @@ def test_the_datasets_are_described_once_and_logged_to_every_members_run(tmp_pat
 
 
 def test_a_model_vmap_refuses_trains_its_members_one_by_one(tmp_path):
-    tracker, notes, outcomes = _run(_spec(f"{__name__}:BranchingDiabetes"), tmp_path)
+    tracker, notes, _, outcomes = _run(_spec(f"{__name__}:BranchingDiabetes"), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     for n in range(3):
-        note = notes[n][-1]  # after "packed with trials ...", said before the probe refused them
+        note = notes[n][-1]  # after "packed with trials ...", said before the probe refuses them
         assert note.startswith("alone: the model does not run under torch.func.vmap")
         assert tracker.runs[f"trial-{n}"].tags[TAG_PACK] == note
 
 
 def test_members_the_grouped_model_cannot_hold_say_they_ran_under_vmap(tmp_path):
-    tracker, notes, outcomes = _run(_spec(f"{__name__}:LayerNormDiabetes"), tmp_path)
+    tracker, notes, _, outcomes = _run(_spec(f"{__name__}:LayerNormDiabetes"), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     assert notes[0] == ["packed with trials 1, 2", "packed with trials 1, 2 (vmap)"]
     assert tracker.runs["trial-0"].tags[TAG_PACK] == "packed with trials 1, 2 (vmap)"
