@@ -68,8 +68,8 @@ def train_population(task: Task, runs: list[MemberRun], resume: bool = False,
                      on_layout: LayoutHook | None = None) -> list[TrainResult]:
     """Train several runs of ``task`` whose models have the same shapes as one population
     (core/population.py), each as :func:`train` would alone (its own reporter, folder, checkpoints,
-    pruning and result); one run is a plain run. A population the loop cannot hold raises :class:`PackError`
-    (why) before any step; ``on_layout`` hears how one it holds runs (``Population.layout``) before the first."""
+    pruning and result); one run is a plain run. A population the loop cannot hold raises :class:`PackError`,
+    saying why, before any step; ``on_layout`` hears how one it holds runs (``Population.layout``) before it."""
     cfgs = [run.cfg for run in runs]
     for cfg in cfgs:
         validate(cfg)

@@ -125,7 +125,7 @@ def test_a_model_vmap_refuses_trains_its_members_one_by_one(tmp_path):
         assert tracker.runs[f"trial-{n}"].tags[TAG_PACK] == note
 
 
-def test_members_the_grouped_model_cannot_hold_say_they_ran_under_vmap(tmp_path):
+def test_members_the_grouped_model_cannot_hold_say_they_run_under_vmap(tmp_path):
     tracker, notes, _, outcomes = _run(_spec(f"{__name__}:LayerNormDiabetes"), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     assert notes[0] == ["packed with trials 1, 2", "packed with trials 1, 2 (vmap)"]
