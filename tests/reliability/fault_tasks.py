@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -48,9 +50,22 @@ class _HangAfter(nn.Module):
         self.seen += 1
         if self.training and self.seen > self.calls and not os.path.exists(self.marker):
             open(self.marker, "w").close()
+            _watchdog_clock_ahead()
             while True:
                 time.sleep(1)
         return self.inner(x)
+
+
+def _watchdog_clock_ahead() -> None:
+    """On Ray, budget.trial_timeout is counted in the trial's own process, by the watchdog of
+    sweeps.backends.ray_hang: ``HANG_CLOCK_AHEAD_S`` moves that watchdog's clock this far ahead
+    once the task hangs, so that the timeout passes at once on any machine while the trial is hung
+    (tests/reliability/hang_clock.py does the same to the Optuna backend's supervisor)."""
+    ahead = float(os.environ.get("HANG_CLOCK_AHEAD_S", "0"))
+    watchdog = sys.modules.get("sweeps.backends.ray_hang")
+    if ahead and watchdog is not None:
+        true_clock = time.monotonic
+        watchdog.time = SimpleNamespace(monotonic=lambda: true_clock() + ahead)
 
 
 class HangTask(DigitsTask):

@@ -17,7 +17,14 @@ from sweeps.spec.load import spec_from_dict
 from sweeps.worker_identity import worker_identity
 from tests.scaleout import conftest as scaleout_fixtures
 from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for
-from tests.sweeps.study_helpers import empty_mlflow_db, silence_heartbeat, sqlite_rdb_spec, start_cli, write_spec
+from tests.sweeps.study_helpers import (
+    empty_mlflow_db,
+    silence_heartbeat,
+    silence_worker,
+    sqlite_rdb_spec,
+    start_cli,
+    write_spec,
+)
 
 ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
 # A trial's worker beats twice a second from a thread (sweeps/backends/trial_liveness.py); the
@@ -84,6 +91,10 @@ def _kill_victim_and_wait_for_the_requeue(url: str, victim: Output, gate, others
     gate.touch()
     code, out = victim.finish(timeout=400)
     assert code == -9, out
+    # Its trial's heartbeats ended with it: moved back past the grace period, the trial is failed
+    # at a timer's next look, not 20 s on (a grace that long keeps the live, held trials from going
+    # stale on a slow machine).
+    silence_worker(pg_study(url, "stale"), victim_id)
 
     def requeued():
         trials = pg_study(url, "stale").trials

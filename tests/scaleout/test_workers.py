@@ -13,7 +13,7 @@ import pytest
 
 from sweeps.worker_identity import worker_identity
 from tests.scaleout.scaleout_helpers import Output, pg_study, wait_for
-from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, run_cli, start_cli, write_spec
+from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, run_cli, silence_worker, start_cli, write_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
@@ -100,6 +100,9 @@ def test_sigkilled_worker_trial_is_failed_by_heartbeat_and_resumed_by_another(tm
     run = Output(run_proc)
     code, out = victim.finish(timeout=400)
     assert code == -signal.SIGKILL, out
+    # Its trial's heartbeats ended with it: moved back past the grace period, the trial is failed
+    # at a timer's next look, not 5 s on.
+    silence_worker(pg_study(url, "dies"), _worker_id(victim.proc))
     wait_for(lambda: any(t.state.name == "WAITING" for t in pg_study(url, "dies").trials), timeout=300, every=0.2,
              what=lambda: f"the dead trial failed and requeued: {run.text()}")
     gate.touch()
