@@ -119,7 +119,7 @@ def cli_in_process(cwd: Path, *args: str, **env) -> subprocess.CompletedProcess:
     directory, the environment and the descriptors are restored afterwards."""
     from sweeps import cli
 
-    before_cwd, before_env = os.getcwd(), dict(os.environ)
+    before_cwd, before_env, environment = os.getcwd(), dict(os.environ), sweeps_env(**env)
     out, err = io.StringIO(), io.StringIO()
     warnings = logging.StreamHandler(err)
     warnings.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -132,7 +132,7 @@ def cli_in_process(cwd: Path, *args: str, **env) -> subprocess.CompletedProcess:
         os.dup2(fd_out.fileno(), 1)
         os.dup2(fd_err.fileno(), 2)
         os.environ.clear()
-        os.environ.update(sweeps_env(**env))
+        os.environ.update(environment)
         os.chdir(cwd)
         root.addHandler(warnings)
         try:
