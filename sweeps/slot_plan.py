@@ -190,6 +190,14 @@ def cpu_threads_available() -> int:
     return os.cpu_count() or 1
 
 
+def threads_setting() -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` asks of this process (its first level: OpenMP reads
+    "4,2" as 4 threads, then 2 in nested regions), or None where it is unset or not a count, as
+    torch then ignores it too."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) >= 1 else None
+
+
 def auto_cpu_workers(cpu_threads: float) -> int:
     """``workers: auto`` on CPU, for both backends: one trial per thread (Ray Tune's default of
     one CPU per trial); on one machine ``plan_workers`` also keeps to what its memory holds.
@@ -234,9 +242,11 @@ def plan_workers(
     gpus_per_trial: float,
     workers_setting: int | str,
     cpu_threads: int | None = None,
+    max_threads: int | None = None,
 ) -> list[WorkerSlot]:
     """Decide how many workers run trials in parallel and what each one owns. Called once
-    per invocation, before the workers start.
+    per invocation, before the workers start. ``max_threads`` caps each worker's threads
+    (``sweeps run`` passes :func:`threads_setting`: the user's ``OMP_NUM_THREADS``).
 
     ``workers: auto`` runs as many trials as fit on the devices, or on CPU one worker per
     two threads (at least one). An explicit count is honoured; on GPU asking for more than
@@ -272,6 +282,8 @@ def plan_workers(
     # would otherwise start one thread per core); with more workers than threads the
     # floor of 1 is the least oversubscription possible.
     per_worker = max(1, threads_total // n)
+    if max_threads is not None:
+        per_worker = max(1, min(per_worker, max_threads))
     return [WorkerSlot(i, _worker_devices(devices, k, slots, i), per_worker) for i in range(n)]
 
 

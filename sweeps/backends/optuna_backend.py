@@ -28,7 +28,7 @@ from sweeps.backends.worker_protocol import WorkerGo
 from sweeps.errors import StudyStateError
 from sweeps.live import LiveView
 from sweeps.parent_run import find_or_create_parent, parent_status, tracker_for, update_parent_best, write_summary
-from sweeps.slot_plan import WorkerSlot, cpu_threads_available, discover_devices, plan_workers
+from sweeps.slot_plan import WorkerSlot, cpu_threads_available, discover_devices, plan_workers, threads_setting
 from sweeps.spec.model import StudySpec
 
 log = logging.getLogger("sweeps")
@@ -50,9 +50,12 @@ def plan_local_workers(spec: StudySpec) -> list[WorkerSlot]:
         workers = 1  # what fits: parallel workers would lock SQLite; an explicit count > 1 is refused below
         log.info("storage is SQLite: one worker (parallel workers would lock it); the default journal file or "
                  "postgresql://... runs one per core")
-    slots = plan_workers(devices, spec.resources.gpus_per_trial, workers, cpu_threads_available())
+    # OMP_NUM_THREADS, where the user sets it, caps each worker's threads as it caps torch's in a
+    # plain script (and Ray's workers): a shared machine, or processes that share the cores.
+    threads, cap = cpu_threads_available(), threads_setting()
+    slots = plan_workers(devices, spec.resources.gpus_per_trial, workers, threads, cap)
     if len(slots) > spec.budget.n_trials:  # a worker with no trial to run would only cost memory
-        slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.budget.n_trials, cpu_threads_available())
+        slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.budget.n_trials, threads, cap)
     if len(slots) > 1 and spec.storage_url().startswith("sqlite"):
         raise StudyStateError(
             f"storage: {spec.storage_url()!r} is SQLite, which parallel workers would lock "

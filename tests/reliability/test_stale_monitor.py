@@ -26,7 +26,7 @@ from tests.sweeps.study_helpers import (
     write_spec,
 )
 
-ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1"}
 # A trial's worker beats twice a second from a thread (sweeps/backends/trial_liveness.py); the
 # check runs every second.
 BEAT = {"SWEEPS_HEARTBEAT_S": "1", "SWEEPS_GRACE_S": "20"}

@@ -17,7 +17,7 @@ from tests.scaleout import conftest as scaleout_fixtures
 from tests.scaleout.scaleout_helpers import Output, kill_all, pg_study, running_trials, wait_for
 from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, save_spec, start_cli, tiny_spec
 
-ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1"}
 RECORDING = "tests.reliability.device_tasks:make_device_recording_task"
 
 fresh_db, pg_admin = scaleout_fixtures.fresh_db, scaleout_fixtures.pg_admin  # PostgreSQL fixtures, used by name

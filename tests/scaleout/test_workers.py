@@ -18,7 +18,7 @@ from tests.sweeps.study_helpers import cli_in_process, empty_mlflow_db, run_cli,
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
 # Three training processes share two cores: one thread each.
-ENV = {"OMP_NUM_THREADS": "1", "SWEEPS_WORKER_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def _spec(tmp_path: Path, url: str, name: str, **overrides) -> Path:

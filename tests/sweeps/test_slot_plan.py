@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from sweeps import slot_plan
+from sweeps.backends import optuna_backend
 from sweeps.backends.optuna_backend import plan_local_workers
 from sweeps.errors import SweepsError
 from sweeps.slot_plan import (
@@ -202,6 +203,34 @@ def test_worker_env_leaves_openblas_alone():
     }  # what else a worker needs is in its typed go message (worker_protocol), not the environment
     assert not any(key.startswith("OPENBLAS") for key in env)
     assert plan_workers([], 1, 1, 2)[0].env()["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_thread_cap_lowers_each_workers_threads_and_never_their_number():
+    assert [s.threads for s in plan_workers([], 1, 2, 8, max_threads=1)] == [1, 1]
+    assert [s.threads for s in plan_workers([], 1, 2, 8, max_threads=16)] == [4, 4]  # a cap, not a count
+    assert len(plan_workers([], 1, "auto", 4, max_threads=2)) == 4
+
+
+@pytest.mark.parametrize("value, threads", [("3", 3), (" 2 ", 2), ("4,2", 4), ("", None), ("0", None),
+                                            ("-1", None), ("many", None)])
+def test_omp_num_threads_is_read_as_openmp_reads_it(value, threads, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert slot_plan.threads_setting() == threads
+
+
+@pytest.mark.parametrize("value, threads", [("1", 1), (None, 2)])
+def test_sweeps_run_gives_a_worker_no_more_threads_than_omp_num_threads(value, threads, monkeypatch):
+    """A user's OMP_NUM_THREADS caps each worker's threads, as it caps torch in a plain script: one
+    worker on two cores trains on two threads unless it says 1 (a shared machine, or two test
+    processes sharing two cores, whose trials would otherwise run four threads on them)."""
+    monkeypatch.setattr(optuna_backend, "cpu_threads_available", lambda: 2)
+    if value is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+    spec = spec_from_dict(tiny_spec("threads", resources={"workers": 1}))
+    [slot] = plan_local_workers(spec)
+    assert slot.threads == threads and slot.env()["OMP_NUM_THREADS"] == str(threads)
 
 
 def test_plan_workers_default_threads_from_machine():
