@@ -5,11 +5,14 @@ Real stores: a sqlite store, an http URI where nothing listens, and a sqlite dat
 locked by another process."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+import sqlalchemy
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 
@@ -196,11 +199,28 @@ db.execute("ROLLBACK")
 """
 
 
+@contextlib.contextmanager
+def _busy_timeout_ms(ms: int) -> Iterator[None]:
+    """MLflow sets SQLite's busy timeout (how long a write waits for a lock before it fails) to
+    20 s at the start of every session; within this block it sets ``ms``: the same failure,
+    sooner."""
+    def shorter(conn, cursor, statement, parameters, context, executemany):
+        if statement.strip().lower().startswith("pragma busy_timeout"):
+            statement = f"PRAGMA busy_timeout = {ms};"
+        return statement, parameters
+
+    sqlalchemy.event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", shorter, retval=True)
+    try:
+        yield
+    finally:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", shorter)
+
+
 @pytest.mark.slow
 def test_a_trial_ending_while_another_process_locks_the_sqlite_store_gets_everything_afterwards(tmp_path):
     """Item: another process holds the SQLite store locked while a trial ends (each write waits
-    MLflow's 20 s busy timeout, then fails). The trial's writes, its logged model included, are
-    kept; the next process that opens the store sends them."""
+    the busy timeout, then fails). The trial's writes, its logged model included, are kept; the
+    next process that opens the store sends them."""
     from sweeps.tracking.mlflow_tracker import MlflowTracker
 
     store = Store(tmp_path / "store")
@@ -213,9 +233,10 @@ def test_a_trial_ending_while_another_process_locks_the_sqlite_store_gets_everyt
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        result, extras = _train(tracker, run, best)
-        extras.finish(0, {"lr": 0.1}, result)
-        tracker.end_run(run, "FINISHED")
+        with _busy_timeout_ms(500):
+            result, extras = _train(tracker, run, best)
+            extras.finish(0, {"lr": 0.1}, result)
+            tracker.end_run(run, "FINISHED")
         assert tracker.spool.has_pending(run.run_id)
         kinds = [rec[0] for _, rec in tracker.spool.read_pending(run.run_id)[0]]
         assert "lm" in kinds and "in" in kinds and kinds[-1] == "end"
