@@ -229,39 +229,60 @@ def test_a_study_whose_trials_all_fail_exits_non_zero_naming_each_cause(tmp_path
 
 
 @pytest.mark.slow
-def test_a_signal_or_a_sigkill_to_the_driver_alone_mid_trial_stops_it_and_the_study_resumes(tmp_path, backend):
-    """`kill -INT`, `kill -TERM` or `kill -HUP` of the driver (not of its process group) while a
-    trial trains: exit 130, 143 or 129 with the budget unmet, no run RUNNING, no process left; the
-    same command resumes the study, and each signal in turn stops a resumed run mid-trial. Then
-    the driver SIGKILLs itself once a trial has reported (and checkpointed) an epoch: what it
-    started dies with it. The same command then finishes the budget: no run RUNNING, no metric
-    with a repeated step, every completed run FINISHED with all its epochs. One study takes all
-    four stops: each is a driver start, seconds of CPU, more so on Ray. (A SIGKILL in a study's
-    first start: tests/reliability/test_process_faults.py and test_ray_backend.py.)"""
+def test_signals_and_a_sigkill_to_the_driver_alone_stop_it_and_the_study_resumes(tmp_path, backend):
+    """One study takes every stop of its driver (not of its process group), each in a run of the
+    same command, each a driver start (seconds of CPU, more so on Ray):
+
+    * SIGTERM as the driver starts (its study run made; Ray just initialised, with its own exit-15
+      handler): exit 143 saying so, no trial begun, the study run KILLED, never left RUNNING;
+    * `kill -INT`, `kill -TERM` and `kill -HUP` while a trial trains: exit 130, 143 or 129 with
+      the budget unmet, no run RUNNING, no process left; each run resumes the study;
+    * SIGKILL once a trial has reported (and checkpointed) an epoch: what it started dies with it;
+    * SIGTERM as it ends (every trial done, before the summary and the tags): exit 143, the study
+      run KILLED with its summary written;
+
+    then the same command finishes: no run RUNNING, no metric with a repeated step, every completed
+    run FINISHED with all its epochs. (A SIGKILL in a study's first start:
+    tests/reliability/test_process_faults.py and test_ray_backend.py.)"""
     from core.faults import Fault
 
     name = f"signal_{backend}"
     spec_path = _trust_spec(tmp_path, backend, "signal", train={"epochs": 3, "batch_size": 16},
                             budget={"n_trials": 2}, resources={"devices": "cpu", "workers": 1})
-    for signum, fault in ((signal.SIGINT, Fault.DRIVER_SIGINT_MID_TRIAL.value),
-                          (signal.SIGTERM, Fault.DRIVER_SIGTERM_MID_TRIAL.value),
-                          (signal.SIGHUP, Fault.DRIVER_SIGHUP_MID_TRIAL.value)):
-        stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
+
+    def stopped_by(signum: int, fault: Fault) -> list:
+        stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault.value)
         assert stopped.returncode == 128 + signum, stopped.stdout[-3000:] + stopped.stderr[-3000:]
-        assert f"stopped by {signal.Signals(signum).name}" in stopped.stdout
-        assert not _processes_left(backend, tmp_path), "a stopped driver left processes behind"
+        assert f"stopped by {signal.Signals(signum).name}" in stopped.stdout, fault
+        assert not _processes_left(backend, tmp_path), f"a driver stopped at {fault.value} left processes behind"
         parents, children = study_runs(tmp_path, name)
-        assert parents[0].info.status == "KILLED", signum
+        # One study run, reopened by each invocation: KILLED, not left RUNNING.
+        assert [p.info.status for p in parents] == ["KILLED"], fault
+        assert not [c for c in children if c.info.status == "RUNNING"], fault
+        return children
+
+    assert stopped_by(signal.SIGTERM, Fault.DRIVER_SIGTERM_AT_START) == []
+    for signum, fault in ((signal.SIGINT, Fault.DRIVER_SIGINT_MID_TRIAL),
+                          (signal.SIGTERM, Fault.DRIVER_SIGTERM_MID_TRIAL),
+                          (signal.SIGHUP, Fault.DRIVER_SIGHUP_MID_TRIAL)):
+        children = stopped_by(signum, fault)
         assert len([c for c in children if c.data.tags.get("sweeps.state") == "COMPLETE"]) < 2
-        assert not [c for c in children if c.info.status == "RUNNING"]
 
     killed = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=Fault.DRIVER_KILL_MID_TRIAL.value)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
     _after_a_driver_kill(backend, tmp_path)
     assert not _processes_left(backend, tmp_path), "a killed driver left processes behind"
 
+    children = stopped_by(signal.SIGTERM, Fault.DRIVER_SIGTERM_AT_END)
+    assert [c.data.tags["sweeps.state"] for c in children].count("COMPLETE") == 2  # the budget met
+    parents, _ = study_runs(tmp_path, name)
+    # The summary was written before the study run was closed.
+    assert "summary/summary.json" in artifact_paths(mlflow_client(tmp_path), parents[0].info.run_id)
+
     done = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parents, _ = study_runs(tmp_path, name)
+    assert [p.info.status for p in parents] == ["FINISHED"]
     children = _no_run_running_and_no_step_twice(tmp_path, name)
     complete = [c for c in children if c.data.tags["sweeps.state"] == "COMPLETE"]
     assert len(complete) == 2 and all(c.info.status == "FINISHED" for c in complete)
@@ -310,33 +331,3 @@ def test_a_hung_trial_is_failed_by_trial_timeout_with_the_reason_and_not_resumed
     _, after = study_runs(tmp_path, name)
     [still] = [c for c in after if c.info.run_id == failed.info.run_id]
     assert still.info.status == "FAILED" and still.data.tags["sweeps.state"] == "FAIL"
-
-
-@pytest.mark.slow
-def test_a_sigterm_while_the_driver_starts_or_ends_is_a_clean_stop(tmp_path, backend):
-    """SIGTERM outside the trials, first as the driver starts (the study run made, Ray just
-    initialised with its own exit-15 handler), then, in the same command run again, as it ends
-    (every trial done, before the summary and the tags): each time exit 143 saying so, the study
-    run KILLED, never left RUNNING; the same command then finishes the study."""
-    from core.faults import Fault
-
-    name = f"startend_{backend}"
-    spec_path = _trust_spec(tmp_path, backend, "startend", budget={"n_trials": 1},
-                            resources={"devices": "cpu", "workers": 1})
-    for when, fault, states in (("start", Fault.DRIVER_SIGTERM_AT_START.value, []),
-                                ("end", Fault.DRIVER_SIGTERM_AT_END.value, ["COMPLETE"])):
-        stopped = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=fault)
-        assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-3000:] + stopped.stderr[-3000:]
-        assert "stopped by SIGTERM" in stopped.stdout, when
-        parents, children = study_runs(tmp_path, name)
-        # One study run, reopened by each invocation: KILLED, not left RUNNING.
-        assert [p.info.status for p in parents] == ["KILLED"], when
-        assert [c.data.tags["sweeps.state"] for c in children] == states, when
-    # The summary was written before the study run was closed.
-    assert "summary/summary.json" in artifact_paths(mlflow_client(tmp_path), parents[0].info.run_id)
-
-    done = _sweeps(backend)(tmp_path, "run", str(spec_path), "--quiet")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    parents, children = study_runs(tmp_path, name)
-    assert [p.info.status for p in parents] == ["FINISHED"]
-    assert [c.data.tags["sweeps.state"] for c in children] == ["COMPLETE"]
