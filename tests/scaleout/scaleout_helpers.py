@@ -42,6 +42,9 @@ def stop_group(proc: subprocess.Popen, grace: float = 15) -> None:
 # MLflow's SQL store holds up to 5 + 10 connections per server by default; tests on two xdist
 # workers start several servers beside multi-process studies on the one PostgreSQL (100 connections).
 _SMALL_POOL = {"MLFLOW_SQLALCHEMYSTORE_POOL_SIZE": "2", "MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW": "3"}
+# MLflow's job runner is one more process importing MLflow at every server start (about half of a
+# start's CPU), for server-side jobs that sweeps never submits.
+_NO_JOB_RUNNER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def start_mlflow_server(folder: Path, store: str, port: int, *args: str, env: dict | None = None,
@@ -59,9 +62,9 @@ def start_mlflow_server(folder: Path, store: str, port: int, *args: str, env: di
     base_env = {k: v for k, v in os.environ.items()
                 if k != "MLFLOW_TRACKING_URI" and not k.startswith(("MLFLOW_TRACKING_", "MLFLOW_AUTH_"))}
     with open(log, "w") as out:
-        # Its own session: teardown stops the server and the uvicorn / job-runner children it starts.
+        # Its own session: teardown stops the server and the uvicorn children it starts.
         proc = subprocess.Popen(cmd, cwd=folder, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**base_env, **_SMALL_POOL, **(env or {})})
+                                env={**base_env, **_SMALL_POOL, **_NO_JOB_RUNNER, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/health", timeout=timeout, proc=proc, log=log)
