@@ -19,9 +19,8 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sweeps run studies/lr_bs.yaml
 
-# Two test processes (pytest-xdist): many tests wait on subprocesses, signals and timeouts, so
-# one process kept 1.1 of 2 cores busy on average (17 min; 11 to 15.5 min with two).
-# TEST_PROCESSES=0 runs them in one.
+# Two test processes (pytest-xdist): the suite keeps two cores about 93% busy, and a third process
+# is no faster (README gives the figures). TEST_PROCESSES=0 runs them in one.
 TEST_PROCESSES ?= 2
 
 test: $(STAMP)
