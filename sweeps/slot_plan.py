@@ -195,7 +195,7 @@ def threads_setting() -> int | None:
     "4,2" as 4 threads, then 2 in nested regions), or None where it is unset or not a count, as
     torch then ignores it too."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) >= 1 else None
+    return int(first) if first.isdecimal() and int(first) >= 1 else None
 
 
 def auto_cpu_workers(cpu_threads: float) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,11 +52,16 @@ def plan_local_workers(spec: StudySpec) -> list[WorkerSlot]:
         log.info("storage is SQLite: one worker (parallel workers would lock it); the default journal file or "
                  "postgresql://... runs one per core")
     # OMP_NUM_THREADS, where the user sets it, caps each worker's threads as it caps torch's in a
-    # plain script (and Ray's workers): a shared machine, or processes that share the cores.
+    # plain script: a shared machine, or processes that share the cores. (On Ray a trial trains on
+    # the CPUs it reserves.)
     threads, cap = cpu_threads_available(), threads_setting()
     slots = plan_workers(devices, spec.resources.gpus_per_trial, workers, threads, cap)
     if len(slots) > spec.budget.n_trials:  # a worker with no trial to run would only cost memory
         slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.budget.n_trials, threads, cap)
+    share = plan_workers(devices, spec.resources.gpus_per_trial, len(slots), threads)[0].threads
+    if slots[0].threads < share:  # said once: an OMP_NUM_THREADS=1 exported for other jobs slows every trial
+        log.info("OMP_NUM_THREADS=%s: each worker trains on %d CPU thread(s), not its share of %d",
+                 os.environ["OMP_NUM_THREADS"], slots[0].threads, share)
     if len(slots) > 1 and spec.storage_url().startswith("sqlite"):
         raise StudyStateError(
             f"storage: {spec.storage_url()!r} is SQLite, which parallel workers would lock "

@@ -205,7 +205,8 @@ def test_worker_env_leaves_openblas_alone():
     assert plan_workers([], 1, 1, 2)[0].env()["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_a_thread_cap_lowers_each_workers_threads_and_never_their_number():
+def test_a_thread_cap_lowers_each_workers_threads_and_never_their_number(monkeypatch):
+    monkeypatch.setattr(slot_plan, "_workers_memory_holds", lambda: 64)  # memory is not the limit here
     assert [s.threads for s in plan_workers([], 1, 2, 8, max_threads=1)] == [1, 1]
     assert [s.threads for s in plan_workers([], 1, 2, 8, max_threads=16)] == [4, 4]  # a cap, not a count
     assert len(plan_workers([], 1, "auto", 4, max_threads=2)) == 4
@@ -219,7 +220,7 @@ def test_omp_num_threads_is_read_as_openmp_reads_it(value, threads, monkeypatch)
 
 
 @pytest.mark.parametrize("value, threads", [("1", 1), (None, 2)])
-def test_sweeps_run_gives_a_worker_no_more_threads_than_omp_num_threads(value, threads, monkeypatch):
+def test_sweeps_run_gives_a_worker_no_more_threads_than_omp_num_threads(value, threads, monkeypatch, caplog):
     """A user's OMP_NUM_THREADS caps each worker's threads, as it caps torch in a plain script: one
     worker on two cores trains on two threads unless it says 1 (a shared machine, or two test
     processes sharing two cores, whose trials would otherwise run four threads on them)."""
@@ -229,8 +230,12 @@ def test_sweeps_run_gives_a_worker_no_more_threads_than_omp_num_threads(value, t
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", value)
     spec = spec_from_dict(tiny_spec("threads", resources={"workers": 1}))
-    [slot] = plan_local_workers(spec)
+    with caplog.at_level("INFO", logger="sweeps"):
+        [slot] = plan_local_workers(spec)
     assert slot.threads == threads and slot.env()["OMP_NUM_THREADS"] == str(threads)
+    # A cap below the share is said (an OMP_NUM_THREADS=1 exported for other jobs slows every trial).
+    said = "OMP_NUM_THREADS=1: each worker trains on 1 CPU thread(s), not its share of 2"
+    assert (said in caplog.text) == (value is not None), caplog.text
 
 
 def test_plan_workers_default_threads_from_machine():
