@@ -19,8 +19,8 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sweeps run studies/lr_bs.yaml
 
-# Two test processes (pytest-xdist): the suite keeps two cores about 93% busy, and a third process
-# is no faster (README gives the figures). TEST_PROCESSES=0 runs them in one.
+# Two test processes (pytest-xdist): the suite keeps two cores about 93% busy (README gives the
+# figures). TEST_PROCESSES=0 runs them in one.
 TEST_PROCESSES ?= 2
 
 test: $(STAMP)
