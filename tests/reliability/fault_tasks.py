@@ -6,7 +6,6 @@ import signal
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -64,8 +63,20 @@ def _watchdog_clock_ahead() -> None:
     ahead = float(os.environ.get("HANG_CLOCK_AHEAD_S", "0"))
     watchdog = sys.modules.get("sweeps.backends.ray_hang")
     if ahead and watchdog is not None:
-        true_clock = time.monotonic
-        watchdog.time = SimpleNamespace(monotonic=lambda: true_clock() + ahead)
+        watchdog.time = _ClockAhead(ahead)
+
+
+class _ClockAhead:
+    """The :mod:`time` module with ``monotonic`` read ``ahead`` seconds later."""
+
+    def __init__(self, ahead: float) -> None:
+        self.ahead = ahead
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
 
 
 class HangTask(DigitsTask):

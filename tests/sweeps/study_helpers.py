@@ -208,13 +208,15 @@ def silence_heartbeat(study, trial_id: int, seconds: int = 60) -> None:
     assert moved.rowcount == 1, f"trial {trial_id} has no heartbeat to move"
 
 
-
 def silence_worker(study, worker: str) -> None:
     """:func:`silence_heartbeat` for each RUNNING trial that ``worker`` (its ``worker`` user
     attribute) holds: a killed worker's trials then look as stale as they will be once the grace
-    period has passed, and a timer fails them at its next look."""
+    period has passed, and a timer fails them at its next look. A worker with no trial at all is
+    an error (a wrong name would silence nothing, and the test would wait the grace out)."""
     from sweeps.backends import optuna_adapter
 
-    for trial in study.trials:
-        if trial.user_attrs.get("worker") == worker and trial.state.name == "RUNNING":
+    trials = [t for t in study.trials if t.user_attrs.get("worker") == worker]
+    assert trials, f"no trial of the study names worker {worker!r}"
+    for trial in trials:
+        if trial.state.name == "RUNNING":
             silence_heartbeat(study, optuna_adapter.trial_id_of(trial))
