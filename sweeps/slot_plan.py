@@ -242,11 +242,9 @@ def plan_workers(
     gpus_per_trial: float,
     workers_setting: int | str,
     cpu_threads: int | None = None,
-    max_threads: int | None = None,
 ) -> list[WorkerSlot]:
     """Decide how many workers run trials in parallel and what each one owns. Called once
-    per invocation, before the workers start. ``max_threads`` caps each worker's threads
-    (``sweeps run`` passes :func:`threads_setting`: the user's ``OMP_NUM_THREADS``).
+    per invocation, before the workers start.
 
     ``workers: auto`` runs as many trials as fit on the devices, or on CPU one worker per
     two threads (at least one). An explicit count is honoured; on GPU asking for more than
@@ -282,8 +280,6 @@ def plan_workers(
     # would otherwise start one thread per core); with more workers than threads the
     # floor of 1 is the least oversubscription possible.
     per_worker = max(1, threads_total // n)
-    if max_threads is not None:
-        per_worker = max(1, min(per_worker, max_threads))
     return [WorkerSlot(i, _worker_devices(devices, k, slots, i), per_worker) for i in range(n)]
 
 

@@ -7,6 +7,7 @@ owns their lifecycles, signals, hung trials and the timeout, and draws the live 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -51,17 +52,17 @@ def plan_local_workers(spec: StudySpec) -> list[WorkerSlot]:
         workers = 1  # what fits: parallel workers would lock SQLite; an explicit count > 1 is refused below
         log.info("storage is SQLite: one worker (parallel workers would lock it); the default journal file or "
                  "postgresql://... runs one per core")
-    # OMP_NUM_THREADS, where the user sets it, caps each worker's threads as it caps torch's in a
-    # plain script: a shared machine, or processes that share the cores. (On Ray a trial trains on
-    # the CPUs it reserves.)
-    threads, cap = cpu_threads_available(), threads_setting()
-    slots = plan_workers(devices, spec.resources.gpus_per_trial, workers, threads, cap)
+    slots = plan_workers(devices, spec.resources.gpus_per_trial, workers, cpu_threads_available())
     if len(slots) > spec.budget.n_trials:  # a worker with no trial to run would only cost memory
-        slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.budget.n_trials, threads, cap)
-    share = plan_workers(devices, spec.resources.gpus_per_trial, len(slots), threads)[0].threads
-    if slots[0].threads < share:  # said once: an OMP_NUM_THREADS=1 exported for other jobs slows every trial
+        slots = plan_workers(devices, spec.resources.gpus_per_trial, spec.budget.n_trials, cpu_threads_available())
+    # OMP_NUM_THREADS, where the user sets it, caps each worker's threads as it caps torch's in a
+    # plain script: a shared machine, or processes that share the cores. Said, since one exported for
+    # other jobs (OMP_NUM_THREADS=1) slows every trial. (On Ray a trial trains on the CPUs it reserves.)
+    cap = threads_setting()
+    if cap is not None and cap < slots[0].threads:
         log.info("OMP_NUM_THREADS=%s: each worker trains on %d CPU thread(s), not its share of %d",
-                 os.environ["OMP_NUM_THREADS"], slots[0].threads, share)
+                 os.environ["OMP_NUM_THREADS"], cap, slots[0].threads)
+        slots = [dataclasses.replace(slot, threads=cap) for slot in slots]
     if len(slots) > 1 and spec.storage_url().startswith("sqlite"):
         raise StudyStateError(
             f"storage: {spec.storage_url()!r} is SQLite, which parallel workers would lock "

@@ -205,13 +205,6 @@ def test_worker_env_leaves_openblas_alone():
     assert plan_workers([], 1, 1, 2)[0].env()["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_a_thread_cap_lowers_each_workers_threads_and_never_their_number(monkeypatch):
-    monkeypatch.setattr(slot_plan, "_workers_memory_holds", lambda: 64)  # memory is not the limit here
-    assert [s.threads for s in plan_workers([], 1, 2, 8, max_threads=1)] == [1, 1]
-    assert [s.threads for s in plan_workers([], 1, 2, 8, max_threads=16)] == [4, 4]  # a cap, not a count
-    assert len(plan_workers([], 1, "auto", 4, max_threads=2)) == 4
-
-
 @pytest.mark.parametrize("value, threads", [("3", 3), (" 2 ", 2), ("4,2", 4), ("", None), ("0", None),
                                             ("-1", None), ("many", None)])
 def test_omp_num_threads_is_read_as_openmp_reads_it(value, threads, monkeypatch):
@@ -219,23 +212,26 @@ def test_omp_num_threads_is_read_as_openmp_reads_it(value, threads, monkeypatch)
     assert slot_plan.threads_setting() == threads
 
 
-@pytest.mark.parametrize("value, threads", [("1", 1), (None, 2)])
-def test_sweeps_run_gives_a_worker_no_more_threads_than_omp_num_threads(value, threads, monkeypatch, caplog):
-    """A user's OMP_NUM_THREADS caps each worker's threads, as it caps torch in a plain script: one
-    worker on two cores trains on two threads unless it says 1 (a shared machine, or two test
-    processes sharing two cores, whose trials would otherwise run four threads on them)."""
-    monkeypatch.setattr(optuna_backend, "cpu_threads_available", lambda: 2)
+@pytest.mark.parametrize("value, workers, threads", [("1", 1, [1]), (None, 1, [8]), ("16", 1, [8]),
+                                                     ("1", 2, [1, 1]), ("2", 2, [2, 2]), ("4", 2, [4, 4])])
+def test_sweeps_run_gives_a_worker_no_more_threads_than_omp_num_threads(value, workers, threads, monkeypatch,
+                                                                         caplog):
+    """A user's OMP_NUM_THREADS caps each worker's threads, never their number, as it caps torch in
+    a plain script: one worker on eight cores trains on eight threads unless it says fewer (a shared
+    machine, or two test processes sharing the cores, whose trials would otherwise run twice the
+    threads there are cores)."""
+    monkeypatch.setattr(optuna_backend, "cpu_threads_available", lambda: 8)
     if value is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", value)
-    spec = spec_from_dict(tiny_spec("threads", resources={"workers": 1}))
+    spec = spec_from_dict(tiny_spec("threads", resources={"workers": workers}))
     with caplog.at_level("INFO", logger="sweeps"):
-        [slot] = plan_local_workers(spec)
-    assert slot.threads == threads and slot.env()["OMP_NUM_THREADS"] == str(threads)
+        slots = plan_local_workers(spec)
+    assert [s.threads for s in slots] == threads and slots[0].env()["OMP_NUM_THREADS"] == str(threads[0])
     # A cap below the share is said (an OMP_NUM_THREADS=1 exported for other jobs slows every trial).
-    said = "OMP_NUM_THREADS=1: each worker trains on 1 CPU thread(s), not its share of 2"
-    assert (said in caplog.text) == (value is not None), caplog.text
+    said = f"OMP_NUM_THREADS={value}: each worker trains on {threads[0]} CPU thread(s), not its share of"
+    assert (said in caplog.text) == (threads[0] < 8 // workers), caplog.text
 
 
 def test_plan_workers_default_threads_from_machine():
