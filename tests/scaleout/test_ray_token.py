@@ -1,9 +1,11 @@
 """Ray 2.60 token authentication as docker-compose.yml and docs/SCALE_OUT.md set it up
 (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN in the environment of the head, of every node and of every
 driver): a driver or node without the token cannot join the head; with it, a second node joins
-and a `sweeps run` study runs its trials on both nodes."""
+and a `sweeps run` study runs its trials on both nodes: a PBT study, whose exploits move
+checkpoints between trials and so between nodes."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.scaleout.scaleout_helpers import stop_group, wait_for
-from tests.sweeps.backends.conftest import kill_ray_processes, study_runs, write_spec
+from tests.sweeps.backends.conftest import kill_ray_processes, mlflow_client, study_runs, write_spec
 from tests.sweeps.study_helpers import ROOT
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1200)]
 
+EPOCHS = 4
 TOKEN = "test-token-0123456789abcdef"
 TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
 # A driver the head refuses retries for about 20 s (one try a second) before ray.init gives up;
@@ -94,12 +97,18 @@ def test_a_token_head_refuses_drivers_without_the_token(token_head):
     assert "JOINED" not in wrong, wrong[-2000:]
 
 
-def test_a_second_node_with_the_token_joins_and_a_study_runs_on_both(tmp_path, token_head):
+def test_a_second_node_with_the_token_joins_and_a_pbt_study_runs_on_both(tmp_path, token_head):
+    """The study joins the cluster by address and runs PBT: each trial keeps one MLflow run, and an
+    exploited trial trains on at its new lr (the checkpoint it copied may come from the other node)."""
     port, home, _ = token_head
     address = f"127.0.0.1:{port}"
 
     def sweeps_run(folder: Path, **env: str) -> subprocess.CompletedProcess:
-        spec = write_spec(folder, name="token", backend="ray", budget={"n_trials": 2, "max_failures": 1},
+        spec = write_spec(folder, name="token", backend="ray", train={"epochs": EPOCHS},
+                          search={"lr": {"type": "float", "low": 1.0e-4, "high": 0.5, "log": True},
+                                  "momentum": {"type": "float", "low": 0.5, "high": 0.95}},
+                          pruner={"name": "pbt", "perturbation_interval": 1},
+                          budget={"n_trials": 4, "max_failures": 1},
                           resources={"devices": "cpu", "workers": 2, "cpus_per_trial": 1, "ray_address": address})
         return subprocess.run([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--quiet"], cwd=folder,
                               capture_output=True, text=True, timeout=900, env=clean_env(home, **env))
@@ -129,7 +138,23 @@ def test_a_second_node_with_the_token_joins_and_a_study_runs_on_both(tmp_path, t
     # The study the refused driver opened, run again with the token: one study run, not two.
     assert [p.info.run_id for p in parents] == [refused_parent], [(p.info.run_id, p.info.status) for p in parents]
     assert parents[0].info.status == "FINISHED"
-    assert sorted(int(r.data.tags["sweeps.trial_number"]) for r in trials) == [0, 1], out
+    runs = {int(r.data.tags["sweeps.trial_number"]): r for r in trials}
+    assert sorted(runs) == [0, 1, 2, 3], out
     assert all(r.info.status == "FINISHED" and r.data.tags["sweeps.state"] == "COMPLETE" for r in trials), out
     nodes = {r.data.tags["sweeps.ray_node"].rsplit("/", 1)[-1] for r in trials}
-    assert len(nodes) == 2, nodes  # one trial on the head, one on the node that joined with the token
+    assert len(nodes) == 2, nodes  # trials on the head and on the node that joined with the token
+    client = mlflow_client(tmp_path)
+    for run in runs.values():
+        if "sweeps.pbt_params" not in run.data.tags:
+            continue  # never exploited another trial's checkpoint
+        new_lr = json.loads(run.data.tags["sweeps.pbt_params"])["lr"]
+        assert 1.0e-4 <= new_lr <= 0.5  # explore stays inside the search bounds
+        history = sorted(client.get_metric_history(run.info.run_id, "lr"), key=lambda m: m.step)
+        if history[-1].step < EPOCHS:
+            # It exploited a trial that had already finished (trials 2 and 3 start once 0 and 1
+            # are done): the donor's final checkpoint leaves no epoch to train at the new lr.
+            donor = runs[int(run.data.tags["sweeps.pbt_from"])]
+            assert max(m.step for m in client.get_metric_history(donor.info.run_id, "lr")) == EPOCHS
+            continue
+        lrs = [m.value for m in history]
+        assert lrs[-1] == pytest.approx(new_lr) or new_lr in [pytest.approx(x) for x in lrs]

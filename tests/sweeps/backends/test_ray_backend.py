@@ -1,7 +1,8 @@
 """The Ray Tune backend: unit tests of its pieces, then real studies on a local Ray
 (ASHA pruning, a failing trial retried then failed, a driver killed with SIGKILL and
-restored, and a two-node cluster). Every Ray process a test starts is killed by pid at
-the end (see the ``ray_tmp`` fixture); Ray runs with at most 2 CPUs."""
+restored; a PBT study on a two-node cluster is in tests/scaleout/test_ray_token.py). Every Ray
+process a test starts is killed by pid at the end (see the ``ray_tmp`` fixture); Ray runs with at
+most 2 CPUs."""
 from __future__ import annotations
 
 import json
@@ -291,45 +292,3 @@ def test_killed_or_timed_out_driver_resumes_without_rerunning_finished_trials(tm
         assert [m.step for m in mlflow_client(tmp_path).get_metric_history(c.info.run_id, "val_acc")][-1] == epochs
         if c.info.run_id in finished:  # finished before the kill: not run again
             assert c.info.end_time == finished[c.info.run_id]
-
-
-@pytest.mark.slow
-def test_pbt_study_scales_out_to_a_two_node_cluster(tmp_path, ray_tmp):
-    """A study joins a running two-node cluster by address and its trials run on both
-    nodes. It runs PBT, whose exploits move checkpoints between trials (and nodes): each
-    trial still has one MLflow run, and an exploited trial trains on at its new lr."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        spec_path = write_spec(
-            tmp_path, name="scaleout", backend="ray", train={"epochs": 4},
-            search={"lr": {"type": "float", "low": 1.0e-4, "high": 0.5, "log": True},
-                    "momentum": {"type": "float", "low": 0.5, "high": 0.95}},
-            pruner={"name": "pbt", "perturbation_interval": 1}, budget={"n_trials": 4},
-            resources={"devices": "cpu", "workers": 2, "cpus_per_trial": 1, "ray_address": cluster.address})
-        proc = run_cli(tmp_path, "run", str(spec_path), "--quiet")
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    finally:
-        cluster.shutdown()
-    runs = _children_by_number(tmp_path, "scaleout")
-    assert sorted(runs) == [0, 1, 2, 3], proc.stdout
-    assert all(r.info.status == "FINISHED" and r.data.tags["sweeps.state"] == "COMPLETE" for r in runs.values())
-    nodes = {r.data.tags["sweeps.ray_node"].rsplit("/", 1)[-1] for r in runs.values()}
-    assert len(nodes) == 2, nodes  # trials ran on both nodes
-    client = mlflow_client(tmp_path)
-    for run in runs.values():
-        if "sweeps.pbt_params" in run.data.tags:  # exploited another trial's checkpoint
-            new_lr = json.loads(run.data.tags["sweeps.pbt_params"])["lr"]
-            assert 1.0e-4 <= new_lr <= 0.5  # explore stays inside the search bounds
-            history = sorted(client.get_metric_history(run.info.run_id, "lr"), key=lambda m: m.step)
-            if history[-1].step < 4:
-                # It exploited a trial that had already finished (trials 2 and 3 start once 0 and 1
-                # are done): the donor's final checkpoint leaves no epoch to train at the new lr.
-                donor = runs[int(run.data.tags["sweeps.pbt_from"])]
-                assert max(m.step for m in client.get_metric_history(donor.info.run_id, "lr")) == 4
-                continue
-            lrs = [m.value for m in history]
-            assert lrs[-1] == pytest.approx(new_lr) or new_lr in [pytest.approx(x) for x in lrs]
