@@ -1,8 +1,8 @@
 """Pieces of the Ray backend's trust (issue 30) that the shared contract suite
 (test_backend_contract.py, which runs the whole-study cases on both backends) does not show
 alone: a continued run logs no step twice, the hang watchdog records its reason before it
-kills, and a study name reused after its Ray folder was deleted never touches the old
-study's runs or folders."""
+kills, a driver stopped by SIGTERM leaves no process behind, and a study name reused after its
+Ray folder was deleted never touches the old study's runs or folders."""
 from __future__ import annotations
 
 import signal
@@ -81,37 +81,18 @@ def test_the_hang_watchdog_records_the_reason_then_kills_its_process(tmp_path):
 
 # ---- whole studies --------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_study_name_reused_after_its_ray_folder_was_deleted_is_a_new_study(tmp_path, ray_tmp):
-    """runs/ray/<study> deleted, the same spec run again: a new parent run and new trial runs;
-    the old trial folders' files are moved aside, not overwritten."""
-    import shutil
-
-    spec_path = _ray_spec(tmp_path, "reused", budget={"n_trials": 1}, resources={"devices": "cpu", "workers": 1})
-    first = run_cli(tmp_path, "run", str(spec_path), "--quiet")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    folder = tmp_path / "runs" / "reused" / "trial-0000"
-    old_best = (folder / "best.pt").read_bytes()
-    shutil.rmtree(tmp_path / "runs" / "ray" / "reused")
-
-    second = run_cli(tmp_path, "run", str(spec_path), "--quiet")
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    parents, children = study_runs(tmp_path, "reused")
-    assert len(parents) == 2 and len(children) == 2
-    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {p.info.run_id for p in parents}
-    uids = {p.data.tags.get("sweeps.study_uid") for p in parents}
-    assert len(uids) == 2 and None not in uids
-    moved = list((tmp_path / "runs" / "reused" / "moved-aside").rglob("best.pt"))
-    assert [p.read_bytes() for p in moved] == [old_best]
-
-
-@pytest.mark.slow
-def test_a_driver_stopped_by_sigterm_leaves_no_process_behind_not_even_a_zombie(tmp_path, ray_tmp):
+def test_a_driver_stopped_by_sigterm_leaves_no_process_behind_then_its_name_reused_is_a_new_study(
+        tmp_path, ray_tmp):
     """Under a reaping parent (a child subreaper, as an init would be), the driver stopped by
     SIGTERM mid-trial hands it nothing: its Ray processes have ended and been reaped by the
     driver, none left as a zombie for a pid 1 that does not reap. (A SIGKILLed driver cannot
     reap: the processes its guardian kills go to pid 1, which must reap them: compose's
-    services run with `init: true`.)"""
+    services run with `init: true`.)
+
+    Then runs/ray/<study> is deleted and the same spec run again: a new study, with a new parent
+    run and new trial runs; the old trial folder's files are moved aside, not overwritten."""
     import json
+    import shutil
 
     from core.faults import Fault
     from tests.sweeps.study_helpers import sweeps_env
@@ -125,3 +106,15 @@ def test_a_driver_stopped_by_sigterm_leaves_no_process_behind_not_even_a_zombie(
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["code"] == 128 + signal.SIGTERM, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["left"] == [], report
+
+    old_best = (tmp_path / "runs" / "reaped" / "trial-0000" / "best.pt").read_bytes()  # its first epoch's
+    shutil.rmtree(tmp_path / "runs" / "ray" / "reaped")
+    again = run_cli(tmp_path, "run", str(spec_path), "--quiet")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    parents, children = study_runs(tmp_path, "reaped")
+    assert len(parents) == 2 and len(children) == 2
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {p.info.run_id for p in parents}
+    uids = {p.data.tags.get("sweeps.study_uid") for p in parents}
+    assert len(uids) == 2 and None not in uids
+    moved = list((tmp_path / "runs" / "reaped" / "moved-aside").rglob("best.pt"))
+    assert [p.read_bytes() for p in moved] == [old_best]
