@@ -68,7 +68,7 @@ def _spec(target: str | None = None):
 
 
 def _run(spec, tmp_path):
-    # Each member's notes in the order said, with how many training steps its run had recorded then.
+    # Each member's notes in the order said, each with how many training steps its run had recorded then.
     tracker, notes = RunsTracker(), {}
     trials = [TrialSpec(n, {"lr": lr}, tmp_path / f"trial-{n:04d}", RunHandle("study", "0", "study"), "optuna",
                         owner=f"uid:trial-{n:04d}") for n, lr in enumerate([0.001, 0.01, 0.05])]
@@ -78,11 +78,16 @@ def _run(spec, tmp_path):
         notes.setdefault(k, []).append((note, len(steps)))
 
     outcomes = run_population(spec, trials, [TrialControl() for _ in trials], tracker, on_pack=said)
-    return tracker, {k: [note for note, _ in said_notes] for k, said_notes in notes.items()}, notes, outcomes
+    return tracker, notes, outcomes
+
+
+def _texts(notes: dict) -> dict:
+    return {k: [note for note, _ in said] for k, said in notes.items()}
 
 
 def test_members_are_whole_trials_in_their_own_runs(tmp_path):
-    tracker, notes, points, outcomes = _run(_spec(), tmp_path)
+    tracker, points, outcomes = _run(_spec(), tmp_path)
+    notes = _texts(points)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     # Said before training, then with how the members run (the diabetes MLP as one grouped model),
     # both before the first step.
@@ -108,7 +113,7 @@ def test_the_datasets_are_described_once_and_logged_to_every_members_run(tmp_pat
     real = DiabetesTask.describe_dataset
     monkeypatch.setattr(DiabetesTask, "describe_dataset",
                         lambda self, ds, split: described.append(split) or real(self, ds, split))
-    tracker, _, _, outcomes = _run(_spec(), tmp_path)
+    tracker, _, outcomes = _run(_spec(), tmp_path)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     assert described == ["train", "val"]  # once for the population, not once per member
     inputs = [tracker.runs[f"trial-{n}"].tags["datasets"] for n in range(3)]
@@ -117,7 +122,8 @@ def test_the_datasets_are_described_once_and_logged_to_every_members_run(tmp_pat
 
 
 def test_a_model_vmap_refuses_trains_its_members_one_by_one(tmp_path):
-    tracker, notes, _, outcomes = _run(_spec(f"{__name__}:BranchingDiabetes"), tmp_path)
+    tracker, points, outcomes = _run(_spec(f"{__name__}:BranchingDiabetes"), tmp_path)
+    notes = _texts(points)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     for n in range(3):
         note = notes[n][-1]  # after "packed with trials ...", said before the probe refuses them
@@ -126,7 +132,8 @@ def test_a_model_vmap_refuses_trains_its_members_one_by_one(tmp_path):
 
 
 def test_members_the_grouped_model_cannot_hold_say_they_run_under_vmap(tmp_path):
-    tracker, notes, _, outcomes = _run(_spec(f"{__name__}:LayerNormDiabetes"), tmp_path)
+    tracker, points, outcomes = _run(_spec(f"{__name__}:LayerNormDiabetes"), tmp_path)
+    notes = _texts(points)
     assert [o.state for o in outcomes] == ["COMPLETE"] * 3
     assert notes[0] == ["packed with trials 1, 2", "packed with trials 1, 2 (vmap)"]
     assert tracker.runs["trial-0"].tags[TAG_PACK] == "packed with trials 1, 2 (vmap)"
