@@ -56,9 +56,12 @@ def _is_xdist_controller(config) -> bool:
 
 
 NOT_FAST = ("slow", "ray", "browser", "postgres", "slurm")  # the markers `make test-fast` deselects
+# What MLflow (its default artifact root, ./mlruns) and sweeps (runs/) create in the working folder:
+# a test that lets one through writes into the checkout, where later runs and `git status` find it.
+CHECKOUT_STRAYS = ("mlruns", "runs")
 # What a study start looks like on a command line: the CLI's `run`, or a local Optuna worker.
 _STUDY_MODULES = ("sweeps.backends.optuna_worker",)
-_current: dict[str, Any] = {"item": None, "starts": []}
+_current: dict[str, Any] = {"item": None, "starts": [], "strays": set()}
 
 
 def _starts_a_study(argv: list[str]) -> bool:
@@ -90,10 +93,14 @@ def _watch_study_processes(event: str, args: tuple) -> None:
         _current["starts"].append(" ".join(argv)[:300])
 
 
+def _strays() -> set[str]:
+    return {name for name in CHECKOUT_STRAYS if (ROOT / name).exists()}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     fast = not any(item.get_closest_marker(name) for name in NOT_FAST)
-    _current["item"], _current["starts"] = (item if fast else None), []
+    _current["item"], _current["starts"], _current["strays"] = (item if fast else None), [], _strays()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -107,6 +114,13 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (
             f"{item.nodeid} started a study ({_current['starts'][0]}) but is in the fast tier "
             f"(`make test-fast`): mark it (or its module) @pytest.mark.slow")
+    new = _strays() - _current["strays"] if call.when == "call" else set()
+    if new and report.passed:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{', '.join(sorted(new))} appeared in the checkout ({ROOT}) while {item.nodeid} ran (it, or the "
+            "test beside it in the other test process, wrote there): give trackers a spool and an artifact "
+            "root under tmp_path, or run the test in a tmp folder (the in_tmp fixture)")
 
 
 def pytest_configure(config):

@@ -15,7 +15,8 @@ from tests.sweeps.study_helpers import migrated_store
 def test_diverged_json_and_the_reason_land_in_the_trials_run(tmp_path):
     from sweeps.tracking import MlflowTracker, TrackingReader
 
-    tracker = MlflowTracker(migrated_store(tmp_path))
+    # Spool and artifacts under tmp_path: MLflow's default artifact root is ./mlruns of the working folder.
+    tracker = MlflowTracker(migrated_store(tmp_path), spool_dir=tmp_path / "spool", artifact_root=tmp_path / "art")
     run = tracker.start_run("trial-0000", experiment="t")
     reporter = trial.TrialReporter(tracker, run, "val_acc", TrialControl())
     result = train(_NanBackward(), fast_config(epochs=1, detect_anomaly=True), reporter=reporter,

@@ -50,7 +50,8 @@ def test_a_resumed_run_logs_the_checkpoints_curves_only_into_a_fresh_run(tmp_pat
     and must not get them again, nor a donor's. Either way the pruner is not asked again."""
     from sweeps.tracking import MlflowTracker, TrackingReader
 
-    tracker = MlflowTracker(migrated_store(tmp_path))
+    # Spool and artifacts under tmp_path: MLflow's default artifact root is ./mlruns of the working folder.
+    tracker = MlflowTracker(migrated_store(tmp_path), spool_dir=tmp_path / "spool", artifact_root=tmp_path / "art")
     run = tracker.start_run("trial-0000", experiment="t")
     asked: list[int] = []
     control = TrialControl(should_prune=lambda epoch, value: asked.append(epoch) or False)
