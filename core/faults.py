@@ -64,6 +64,9 @@ class Fault(_Point):
                              "the driver sends itself SIGTERM once every trial is done, before the summary")
     DRIVER_SIGINT_AT_HANDOVER = ("driver_sigint_at_handover",
                                  "the Optuna driver sends itself SIGINT right before its supervisor takes the signals")
+    DRIVER_KILL_AFTER_TRIAL = ("driver_kill_after_trial",
+                               "the Ray driver SIGKILLs itself as Ray tells it a trial completed, before Ray's "
+                               "experiment snapshot may hold it")
 
 
 class Pause(_Point):
@@ -81,7 +84,8 @@ _SIGNAL_OF: dict[Fault, int] = {
     Fault.DRIVER_SIGINT_MID_TRIAL: signal.SIGINT, Fault.DRIVER_SIGTERM_MID_TRIAL: signal.SIGTERM,
     Fault.DRIVER_SIGHUP_MID_TRIAL: signal.SIGHUP, Fault.DRIVER_KILL_MID_TRIAL: signal.SIGKILL,
     Fault.DRIVER_HANGUP_MID_TRIAL: signal.SIGHUP, Fault.DRIVER_SIGTERM_AT_START: signal.SIGTERM,
-    Fault.DRIVER_SIGTERM_AT_END: signal.SIGTERM, Fault.DRIVER_SIGINT_AT_HANDOVER: signal.SIGINT}
+    Fault.DRIVER_SIGTERM_AT_END: signal.SIGTERM, Fault.DRIVER_SIGINT_AT_HANDOVER: signal.SIGINT,
+    Fault.DRIVER_KILL_AFTER_TRIAL: signal.SIGKILL}
 MID_TRIAL = frozenset({Fault.DRIVER_SIGINT_MID_TRIAL, Fault.DRIVER_SIGTERM_MID_TRIAL, Fault.DRIVER_SIGHUP_MID_TRIAL,
                        Fault.DRIVER_KILL_MID_TRIAL, Fault.DRIVER_HANGUP_MID_TRIAL})
 _TO_GROUP = frozenset({Fault.DRIVER_HANGUP_MID_TRIAL})

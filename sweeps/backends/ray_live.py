@@ -52,6 +52,7 @@ class DriverCallback(_Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._finished(trials, trial, "TERMINATED")
+        faults.signal_here(faults.Fault.DRIVER_KILL_AFTER_TRIAL)
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self._finished(trials, trial, "ERROR")

@@ -6,15 +6,13 @@ most 2 CPUs."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.sweeps.backends.conftest import kill_ray_processes, mlflow_client, run_cli, start_cli, study_runs, write_spec
+from tests.sweeps.backends.conftest import kill_ray_processes, mlflow_client, run_cli, study_runs, write_spec
 
 pytestmark = pytest.mark.ray
 
@@ -227,47 +225,30 @@ def test_failing_trial_is_retried_then_failed_while_others_complete(tmp_path, ra
     assert status.returncode == 0 and "always fails" in status.stdout, status.stdout + status.stderr
 
 
-def _finished_trial_runs(db: Path) -> dict[str, int]:
-    """FINISHED trial runs -> end time, read with plain SQL (an MlflowClient would try to
-    migrate a database the driver may still be creating)."""
-    import sqlite3
-
-    if not db.exists():
-        return {}
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
-            rows = conn.execute("SELECT r.run_uuid, r.end_time FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-                                "WHERE r.status = 'FINISHED' AND t.key = 'sweeps.role' AND t.value = 'trial'")
-            return dict(rows.fetchall())
-    except sqlite3.Error:
-        return {}
+def _finished_trial_runs(cwd: Path) -> dict[str, int]:
+    """FINISHED trial runs -> end time."""
+    _, children = study_runs(cwd, "killed")
+    return {c.info.run_id: c.info.end_time for c in children if c.info.status == "FINISHED"}
 
 
 @pytest.mark.slow
 def test_killed_or_timed_out_driver_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
-    """SIGKILL after a trial finished, then a run stopped by budget.timeout, then a run to
-    the end: every trial has one MLflow run, FINISHED, and those finished before the kill
-    were not run again."""
+    """SIGKILL as Ray reports the first trial complete (before its experiment snapshot may hold
+    it), then a run stopped by budget.timeout, then a run to the end: every trial has one MLflow
+    run, FINISHED, and those finished before the kill were not run again."""
     import yaml
 
+    from core.faults import Fault
+
     n_trials, epochs = 4, 3
-    spec_path = write_spec(tmp_path, name="killed", backend="ray", train={"epochs": epochs, "batch_size": 16},
-                           budget={"n_trials": n_trials}, resources={"devices": "cpu", "workers": 1})
-    driver = start_cli(tmp_path, "run", str(spec_path), "--quiet", log=tmp_path / "first.log")
-    deadline = time.monotonic() + 180
-    finished: dict[str, int] = {}
-    while time.monotonic() < deadline and driver.poll() is None:
-        finished = _finished_trial_runs(tmp_path / "runs" / "mlflow.db")
-        if finished:
-            break
-        time.sleep(0.3)
-    assert finished, (tmp_path / "first.log").read_text()[-3000:]
-    assert driver.poll() is None, "the study ended before the driver could be killed"
-    os.kill(driver.pid, signal.SIGKILL)
-    driver.wait(timeout=30)
+    spec_path = write_spec(tmp_path, name="killed", train={"epochs": epochs, "batch_size": 16},
+                           budget={"n_trials": n_trials}, resources={"devices": "cpu", "workers": 1}, backend="ray")
+    killed = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=Fault.DRIVER_KILL_AFTER_TRIAL.value)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
+    finished = _finished_trial_runs(tmp_path)
+    assert len(finished) == 1, finished  # the trial Ray had just reported complete
     # The killed driver's Ray processes (raylet, GCS, workers) share its fate; whatever
     # survives it is killed here, by pid, as `ray stop --force` would (only this instance).
-    time.sleep(2)
     kill_ray_processes(ray_tmp)
 
     # budget.timeout stops this invocation the resumable way (exit 0, says how to go on)
