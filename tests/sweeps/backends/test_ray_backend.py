@@ -225,12 +225,6 @@ def test_failing_trial_is_retried_then_failed_while_others_complete(tmp_path, ra
     assert status.returncode == 0 and "always fails" in status.stdout, status.stdout + status.stderr
 
 
-def _finished_trial_runs(cwd: Path) -> dict[str, int]:
-    """FINISHED trial runs -> end time."""
-    _, children = study_runs(cwd, "killed")
-    return {c.info.run_id: c.info.end_time for c in children if c.info.status == "FINISHED"}
-
-
 @pytest.mark.slow
 def test_killed_or_timed_out_driver_resumes_without_rerunning_finished_trials(tmp_path, ray_tmp):
     """SIGKILL as Ray reports the first trial complete (before its experiment snapshot may hold
@@ -241,12 +235,14 @@ def test_killed_or_timed_out_driver_resumes_without_rerunning_finished_trials(tm
     from core.faults import Fault
 
     n_trials, epochs = 4, 3
-    spec_path = write_spec(tmp_path, name="killed", train={"epochs": epochs, "batch_size": 16},
-                           budget={"n_trials": n_trials}, resources={"devices": "cpu", "workers": 1}, backend="ray")
+    spec_path = write_spec(tmp_path, name="killed", backend="ray", train={"epochs": epochs, "batch_size": 16},
+                           budget={"n_trials": n_trials}, resources={"devices": "cpu", "workers": 1})
     killed = run_cli(tmp_path, "run", str(spec_path), "--quiet", SWEEPS_FAULT=Fault.DRIVER_KILL_AFTER_TRIAL.value)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:] + killed.stderr[-3000:]
-    finished = _finished_trial_runs(tmp_path)
-    assert len(finished) == 1, finished  # the trial Ray had just reported complete
+    # The trial Ray had just reported complete, by run id: its end time.
+    finished = {c.info.run_id: c.info.end_time for c in study_runs(tmp_path, "killed")[1]
+                if c.info.status == "FINISHED"}
+    assert len(finished) == 1, finished
     # The killed driver's Ray processes (raylet, GCS, workers) share its fate; whatever
     # survives it is killed here, by pid, as `ray stop --force` would (only this instance).
     kill_ray_processes(ray_tmp)
