@@ -20,6 +20,7 @@ from sweeps.tracking.base import RunHandle
 
 PruneFn = Callable[[int, float], bool]
 ENV_HOLD_TRIAL = "SWEEPS_HOLD_TRIAL"  # tests: see TrialControl.hold_if_asked
+ENV_HOLD_MID_TRIAL = "SWEEPS_HOLD_MID_TRIAL"  # tests: see TrialControl.hold_mid_trial
 
 
 class TrialInterrupted(BaseException):
@@ -94,11 +95,17 @@ class TrialControl:
         """For tests: with ``SWEEPS_HOLD_TRIAL=<file>``, the trial waits at its start, marking
         progress as a long step would, until that file exists (or a stop is asked). A test holds a
         worker busy this way for exactly as long as it needs, whatever the speed."""
-        gate = os.environ.get(ENV_HOLD_TRIAL, "")
-        while gate and not os.path.exists(gate) and not self.stop.wait(0.5):
-            self.heartbeat()
+        self._hold_until(os.environ.get(ENV_HOLD_TRIAL, ""))
 
     def hold_mid_trial(self) -> None:
         """Once the trial has reported an epoch: a mid-trial driver fault waits here for the stop
-        the driver's signal brings (``core.faults``), so it never races the trial's end."""
+        the driver's signal brings (``core.faults``), so it never races the trial's end. For tests,
+        with ``SWEEPS_HOLD_MID_TRIAL=<file>`` the trial waits here (beating) until that file exists
+        or a stop is asked: a signal from outside the study (a SLURM preemption) then always meets
+        a trial mid-training, however fast the trial would have finished."""
         faults.hold_mid_trial(self.stop)
+        self._hold_until(os.environ.get(ENV_HOLD_MID_TRIAL, ""))
+
+    def _hold_until(self, gate: str) -> None:
+        while gate and not os.path.exists(gate) and not self.stop.wait(0.5):
+            self.heartbeat()

@@ -5,9 +5,9 @@ munge) through ``sweeps slurm``: a 2-task job array on PostgreSQL storage, one t
 requeued task starts again, takes the requeued trial and resumes it from its checkpoint; the study
 completes with every trial once and nothing RUNNING.
 
-Every trial first waits at its start (``SWEEPS_HOLD_TRIAL``) until a trial runs in each task; then
-task 1 is preempted once its trial has reported (and checkpointed) the first of its many epochs, so
-the signal comes mid-training whatever the machine's speed."""
+Every trial first waits at its start (``SWEEPS_HOLD_TRIAL``) until a trial runs in each task, and
+then after its first reported (and checkpointed) epoch (``SWEEPS_HOLD_MID_TRIAL``) until task 1 has
+been preempted: the signal meets a trial mid-training whatever the machine's speed."""
 from __future__ import annotations
 
 import os
@@ -70,11 +70,11 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
     storage = fresh_db()
     n_trials = 4
     tracking = f"sqlite:///{tmp_path}/runs/mlflow.db"
-    # Many short epochs: a trial that has reported one still has most of its training ahead.
     spec = write_spec(tmp_path, name="slurmy", storage=storage, budget={"n_trials": n_trials, "max_failures": 3},
-                      tracking={"uri": tracking}, train={"epochs": 60})
-    gate = tmp_path / "release-trials"
-    env = {**slurm_env, "SWEEPS_HOLD_TRIAL": str(gate), "OMP_NUM_THREADS": "1"}
+                      tracking={"uri": tracking}, train={"epochs": 3})
+    gate, mid_gate = tmp_path / "release-trials", tmp_path / "release-after-an-epoch"
+    env = {**slurm_env, "SWEEPS_HOLD_TRIAL": str(gate), "SWEEPS_HOLD_MID_TRIAL": str(mid_gate),
+           "OMP_NUM_THREADS": "1"}
     proc = run_cli(tmp_path, "slurm", str(spec), "--array", "2", "--cpus-per-task", "1", "--grace", "30",
                    timeout=300, **env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -83,8 +83,8 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
         wait_for(lambda: len(running_trials(storage)) == 2, timeout=600, every=0.5,
                  what="a trial running in each array task")
         gate.write_text("go")
-        # Preempt task 1 once its trial has reported (and checkpointed) an epoch of its many.
-        wait_for(lambda: task1_trial_reported(storage, tracking), timeout=600, every=0.2,
+        # Preempt task 1 once its trial has reported (and checkpointed) an epoch: it waits there.
+        wait_for(lambda: task1_trial_reported(storage, tracking), timeout=600, every=0.5,
                  what="task 1's trial to report an epoch")
         slurm(slurm_env, "scancel", "--batch", "--signal=TERM", f"{job}_1")
         wait_for(lambda: task_state(slurm_env, job, 1) != "RUNNING", timeout=300, every=0.5,
@@ -94,6 +94,7 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
         stopped = failed[0]
         assert stopped.user_attrs.get("interrupted") is True, stopped.user_attrs
         assert (tmp_path / stopped.user_attrs["out_dir"] / "last.pt").is_file()  # the task ran in tmp_path
+        mid_gate.write_text("go")
         slurm(slurm_env, "scontrol", "requeue", f"{job}_1")
         wait_for(lambda: not slurm(slurm_env, "squeue", "-h", "-j", job).strip(), timeout=1200, every=1,
                  what="the job array to finish")

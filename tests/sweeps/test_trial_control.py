@@ -11,7 +11,7 @@ import pytest
 from sweeps.spec.load import spec_from_dict
 from sweeps.tracking.base import RunHandle, Tracker
 from sweeps.trial import TrialSpec, run_trial
-from sweeps.trial_control import ENV_HOLD_TRIAL, StopRequest, TrialControl, TrialInterrupted
+from sweeps.trial_control import ENV_HOLD_MID_TRIAL, ENV_HOLD_TRIAL, StopRequest, TrialControl, TrialInterrupted
 from tests.memory_tracker import MemoryTracker
 
 
@@ -42,7 +42,8 @@ def test_a_stop_from_another_thread_never_raises_and_a_stopped_trial_does_not_se
     assert err.value.signum == 0
 
 
-def test_the_hold_waits_for_its_gate_beating_and_gives_way_to_a_stop(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["start", "mid_trial"])
+def test_the_hold_waits_for_its_gate_beating_and_gives_way_to_a_stop(tmp_path, monkeypatch, where):
     gate = tmp_path / "gate"
     beats: list[int] = []
 
@@ -50,13 +51,15 @@ def test_the_hold_waits_for_its_gate_beating_and_gives_way_to_a_stop(tmp_path, m
         beats.append(1)
         gate.touch()
 
-    monkeypatch.setenv(ENV_HOLD_TRIAL, str(gate))
-    TrialControl(heartbeat=beat).hold_if_asked()
+    env, hold = {"start": (ENV_HOLD_TRIAL, TrialControl.hold_if_asked),
+                 "mid_trial": (ENV_HOLD_MID_TRIAL, TrialControl.hold_mid_trial)}[where]
+    monkeypatch.setenv(env, str(gate))
+    hold(TrialControl(heartbeat=beat))
     assert beats == [1]
     gate.unlink()
     stopped = TrialControl(heartbeat=lambda: beats.append(2))
     stopped.stop.request()
-    stopped.hold_if_asked()  # the gate is closed, but a stop is asked: no wait, no beat
+    hold(stopped)  # the gate is closed, but a stop is asked: no wait, no beat
     assert beats == [1]
 
 
