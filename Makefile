@@ -22,9 +22,13 @@ run: $(STAMP)
 # Two test processes (pytest-xdist): the suite keeps two cores about 93% busy (README gives the
 # figures). TEST_PROCESSES=0 runs them in one.
 TEST_PROCESSES ?= 2
+# pytest keeps each test module's assertion-rewritten bytecode in __pycache__ (git ignores it), so
+# a later run's test processes load it instead of rewriting every module again; an environment
+# with PYTHONDONTWRITEBYTECODE set would forbid that, so the test targets clear it.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist worksteal
+	$(PYTEST) -n $(TEST_PROCESSES) --dist worksteal
 
 # The fast tier: everything but the tests marked slow (studies through `sweeps run`, other heavy
 # subprocesses), ray, browser (Chromium), postgres or slurm; about 2 CPU-minutes of test processes
@@ -33,7 +37,7 @@ test: $(STAMP)
 FAST_TIER := not slow and not ray and not browser and not postgres and not slurm
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist worksteal -m "$(FAST_TIER)"
+	$(PYTEST) -n $(TEST_PROCESSES) --dist worksteal -m "$(FAST_TIER)"
 
 # Static checks: ruff (rules in pyproject.toml [tool.ruff]), mypy ([tool.mypy]: core, sweeps,
 # dashboards) and import-linter's contracts ([tool.importlinter]: the layers, the backends apart).
