@@ -19,19 +19,20 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sweeps run studies/lr_bs.yaml
 
-# Two test processes (pytest-xdist): the suite keeps two cores about 93% busy (README gives the
+# Two test processes (pytest-xdist): the suite keeps two cores over 90% busy (README gives the
 # figures). TEST_PROCESSES=0 runs them in one.
 TEST_PROCESSES ?= 2
 # pytest keeps each test module's assertion-rewritten bytecode in __pycache__ (git ignores it), so
 # a later run's test processes load it instead of rewriting every module again; an environment
-# with PYTHONDONTWRITEBYTECODE set would forbid that, so the test targets clear it.
+# with PYTHONDONTWRITEBYTECODE set would forbid that, so the test targets clear it (for the
+# processes the tests start too, which keep the project's bytecode there as well).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 test: $(STAMP)
 	$(PYTEST) -n $(TEST_PROCESSES) --dist worksteal
 
 # The fast tier: everything but the tests marked slow (studies through `sweeps run`, other heavy
-# subprocesses), ray, browser (Chromium), postgres or slurm; about 2 CPU-minutes of test processes
+# subprocesses), ray, browser (Chromium), postgres or slurm; about 1.5 CPU-minutes of test processes
 # (README gives the measured figure). A test of this tier that starts a study fails and asks for
 # the slow marker (tests/conftest.py).
 FAST_TIER := not slow and not ray and not browser and not postgres and not slurm

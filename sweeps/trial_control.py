@@ -98,11 +98,12 @@ class TrialControl:
         self._hold_until(os.environ.get(ENV_HOLD_TRIAL, ""))
 
     def hold_mid_trial(self) -> None:
-        """Once the trial has reported an epoch: a mid-trial driver fault waits here for the stop
-        the driver's signal brings (``core.faults``), so it never races the trial's end. For tests,
-        with ``SWEEPS_HOLD_MID_TRIAL=<file>`` the trial waits here (beating) until that file exists
-        or a stop is asked: a signal from outside the study (a SLURM preemption) then always meets
-        a trial mid-training, however fast the trial would have finished."""
+        """Called by Optuna's workers after each epoch a single-objective trial reports (and has
+        checkpointed); Ray's trials and multi-objective ones never wait here. A mid-trial driver
+        fault waits here for the stop the driver's signal brings (``core.faults``), so it never
+        races the trial's end. For tests, with ``SWEEPS_HOLD_MID_TRIAL=<file>`` the trial waits
+        here (beating) until that file exists or a stop is asked: a signal from outside the study
+        (a SLURM preemption) then always meets a trial mid-training, however fast it would end."""
         faults.hold_mid_trial(self.stop)
         self._hold_until(os.environ.get(ENV_HOLD_MID_TRIAL, ""))
 

@@ -6,8 +6,9 @@ requeued task starts again, takes the requeued trial and resumes it from its che
 completes with every trial once and nothing RUNNING.
 
 Every trial first waits at its start (``SWEEPS_HOLD_TRIAL``) until a trial runs in each task, and
-then after its first reported (and checkpointed) epoch (``SWEEPS_HOLD_MID_TRIAL``) until task 1 has
-been preempted: the signal meets a trial mid-training whatever the machine's speed."""
+then after each reported (and checkpointed) epoch (``SWEEPS_HOLD_MID_TRIAL``) until the requeued task
+1 has taken the stopped trial's retry: the signal meets a trial mid-training whatever the machine's
+speed, and task 0, still held, cannot take the retry first."""
 from __future__ import annotations
 
 import os
@@ -94,8 +95,12 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
         stopped = failed[0]
         assert stopped.user_attrs.get("interrupted") is True, stopped.user_attrs
         assert (tmp_path / stopped.user_attrs["out_dir"] / "last.pt").is_file()  # the task ran in tmp_path
-        mid_gate.write_text("go")
         slurm(slurm_env, "scontrol", "requeue", f"{job}_1")
+        # Task 0's trial is still held, so the requeued task 1 is the worker that takes the retry.
+        wait_for(lambda: any(t.state.name == "RUNNING" and t.system_attrs.get("failed_trial") == stopped.number
+                             for t in pg_study(storage, "slurmy").trials), timeout=600, every=0.5,
+                 what="the requeued task to take the stopped trial's retry")
+        mid_gate.write_text("go")
         wait_for(lambda: not slurm(slurm_env, "squeue", "-h", "-j", job).strip(), timeout=1200, every=1,
                  what="the job array to finish")
     finally:
@@ -122,6 +127,7 @@ def test_a_preempted_array_task_checkpoints_requeues_and_resumes(tmp_path, fresh
     client = MlflowClient(tracking)
     run = client.get_run(retry.user_attrs["mlflow_run_id"])
     assert int(run.data.tags.get("sweeps.resumed_from_step", 0)) >= 1, run.data.tags  # from the checkpoint
+    assert run.data.tags["sweeps.worker_slot"] == "1", run.data.tags  # by the requeued task
     trial_runs = client.search_runs([run.info.experiment_id], "tags.`sweeps.role` = 'trial'", max_results=100)
     assert sorted(r.info.status for r in trial_runs).count("RUNNING") == 0
     assert len({r.data.tags.get("sweeps.optuna_trial_id") for r in trial_runs}) == len(trial_runs)
