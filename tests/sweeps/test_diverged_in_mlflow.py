@@ -9,15 +9,13 @@ from sweeps import trial
 from sweeps.trial_control import TrialControl
 from tests.core.helpers import fast_config
 from tests.core.test_forensics import _NanBackward
-from tests.sweeps.study_helpers import migrated_store
 
 
-def test_diverged_json_and_the_reason_land_in_the_trials_run(tmp_path):
-    from sweeps.tracking import MlflowTracker, TrackingReader
+def test_diverged_json_and_the_reason_land_in_the_trials_run(tmp_path, store, make_tracker):
+    from sweeps.tracking import TrackingReader
 
-    # Spool and artifacts under tmp_path: MLflow's default artifact root is ./mlruns of the working folder.
-    tracker = MlflowTracker(migrated_store(tmp_path), spool_dir=tmp_path / "spool", artifact_root=tmp_path / "art")
-    run = tracker.start_run("trial-0000", experiment="t")
+    tracker = make_tracker()
+    run = tracker.start_run("trial-0000", experiment=store.experiment_name())
     reporter = trial.TrialReporter(tracker, run, "val_acc", TrialControl())
     result = train(_NanBackward(), fast_config(epochs=1, detect_anomaly=True), reporter=reporter,
                    out_dir=tmp_path / "trial")

@@ -8,7 +8,6 @@ import pytest
 from sweeps import trial
 from sweeps.spec.load import spec_from_dict
 from sweeps.trial_control import TrialControl
-from tests.sweeps.study_helpers import migrated_store
 
 BASE = {
     "name": "t",
@@ -44,15 +43,15 @@ def test_cpu_devices_and_gpu_shares_stay_single_process(monkeypatch):
 
 
 @pytest.mark.parametrize("continued", [False, True])
-def test_a_resumed_run_logs_the_checkpoints_curves_only_into_a_fresh_run(tmp_path, continued):
+def test_a_resumed_run_logs_the_checkpoints_curves_only_into_a_fresh_run(tmp_path, continued, store,
+                                                                        make_tracker):
     """A retry in a new run gets the checkpoint's points; a run that continues (a Ray trial
     started again, a PBT exploit of another trial's checkpoint) already holds its own points
     and must not get them again, nor a donor's. Either way the pruner is not asked again."""
-    from sweeps.tracking import MlflowTracker, TrackingReader
+    from sweeps.tracking import TrackingReader
 
-    # Spool and artifacts under tmp_path: MLflow's default artifact root is ./mlruns of the working folder.
-    tracker = MlflowTracker(migrated_store(tmp_path), spool_dir=tmp_path / "spool", artifact_root=tmp_path / "art")
-    run = tracker.start_run("trial-0000", experiment="t")
+    tracker = make_tracker()
+    run = tracker.start_run("trial-0000", experiment=store.experiment_name())
     asked: list[int] = []
     control = TrialControl(should_prune=lambda epoch, value: asked.append(epoch) or False)
     reporter = trial.TrialReporter(tracker, run, "val_acc", control, logged_up_to={} if continued else None)

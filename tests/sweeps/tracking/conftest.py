@@ -1,6 +1,6 @@
-"""Fixtures for the tracking tests: a real MLflow store (sqlite + file artifacts), a
-counting wrapper around the real client, and a real ``mlflow server`` that a test can
-stop and start again. No mocks of MlflowClient."""
+"""Fixtures for the tracking tests: a counting wrapper around the real client, and a real
+``mlflow server`` that a test can stop and start again (the shared store and ``make_tracker``
+are tests/sweeps/conftest.py's). No mocks of MlflowClient."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,9 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-
-from tests.sweeps.study_helpers import migrated_store
 
 FAST_HTTP_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
@@ -27,22 +24,6 @@ def pick_free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Store:
-    """One sqlite tracking store with a file artifact root, shared by the session
-    (creating the schema takes seconds); each test uses its own experiment."""
-
-    def __init__(self, root: Path) -> None:
-        from mlflow.tracking import MlflowClient
-
-        self.root = root
-        self.uri = migrated_store(root)  # the schema already made: a fresh store per test costs no migration
-        self.artifact_root = root / "artifacts"
-        self.client = MlflowClient(tracking_uri=self.uri)
-
-    def experiment_name(self) -> str:
-        return f"exp-{uuid.uuid4().hex[:10]}"
 
 
 class CountingClient:
@@ -126,29 +107,11 @@ class MlflowServer:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
-def store(tmp_path_factory) -> Store:
-    return Store(tmp_path_factory.mktemp("mlflow-store"))
-
-
 @pytest.fixture
 def fast_http_env(monkeypatch) -> None:
     """What MlflowTracker sets for http URIs, set through monkeypatch so it is undone."""
     for name, value in FAST_HTTP_ENV.items():
         monkeypatch.setenv(name, value)
-
-
-@pytest.fixture
-def make_tracker(store, tmp_path):
-    """Build an MlflowTracker on the shared store with its spool under tmp_path."""
-    from sweeps.tracking.mlflow_tracker import MlflowTracker
-
-    def make(uri: str | None = None, client=None, **kwargs) -> MlflowTracker:
-        kwargs.setdefault("spool_dir", tmp_path / "spool")
-        kwargs.setdefault("artifact_root", store.artifact_root)
-        return MlflowTracker(uri or store.uri, client=client, **kwargs)
-
-    return make
 
 
 @pytest.fixture(params=["mlflow"])

@@ -22,8 +22,9 @@ from sweeps.tracking.send import drain
 from sweeps.tracking.spool import Spool
 from sweeps.tracking.trial_extras import TrialExtras
 from sweeps.tracking.trial_model import MODEL_TYPE, TAG_MODEL_ID
+from tests.sweeps.conftest import Store
 
-from .conftest import CountingClient, Store
+from .conftest import CountingClient
 
 
 class _Task:
