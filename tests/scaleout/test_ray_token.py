@@ -157,4 +157,4 @@ def test_a_second_node_with_the_token_joins_and_a_pbt_study_runs_on_both(tmp_pat
             assert max(m.step for m in client.get_metric_history(donor.info.run_id, "lr")) == EPOCHS
             continue
         lrs = [m.value for m in history]
-        assert lrs[-1] == pytest.approx(new_lr) or new_lr in [pytest.approx(x) for x in lrs]
+        assert new_lr in [pytest.approx(x) for x in lrs]  # it trained at its new lr
